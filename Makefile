@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch: an unpinned `torch` pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m mindformers_py demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(PY) benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

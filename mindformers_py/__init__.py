@@ -1,0 +1,21 @@
+"""mindformers_py: HuggingFace-compatible transformer models with a Trainer and configuration-driven parallelism.
+
+Importing the package registers our model types with transformers' Auto classes.
+"""
+
+from transformers import AutoTokenizer
+
+from . import models  # noqa: F401  (registers the families)
+from .models import gpt  # noqa: F401
+from .auto import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from .convert import convert_checkpoint
+from .errors import CheckpointError, ConfigError, MindFormersError
+from .models.gpt import GPTConfig, GPTForCausalLM, GPTForSequenceClassification, GPTModel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
+    "convert_checkpoint", "GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification",
+    "MindFormersError", "ConfigError", "CheckpointError",
+]

@@ -1,0 +1,105 @@
+"""Multi-head / grouped-query attention on ``scaled_dot_product_attention`` with transformers' ``Cache`` API.
+
+Parallel-aware by construction: projections are separate ``q_proj``/``k_proj``/``v_proj`` (declared
+``colwise``) and ``o_proj`` (``rowwise``), and every shape is computed from the *local* tensor
+(``view(b, t, -1, head_dim)``), so when tensor parallelism shards the projections across ranks each rank simply
+sees fewer heads and the same code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .embedding import apply_rotary
+
+
+class Attention(nn.Module):
+    """Self-attention: causal (decoders) or bidirectional (encoders), MHA or GQA, optional rotary positions.
+
+    Args:
+        hidden_size: model width (input and output size).
+        num_heads: query heads.
+        num_kv_heads: key/value heads (``num_heads`` for MHA, fewer for GQA, 1 for MQA).
+        head_dim: size of each head.
+        qkv_bias: biases on the q/k/v projections (GPT-2, Qwen2, BERT).
+        out_bias: bias on the output projection (GPT-2, BERT).
+        dropout: dropout on attention probabilities during training.
+        is_causal: decoder (True) or encoder (False) attention.
+        layer_idx: index of this layer in the KV cache.
+        scale: softmax scale; ``None`` means ``1/sqrt(head_dim)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        dropout: float = 0.0,
+        is_causal: bool = True,
+        layer_idx: int = 0,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.dropout = dropout
+        self.scale = scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=out_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values=None,
+    ) -> torch.Tensor:
+        """``hidden_states`` (B, T, C) -> (B, T, C).
+
+        ``attention_mask`` is the boolean (B, 1, T, S) mask from :func:`build_attention_mask` or ``None``;
+        ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache``.
+        """
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            q, k = apply_rotary(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        y = attention_core(
+            q, k, v, attention_mask,
+            is_causal=self.is_causal and attention_mask is None and t > 1,
+            dropout=self.dropout if self.training else 0.0,
+            scale=self.scale,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads.
+
+    A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # (B, nkv, S, hs) -> (B, nh, S, hs)
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale)

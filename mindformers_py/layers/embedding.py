@@ -1,0 +1,79 @@
+"""Position encodings: learned absolute positions (GPT-2, BERT, ViT) and rotary embeddings (Llama family).
+
+Token embeddings are plain ``nn.Embedding`` modules owned by each model; their tensor-parallel style
+(``embedding_rowwise``, i.e. vocabulary-sharded) is declared in the model's plan, not here.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class LearnedPositionEmbedding(nn.Embedding):
+    """Absolute positions looked up in a learned table of ``max_positions`` rows."""
+
+    def __init__(self, max_positions: int, hidden_size: int) -> None:
+        super().__init__(max_positions, hidden_size)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        return super().forward(position_ids)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE): returns ``(cos, sin)`` for given positions.
+
+    ``rope_parameters`` follows transformers' format (``{"rope_type": "default", "rope_theta": 10000.0, ...}``);
+    scaled variants (``linear``, ``llama3``, ``yarn``, ...) reuse transformers' ``ROPE_INIT_FUNCTIONS`` so
+    checkpoints converted from HF get the very same frequencies. The frequencies depend only on the head size,
+    so tensor-parallel sharding of heads leaves them unchanged.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.rope_type = self.rope_parameters.get("rope_type", "default")
+        inv_freq, self.attention_scaling = self.compute_inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies for this module's rope type (also used to re-initialise after meta-device init)."""
+        if self.rope_type == "default":
+            theta = float(self.rope_parameters.get("rope_theta", 10000.0))
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            return 1.0 / (theta**exponents), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        # The HF functions read a config object; give them the few fields they look at.
+        cfg = SimpleNamespace(
+            rope_parameters=self.rope_parameters,
+            head_dim=self.head_dim,
+            hidden_size=self.head_dim,
+            num_attention_heads=1,
+            max_position_embeddings=self.max_positions,
+            partial_rotary_factor=1.0,
+        )
+        return ROPE_INIT_FUNCTIONS[self.rope_type](cfg, None)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids`` (B, T) -> ``cos``, ``sin`` of shape (B, T, head_dim) in ``dtype``."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` and ``k`` of shape (B, nh, T, hs) by ``cos``/``sin`` of shape (B, T, hs)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,61 @@
+"""Attention masks: one boolean mask per forward pass, shared by all layers.
+
+``None`` means "no mask needed": the attention layer then lets SDPA apply causality itself
+(``is_causal=True``), which is the fast path for unpadded training batches and single-token decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None,
+    *,
+    query_length: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    past_length: int = 0,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask of shape (B or 1, 1, query_length, kv_length), True where a query may attend.
+
+    Args:
+        attention_mask: HF padding mask (B, S) with 1 for real tokens (S covers past + current tokens; a shorter
+            mask, as with a preallocated cache, is padded as "not a token"), or a ready 4D mask, or None.
+        query_length: number of new tokens in this forward pass.
+        kv_length: number of key/value slots the layers will see (past + new, or a static cache's size).
+        kv_offset: absolute position of key slot 0 (non-zero only for sliding-window caches).
+        past_length: tokens already in the cache; query i sits at absolute position ``past_length + i``.
+        causal: decoder self-attention (True) or bidirectional (False).
+        sliding_window: keys further back than this many positions are hidden (Mistral/Qwen2 style).
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask.bool() if attention_mask.dtype != torch.bool else attention_mask
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    fills_kv = past_length + query_length == kv_length and kv_offset == 0
+    if not padded and sliding_window is None and fills_kv:
+        if not causal or query_length == 1 or past_length == 0:
+            return None  # SDPA's own is_causal (or nothing, for one query) is exact here
+    if attention_mask is not None:
+        device = attention_mask.device
+    q_pos = torch.arange(query_length, device=device) + past_length  # (q,)
+    k_pos = torch.arange(kv_length, device=device) + kv_offset  # (kv,)
+    allowed = torch.ones(query_length, kv_length, dtype=torch.bool, device=device)
+    if causal:
+        allowed = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    mask = allowed[None, None]  # (1, 1, q, kv)
+    if padded:
+        keep = attention_mask.bool()
+        if keep.shape[-1] < kv_length + kv_offset:
+            keep = torch.nn.functional.pad(keep, (0, kv_length + kv_offset - keep.shape[-1]), value=False)
+        keep = keep[:, kv_offset : kv_offset + kv_length]
+        # A left-padding query row would otherwise see no key at all and SDPA would return NaN; letting it see
+        # itself keeps the numbers finite (its output is never used).
+        own = k_pos[None, :] == q_pos[:, None]
+        mask = (mask & keep[:, None, None, :]) | own[None, None]
+    return mask

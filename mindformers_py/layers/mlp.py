@@ -1,0 +1,31 @@
+"""Feed-forward blocks: the classic two-layer MLP (GPT-2, BERT, ViT) and the gated SwiGLU MLP (Llama family).
+
+Tensor parallel: ``gate_proj``/``up_proj`` are ``colwise``, ``down_proj`` ``rowwise``; the elementwise work in
+between is local to each shard, so no communication happens inside the block. MoE experts reuse this class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ..errors import check_choice
+
+
+class MLP(nn.Module):
+    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when ``gated`` (SwiGLU with ``act="silu"``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "gelu_new", gated: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        check_choice("hidden_act", act, sorted(ACT2FN.keys()))
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        return self.down_proj(h)

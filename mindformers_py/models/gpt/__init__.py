@@ -1,0 +1,24 @@
+"""GPT family (GPT-2 and Llama flavours)."""
+
+from .configuration_gpt import GPTConfig
+from .modeling_gpt import GPTForCausalLM, GPTForSequenceClassification, GPTModel, GPTPreTrainedModel
+from .presets import GPT_PRESETS
+
+__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTPreTrainedModel", "GPT_PRESETS"]
+
+from .. import registry as _registry
+from . import convert_gpt as _convert
+
+_HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_SEQ_CLS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
+               "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}
+_HF_BASE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+
+_registry.register_family(_registry.Family(
+    name="gpt",
+    config_class=GPTConfig,
+    model_classes={"base": GPTModel, "causal_lm": GPTForCausalLM, "sequence_classification": GPTForSequenceClassification},
+    presets=GPT_PRESETS,
+    converter=_convert,
+    hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get},
+))

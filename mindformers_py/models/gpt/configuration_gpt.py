@@ -1,0 +1,159 @@
+"""GPTConfig: one decoder-only family in two flavours, GPT-2 style and Llama style, chosen by config."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+
+from ...errors import ConfigError, check_choice
+
+# Defaults that differ between the flavours. A field left as None takes its flavour's value, so
+# `GPTConfig(flavour="llama", attention_bias=True)` is a Qwen2-like model and explicit values always win.
+FLAVOURS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(
+        position_embedding_type="learned", norm_type="layernorm", norm_eps=1e-5, norm_bias=True, hidden_act="gelu_new",
+        gated_mlp=False, attention_bias=True, attention_out_bias=True, mlp_bias=True, tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        position_embedding_type="rope", norm_type="rmsnorm", norm_eps=1e-6, norm_bias=False, hidden_act="silu",
+        gated_mlp=True, attention_bias=False, attention_out_bias=False, mlp_bias=False, tie_word_embeddings=False,
+    ),
+}
+POSITION_EMBEDDING_TYPES = ("learned", "rope")
+
+
+class GPTConfig(PretrainedConfig):
+    """Configuration of :class:`GPTModel` and its heads (a transformers ``PretrainedConfig``).
+
+    ``GPTConfig(flavour="gpt2", ...)`` gives learned positions, LayerNorm, GELU, biases and tied embeddings;
+    ``GPTConfig(flavour="llama", ...)`` gives RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases and an
+    untied head. MindFormers-style names (``num_layers``, ``num_heads``, ``seq_length``, ...) are accepted as
+    aliases of the HF names.
+    """
+
+    model_type = "mindformers_gpt"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map: ClassVar[dict[str, str]] = {
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "n_kv_heads": "num_key_value_heads",
+        "seq_length": "max_position_embeddings",
+        "ffn_hidden_size": "intermediate_size",
+    }
+    # How tensor parallelism shards each layer (HF's plan vocabulary, applied by mindformers_py.parallel).
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # How pipeline parallelism cuts the base model: module name -> (inputs, outputs).
+    base_model_pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "embed_positions": (["position_ids"], ["position_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    flavour: str = "gpt2"
+    """Architecture preset filling the fields left as None: ``"gpt2"`` or ``"llama"``."""
+    vocab_size: int = 50257
+    """Number of token ids."""
+    hidden_size: int = 768
+    """Model width."""
+    num_hidden_layers: int = 12
+    """Number of transformer layers."""
+    num_attention_heads: int = 12
+    """Query heads per layer."""
+    num_key_value_heads: int | None = None
+    """Key/value heads per layer (grouped-query attention); None means one per query head."""
+    head_dim: int | None = None
+    """Size of one attention head; None means ``hidden_size // num_attention_heads``."""
+    intermediate_size: int | None = None
+    """MLP hidden size; None means 4·hidden (gpt2) or Llama's rounded 8/3·hidden (llama)."""
+    max_position_embeddings: int = 1024
+    """Longest sequence (context length) the model accepts."""
+    position_embedding_type: str | None = None
+    """``"learned"`` absolute positions or ``"rope"`` rotary positions."""
+    rope_parameters: dict | None = None
+    """RoPE settings in transformers' format, e.g. ``{"rope_type": "default", "rope_theta": 10000.0}``."""
+    norm_type: str | None = None
+    """``"layernorm"`` or ``"rmsnorm"``."""
+    norm_eps: float | None = None
+    """Epsilon of the norms."""
+    norm_bias: bool | None = None
+    """Whether LayerNorm has a bias (ignored by RMSNorm)."""
+    hidden_act: str | None = None
+    """MLP activation (a transformers ACT2FN name: ``gelu_new``, ``gelu``, ``silu``, ...)."""
+    gated_mlp: bool | None = None
+    """Gated MLP (SwiGLU with ``silu``) instead of the two-layer MLP."""
+    attention_bias: bool | None = None
+    """Biases on the q/k/v projections (GPT-2, Qwen2)."""
+    attention_out_bias: bool | None = None
+    """Bias on the attention output projection (GPT-2)."""
+    mlp_bias: bool | None = None
+    """Biases in the MLP projections."""
+    tie_word_embeddings: bool | None = None
+    """Share the LM head weight with the token embedding."""
+    sliding_window: int | None = None
+    """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
+    embedding_dropout: float = 0.0
+    """Dropout after the embeddings."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on each residual branch."""
+    initializer_range: float = 0.02
+    """Std of the normal weight init (output projections are scaled by 1/sqrt(2·layers), as GPT-2/Megatron)."""
+    use_cache: bool = True
+    """Return a KV cache from forward passes (generation)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token id(s)."""
+    pad_token_id: int | None = None
+    """Padding token id (used by sequence classification to find the last real token)."""
+    hf_architecture: str | None = None
+    """The HF ``model_type`` this config was converted from (``gpt2``, ``llama``, ``mistral``, ``qwen2``); export
+    goes back to it. None means: pick from the flavour."""
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        check_choice("flavour", self.flavour, FLAVOURS)
+        for name, value in FLAVOURS[self.flavour].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
+                    "set head_dim explicitly or choose divisible sizes"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.intermediate_size is None:
+            self.intermediate_size = _default_intermediate_size(self.hidden_size, bool(self.gated_mlp))
+        if self.position_embedding_type == "rope":
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(self.rope_parameters or {})}
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        super().__post_init__(**kwargs)
+
+
+def _default_intermediate_size(hidden_size: int, gated: bool) -> int:
+    if not gated:
+        return 4 * hidden_size
+    # SwiGLU keeps the parameter count of a 4·h MLP: 2/3 · 4h, rounded up to a multiple of 256 (Llama).
+    return 256 * ((int(8 * hidden_size / 3) + 255) // 256)

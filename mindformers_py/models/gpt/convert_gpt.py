@@ -1,0 +1,212 @@
+"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral and Qwen2 checkpoints.
+
+Our module names follow Llama's, so Llama-like checkpoints map almost one to one; GPT-2's fused, transposed
+``Conv1D`` q/k/v projection is split into ``q_proj``/``k_proj``/``v_proj`` (and fused back on export).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError, MindFormersError
+from .configuration_gpt import GPTConfig
+
+SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+# Config fields copied as-is between our config and Llama-like HF configs.
+_LLAMA_LIKE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+    "tie_word_embeddings", "rope_parameters", "attention_dropout",
+)
+_SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+# --------------------------------------------------------------------------- configs
+def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
+    """Our :class:`GPTConfig` for an HF ``config.json`` dict of a supported architecture."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_HF_TYPES:
+        raise ConfigError(f"model_type={kind!r} is not a supported HF architecture for the GPT family; supported: {', '.join(SUPPORTED_HF_TYPES)}")
+    if kind == "gpt2":
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or hf.get("add_cross_attention"):
+            raise ConfigError("gpt2 checkpoints with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or add_cross_attention are not supported")
+        n_embd = hf.get("n_embd", 768)
+        return GPTConfig(
+            flavour="gpt2", hf_architecture="gpt2", vocab_size=hf.get("vocab_size", 50257), hidden_size=n_embd,
+            num_hidden_layers=hf.get("n_layer", 12), num_attention_heads=hf.get("n_head", 12),
+            intermediate_size=hf.get("n_inner") or 4 * n_embd, max_position_embeddings=hf.get("n_positions", 1024),
+            hidden_act=hf.get("activation_function", "gelu_new"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            embedding_dropout=hf.get("embd_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+            hidden_dropout=hf.get("resid_pdrop", 0.1), initializer_range=hf.get("initializer_range", 0.02),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            **{k: hf.get(k) for k in _SPECIAL_TOKEN_FIELDS},
+        )
+    kwargs = {k: hf[k] for k in _LLAMA_LIKE_FIELDS if hf.get(k) is not None}
+    kwargs["norm_eps"] = hf.get("rms_norm_eps", 1e-6)
+    kwargs["hidden_act"] = hf.get("hidden_act", "silu")
+    if kwargs.get("rope_parameters") is None:  # configs written before transformers 5
+        rope = dict(hf.get("rope_scaling") or {"rope_type": "default"})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
+        kwargs["rope_parameters"] = rope
+    if kind == "llama":
+        kwargs["attention_bias"] = kwargs["attention_out_bias"] = hf.get("attention_bias", False)
+        kwargs["mlp_bias"] = hf.get("mlp_bias", False)
+    elif kind == "qwen2":
+        kwargs["attention_bias"] = True
+        if hf.get("use_sliding_window"):
+            if hf.get("max_window_layers", 0) < hf.get("num_hidden_layers", 0):
+                raise ConfigError("qwen2 checkpoints mixing sliding-window and full-attention layers are not supported (use_sliding_window=true)")
+            kwargs["sliding_window"] = hf.get("sliding_window")
+    else:  # mistral
+        kwargs["sliding_window"] = hf.get("sliding_window")
+    return GPTConfig(flavour="llama", hf_architecture=kind, **kwargs)
+
+
+def hf_type_for(config: GPTConfig) -> str:
+    """The HF architecture a config exports to: where it came from, else the closest one by its features."""
+    if config.hf_architecture:
+        return config.hf_architecture
+    if config.flavour == "gpt2":
+        return "gpt2"
+    if config.attention_bias and not config.attention_out_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window else "llama"
+
+
+def config_to_hf(config: GPTConfig):
+    """A transformers config object (``GPT2Config``, ``LlamaConfig``, ...) equivalent to ``config``."""
+    import transformers
+
+    kind = hf_type_for(config)
+    _check_exportable(config, kind)
+    tokens = {k: getattr(config, k) for k in _SPECIAL_TOKEN_FIELDS}
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
+            n_head=config.num_attention_heads, n_inner=config.intermediate_size, n_positions=config.max_position_embeddings,
+            activation_function=config.hidden_act, layer_norm_epsilon=config.norm_eps, embd_pdrop=config.embedding_dropout,
+            attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
+            tie_word_embeddings=config.tie_word_embeddings, **tokens,
+        )
+    kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
+    kwargs.update(rms_norm_eps=config.norm_eps, hidden_act=config.hidden_act)
+    if kind == "llama":
+        return transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **kwargs)
+    if kind == "qwen2":
+        kwargs.pop("head_dim")
+        return transformers.Qwen2Config(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
+                                        max_window_layers=config.num_hidden_layers, **kwargs)
+    return transformers.MistralConfig(sliding_window=config.sliding_window, **kwargs)
+
+
+def _check_exportable(config: GPTConfig, kind: str) -> None:
+    """Refuse exports the target HF class could not represent (rather than writing a silently different model)."""
+    wanted = {
+        "gpt2": dict(position_embedding_type="learned", norm_type="layernorm", gated_mlp=False, attention_bias=True,
+                     attention_out_bias=True, mlp_bias=True, norm_bias=True, sliding_window=None,
+                     num_key_value_heads=config.num_attention_heads, head_dim=config.hidden_size // config.num_attention_heads),
+        "llama": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=config.attention_bias, sliding_window=None),
+        "mistral": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=False, attention_out_bias=False, mlp_bias=False),
+        "qwen2": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=True, attention_out_bias=False,
+                      mlp_bias=False, head_dim=config.hidden_size // config.num_attention_heads),
+    }[kind]
+    for field, value in wanted.items():
+        if getattr(config, field) != value:
+            raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")
+
+
+# --------------------------------------------------------------------------- weights
+_GPT2_RENAMES = [  # (HF GPT-2 pattern, ours); {i} is the layer index
+    ("wte.weight", "model.embed_tokens.weight"),
+    ("wpe.weight", "model.embed_positions.weight"),
+    ("ln_f.{p}", "model.norm.{p}"),
+    ("h.{i}.ln_1.{p}", "model.layers.{i}.input_layernorm.{p}"),
+    ("h.{i}.ln_2.{p}", "model.layers.{i}.post_attention_layernorm.{p}"),
+    ("h.{i}.attn.c_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
+    ("h.{i}.mlp.c_fc.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+    ("h.{i}.mlp.c_proj.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+]
+
+
+def _regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
+
+
+_GPT2_TO_OURS = [(_regex(h), o) for h, o in _GPT2_RENAMES]
+_OURS_TO_GPT2 = [(_regex(o), h) for h, o in _GPT2_RENAMES]
+
+
+def _rename(key: str, rules) -> str | None:
+    for regex, target in rules:
+        m = regex.match(key)
+        if m:
+            return target.format(**m.groupdict())
+    return None
+
+
+def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map an HF state dict of ``config.hf_architecture`` to our parameter names (and layouts)."""
+    if hf_type_for(config) != "gpt2":
+        out = {}
+        for key, value in hf_state.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer we recompute, stored by some old checkpoints
+            out[key if key.startswith(("model.", "lm_head.", "score.")) else f"model.{key}"] = value
+        return out
+    out = {}
+    for key, value in hf_state.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers of old GPT-2 checkpoints
+        if key in ("lm_head.weight", "score.weight"):
+            out[key] = value
+            continue
+        m = re.match(r"^h\.(\d+)\.attn\.c_attn\.(weight|bias)$", key)
+        if m:
+            i, p = m.groups()
+            parts = value.t().chunk(3, dim=0) if p == "weight" else value.chunk(3)
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[f"model.layers.{i}.self_attn.{name}.{p}"] = part.contiguous()
+            continue
+        new = _rename(key, _GPT2_TO_OURS)
+        if new is None:
+            raise MindFormersError(f"unexpected tensor {key!r} in the gpt2 checkpoint")
+        # GPT-2's Conv1D stores weights as (in, out); nn.Linear wants (out, in).
+        conv = key.endswith(".weight") and (".c_proj." in key or ".c_fc." in key)
+        out[new] = value.t().contiguous() if conv else value
+    return out
+
+
+def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Map our state dict to the HF architecture's names and layouts (tied weights written once)."""
+    tied = config.tie_word_embeddings
+    if hf_type_for(config) != "gpt2":
+        return {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key == "lm_head.weight":
+            if not tied:
+                out[key] = value
+            continue
+        if key.startswith("score."):
+            out[key] = value
+            continue
+        m = re.match(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
+        if m:
+            i, which, p = m.groups()
+            qkv.setdefault((i, p), {})[which] = value
+            continue
+        new = _rename(key, _OURS_TO_GPT2)
+        if new is None:
+            raise MindFormersError(f"tensor {key!r} has no place in a gpt2 checkpoint")
+        conv = new.endswith(".weight") and (".c_proj." in new or ".c_fc." in new)
+        out[f"transformer.{new}"] = value.t().contiguous() if conv else value
+    for (i, p), parts in qkv.items():
+        fused = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+        out[f"transformer.h.{i}.attn.c_attn.{p}"] = fused.t().contiguous() if p == "weight" else fused
+    return out

@@ -1,0 +1,20 @@
+"""Named GPT presets, usable with ``AutoConfig.for_model`` / ``from_pretrained`` and listed by
+``AutoConfig.show_support_list()``. Sizes follow the published GPT-2, GPT-3 XL and Llama 3.2 1B shapes."""
+
+from __future__ import annotations
+
+GPT_PRESETS: dict[str, dict] = {
+    "gpt_tiny": dict(flavour="gpt2", vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256),
+    "gpt_small": dict(flavour="gpt2", vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=1024),
+    "gpt_medium": dict(flavour="gpt2", vocab_size=50257, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=1024),
+    "gpt_1.3b": dict(flavour="gpt2", vocab_size=50257, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=2048),
+    "llama_tiny": dict(flavour="llama", vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "llama_1b": dict(
+        flavour="llama", vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=8192, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}
+# MindFormers-style aliases.
+GPT_PRESETS["gpt2"] = GPT_PRESETS["gpt_small"]

@@ -1,0 +1,77 @@
+"""The table of model families: which config, model classes, presets and HF architectures each one covers.
+
+``mindformers_py.auto`` reads this table; a new family adds one :class:`Family` entry and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+TASKS = ("base", "causal_lm", "sequence_classification")
+
+
+@dataclass
+class Family:
+    """One model family (GPT, BERT, T5, ...)."""
+
+    name: str
+    """Short family name shown by ``show_support_list``."""
+    config_class: type[PretrainedConfig]
+    """Our config class (its ``model_type`` identifies our checkpoints)."""
+    model_classes: dict[str, type[PreTrainedModel]]
+    """Task name (one of ``TASKS``) -> model class."""
+    presets: dict[str, dict]
+    """Preset name -> config kwargs."""
+    converter: ModuleType | None = None
+    """Module with ``SUPPORTED_HF_TYPES``, ``config_from_hf``, ``state_dict_from_hf``, ``config_to_hf``,
+    ``state_dict_to_hf``, ``hf_type_for`` for HF interop."""
+    hf_model_classes: dict[str, Callable[[str], str]] = field(default_factory=dict)
+    """Task -> function of the HF model_type giving the transformers class name to export as."""
+
+    @property
+    def hf_types(self) -> tuple[str, ...]:
+        return tuple(self.converter.SUPPORTED_HF_TYPES) if self.converter else ()
+
+
+FAMILIES: list[Family] = []
+
+
+def register_family(family: Family) -> None:
+    """Add ``family`` to the table and register its classes with transformers' Auto classes."""
+    import transformers
+
+    FAMILIES.append(family)
+    model_type = family.config_class.model_type
+    transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
+    autos = {
+        "base": transformers.AutoModel,
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "sequence_classification": transformers.AutoModelForSequenceClassification,
+    }
+    for task, cls in family.model_classes.items():
+        autos[task].register(family.config_class, cls, exist_ok=True)
+
+
+def family_for_model_type(model_type: str) -> Family | None:
+    """The family whose own or HF ``model_type`` this is."""
+    for family in FAMILIES:
+        if model_type == family.config_class.model_type or model_type in family.hf_types:
+            return family
+    return None
+
+
+def family_for_preset(name: str) -> Family | None:
+    """The family that defines the preset ``name``."""
+    return next((f for f in FAMILIES if name in f.presets), None)
+
+
+def all_presets() -> list[str]:
+    return [p for f in FAMILIES for p in f.presets]
+
+
+def all_model_types() -> list[str]:
+    return [t for f in FAMILIES for t in (f.config_class.model_type, *f.hf_types)]

@@ -1,0 +1,1 @@
+"""Small shared utilities (checkpoint file I/O, atomic folder writes)."""

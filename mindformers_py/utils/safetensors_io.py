@@ -1,0 +1,105 @@
+"""Reading and writing state dicts as safetensors folders (single file or HF-style sharded with an index).
+
+Only safetensors are read: no pickle of untrusted files. Folders are written under a temporary name and
+renamed when complete, so an interrupted write never leaves a half checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def has_weights(folder: str | os.PathLike) -> bool:
+    """True when ``folder`` holds a safetensors checkpoint (single or sharded)."""
+    folder = Path(folder)
+    return (folder / WEIGHTS_NAME).is_file() or (folder / INDEX_NAME).is_file()
+
+
+def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors checkpoint folder into one CPU state dict."""
+    folder = Path(folder)
+    if (folder / INDEX_NAME).is_file():
+        try:
+            files = sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{folder / INDEX_NAME} is damaged ({e}); re-save or re-download the checkpoint") from None
+    elif (folder / WEIGHTS_NAME).is_file():
+        files = [WEIGHTS_NAME]
+    else:
+        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        raise CheckpointError(
+            f"no weights in {folder}: expected {WEIGHTS_NAME} or {INDEX_NAME} (found: {', '.join(found) or 'nothing'}); "
+            "only safetensors checkpoints are loaded"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+    return state
+
+
+def save_state_dict(state: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``state`` into ``folder`` as safetensors, sharded HF-style when larger than ``max_shard_bytes``."""
+    folder = Path(folder)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+@contextlib.contextmanager
+def atomic_folder(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary folder beside ``final``; on success it replaces ``final``, on error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            if not overwrite:
+                raise CheckpointError(f"{final} already exists; choose another destination or remove it")
+            backup = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, backup)  # keep the old folder until the new one is in place
+            os.replace(tmp, final)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,38 @@
+"""Tiny random HF reference models of every architecture the GPT family loads (built locally, no hub)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 128
+
+
+def tiny_hf_config(kind: str):
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, **common)
+    if kind == "llama":
+        return transformers.LlamaConfig(**llama_like)
+    if kind == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **llama_like)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**llama_like)
+    raise ValueError(kind)
+
+
+def tiny_hf_model(kind: str, head: str = "causal_lm", **overrides):
+    """A seeded tiny HF model with non-trivial weights (biases and norms randomised too)."""
+    torch.manual_seed(1234)
+    config = tiny_hf_config(kind)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    cls = transformers.AutoModelForCausalLM if head == "causal_lm" else transformers.AutoModelForSequenceClassification
+    model = cls.from_config(config).eval()
+    with torch.no_grad():  # default init leaves biases at 0 and norms at 1, which would hide mapping mistakes
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
