@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -41,7 +40,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         raise CheckpointError(f"destination {dst} is the source folder; choose another destination")
     task = _task_of(_read_config_json(src).get("architectures"))
     model = _AUTO_BY_TASK[task].from_pretrained(src)
-    config, family, _ = resolve_config(src)
+    family = resolve_config(src)[1]
     with atomic_folder(dst) as tmp:
         if to == "mindformers":
             model.save_pretrained(tmp)
@@ -50,9 +49,6 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
             hf_type = conv.hf_type_for(model.config)
             hf_config = conv.config_to_hf(model.config)
             hf_config.architectures = [family.hf_model_classes[task](hf_type)]
-            if task == "sequence_classification":
-                hf_config.num_labels = model.config.num_labels
-                hf_config.id2label, hf_config.label2id = model.config.id2label, model.config.label2id
             state = model.state_dict()
             if task == "base":
                 state = {f"model.{k}": v for k, v in state.items()}

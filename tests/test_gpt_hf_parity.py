@@ -77,3 +77,22 @@ def test_transformers_auto_loads_our_checkpoint(tmp_path):
     ids = torch.randint(0, 100, (1, 9))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_sharded_hf_checkpoint_loads(tmp_path):
+    hf = tiny_hf_model("llama")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = mf.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(3, VOCAB, (1, 7))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_cli_convert(tmp_path):
+    from mindformers_py.cli import main
+
+    tiny_hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ours"), "--to", "mindformers"]) == 0
+    assert mf.AutoConfig.from_pretrained(tmp_path / "ours").model_type == "mindformers_gpt"
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "x"), "--to", "hf"]) == 2

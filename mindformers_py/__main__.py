@@ -1,0 +1,7 @@
+"""``python -m mindformers_py`` = the ``mindformers-py`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
