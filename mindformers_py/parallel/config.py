@@ -1,0 +1,790 @@
+"""Parallel configuration: ``ParallelConfig``, ``RecomputeConfig`` and ``MoEConfig``.
+
+MindFormers' field names, read by the torch.distributed engine in :mod:`mindformers_py.parallel`. This module
+only describes and checks a layout; it creates no process group and touches no weight, so every mistake is
+reported before anything expensive starts.
+
+Checking happens in two phases:
+
+* construction (and :meth:`ParallelConfig.validate`) checks what the config says on its own: types, ranges,
+  known modes and schedules, micro-batches against pipeline stages, expert parallel against dp x mp;
+* :meth:`ParallelConfig.validate_for` checks the config against the run: the world size, a model config
+  (heads, FFN size, vocabulary, layers and experts against the shard sizes) and the batch size.
+
+Values may come from Python, from a YAML section (:meth:`~_Section.from_dict`) or from CLI flags as strings
+(``"true"``, ``"2"``, ``"full"``, ``"attention_core,mlp"``); strings are converted at construction.
+
+MindFormers recompute options without a counterpart here are refused with a reason rather than accepted and
+ignored: ``parallel_optimizer_comm_recompute`` is what ``optimizer_shard=3`` already does (FSDP2 re-gathers
+parameters in backward), and ``mp_comm_recompute``/``recompute_slice_activation``/``select_comm_recompute``
+tune MindSpore graph passes that torch's checkpointing has no switch for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from ..errors import ConfigError, invalid_choice
+
+PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
+# MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
+PARALLEL_MODE_IDS = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel"}
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Names understood by torch.distributed.pipelining.schedules.get_schedule_class.
+TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+ZERO_STAGES = (0, 1, 2, 3)
+_SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stages",
+                "expert_parallel")
+RECOMPUTE_MODES = (False, "full", "selective")
+# Parts of a TransformerBlock that selective recompute can checkpoint: the free function
+# layers.attention.attention_core and the block's submodules of these names.
+SELECT_RECOMPUTE_CHOICES = ("attention_core", "self_attn", "mlp")
+ROUTING_POLICIES = ("topk", "dropless")
+# MindFormers' router class names; both route tokens top-k with a per-expert capacity.
+ROUTING_POLICY_ALIASES = {"topkrouterv1": "topk", "topkrouterv2": "topk"}
+
+_TRUE_STRINGS = ("true", "yes", "on", "1")
+_FALSE_STRINGS = ("false", "no", "off", "0")
+
+# MindFormers keys that are deliberately absent, with the reason shown when a YAML uses one.
+_UNSUPPORTED_KEYS = {
+    "parallel_optimizer_comm_recompute": "optimizer_shard=3 already re-gathers parameters in backward (FSDP2)",
+    "mp_comm_recompute": "torch checkpointing re-runs the tensor-parallel collectives inside a recomputed block",
+    "recompute_slice_activation": "it tunes a MindSpore graph pass with no torch counterpart",
+    "select_comm_recompute": "it tunes a MindSpore graph pass with no torch counterpart",
+    "gradient_aggregation_group": "gradient bucketing is left to torch.distributed",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion of raw values (YAML scalars, CLI strings) to field values. Each raises a one-line ConfigError.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _to_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``; accepts ints and their decimal strings, never bools."""
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= {minimum}")
+    return value
+
+
+def _require_int(name: str, value: Any, minimum: int = 1) -> None:
+    """Refuse anything but an int >= ``minimum`` (validate() after construction: no conversion)."""
+    if type(value) is not int or value < minimum:
+        raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= {minimum}")
+
+
+def _to_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool; accepts bools, 0/1 and the strings true/false/yes/no/on/off."""
+    if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+        return value.strip().lower() in _TRUE_STRINGS
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{name}={value!r} is not valid; expected true or false")
+
+
+def _to_float(name: str, value: Any, minimum: float, inclusive: bool) -> float:
+    """``value`` as a float above (or at, if ``inclusive``) ``minimum``; accepts numbers and numeric strings."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (value == minimum and not inclusive):
+        bound = ">=" if inclusive else ">"
+        raise ConfigError(f"{name}={value!r} is not valid; expected a number {bound} {minimum}")
+    return float(value)
+
+
+def _to_choice(name: str, value: Any, choices: tuple[str, ...], aliases: Mapping[str, str] | None = None) -> str:
+    """``value`` as one of ``choices``, compared case-insensitively, after resolving ``aliases``."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        key = (aliases or {}).get(key, key)
+        if key in choices:
+            return key
+    raise invalid_choice(name, value, choices)
+
+
+def _split_list(value: Any) -> Any:
+    """A CLI string ``"a,b"`` as ``["a", "b"]``; other values unchanged."""
+    if isinstance(value, str) and "," in value:
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@contextlib.contextmanager
+def _prefixed(prefix: str) -> Iterator[None]:
+    """Re-raise ConfigErrors from a nested section with its path (messages start with the field name)."""
+    try:
+        yield
+    except ConfigError as err:
+        raise ConfigError(f"{prefix}.{err}") from None
+
+
+_S = TypeVar("_S", bound="_Section")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared behaviour of the config sections.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Section:
+    """Dict/CLI construction, ``to_dict`` and overrides shared by the dataclass config sections.
+
+    Subclasses convert raw values in ``_convert`` and check the result in ``validate``; ``__post_init__`` runs
+    both, so an instance that exists is valid. Call ``validate()`` again after assigning fields by hand.
+    """
+
+    _SUBSECTIONS: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        self._convert()
+        self.validate()
+
+    def _convert(self) -> None:
+        """Turn raw values (strings, shorthands) into field values in place."""
+
+    def validate(self) -> None:
+        """Check every field and the relations between fields; raise a one-line ConfigError on the first fault."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The keys :meth:`from_dict` accepts, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def _unknown_key(cls, key: Any) -> ConfigError:
+        reason = _UNSUPPORTED_KEYS.get(key)
+        what = f"is not supported ({reason})" if reason else f"is not a {cls.__name__} field"
+        return ConfigError(f"{key} {what}; valid fields: {', '.join(cls.field_names())}")
+
+    @classmethod
+    def from_dict(cls: type[_S], data: Mapping[str, Any] | None) -> _S:
+        """Build from a YAML section or a dict of CLI strings; unknown keys are refused, missing ones default."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{cls.__name__} section={data!r} is not valid; expected a mapping of field: value")
+        for key in data:
+            if key not in cls.field_names():
+                raise cls._unknown_key(key)
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls: type[_S], value: Any, name: str) -> _S:
+        """``value`` as an instance: an instance (copied), a mapping (:meth:`from_dict`) or None (defaults)."""
+        if isinstance(value, cls):
+            return dataclasses.replace(value)
+        if value is None or isinstance(value, Mapping):
+            with _prefixed(name):
+                return cls.from_dict(value)
+        raise ConfigError(f"{name}={value!r} is not valid; expected a {cls.__name__} or a mapping of its fields")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (nested sections as dicts, sequences as lists): YAML-serialisable and
+        accepted back by :meth:`from_dict`."""
+        out: dict[str, Any] = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            if isinstance(value, _Section):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[name] = value
+        return out
+
+    def with_overrides(self: _S, overrides: Mapping[str, Any]) -> _S:
+        """A copy with ``overrides`` applied (CLI flags). ``section.field`` keys change one field of a nested
+        section; a plain key for a section replaces the whole section (``recompute="selective"``)."""
+        flat: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in overrides.items():
+            head, dot, rest = str(key).partition(".")
+            if head not in self.field_names():
+                raise self._unknown_key(key)
+            if dot and head not in self._SUBSECTIONS:
+                raise ConfigError(f"{key} is not valid; {head} has no sub-fields")
+            if dot:
+                nested.setdefault(head, {})[rest] = value
+            else:
+                flat[head] = value
+        result = self.from_dict({**self.to_dict(), **flat})
+        for head, sub in nested.items():
+            with _prefixed(head):
+                section = getattr(result, head).with_overrides(sub)
+            result = dataclasses.replace(result, **{head: section})
+        return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recompute (activation checkpointing)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecomputeConfig(_Section):
+    """Activation recomputation: trade compute for memory by re-running parts of each layer in backward.
+
+    Shorthands accepted for ``recompute`` (also from YAML/CLI): ``True`` = ``"full"``; ``False``/``0``/``"none"``
+    = off; an int ``N`` = ``"full"`` on the first ``N`` layers of each pipeline stage; a list ``[n0, n1, ...]`` =
+    ``"full"`` with per-stage counts (MindFormers' list form). ``select_recompute=True`` with recompute off turns
+    on ``"selective"`` recompute of the attention core, as in MindFormers.
+    """
+
+    recompute: bool | str | int | list[int] = False
+    """``False`` (keep activations), ``"full"`` (re-run whole transformer layers) or ``"selective"`` (re-run only
+    the parts named in ``select_recompute``); see the class docstring for shorthands."""
+    select_recompute: bool | str | list[str] | tuple[str, ...] = ("attention_core",)
+    """Parts of each layer re-run by ``"selective"``: ``"attention_core"`` (softmax(qkᵀ)v, the largest
+    activations), ``"self_attn"`` (the attention block), ``"mlp"`` (the feed-forward block)."""
+    recompute_num_layers: int | str | list[int] | tuple[int, ...] | None = None
+    """Which layers recompute applies to: None = every layer; ``N`` = the first ``N`` layers of each pipeline stage
+    (of each model chunk with interleaved_1f1b), whose activations live longest under 1F1B; a list = that count
+    per pipeline stage (length ``pipeline_stage``, 0 allowed). Ignored when ``recompute`` is False."""
+
+    def _convert(self) -> None:
+        mode, layers_from_mode = self._convert_mode(self.recompute)
+        select = self._convert_select(self.select_recompute)
+        if select is True:
+            select = SELECT_RECOMPUTE_CHOICES[:1]
+            if mode is False:  # MindFormers: recompute off + select_recompute on = selective recompute
+                mode = "selective"
+        layers = self.recompute_num_layers
+        if isinstance(layers, str) and layers.strip().lower() == "none":
+            layers = None
+        if layers is not None:
+            layers = self._convert_layers(_split_list(layers), "recompute_num_layers")
+        if layers_from_mode is not None:
+            if layers is not None and layers != layers_from_mode:
+                raise ConfigError(
+                    f"recompute_num_layers={layers!r} disagrees with recompute={self.recompute!r}; "
+                    "give the layer count in one place"
+                )
+            layers = layers_from_mode
+        self.recompute, self.select_recompute, self.recompute_num_layers = mode, select, layers
+
+    @classmethod
+    def _convert_mode(cls, value: Any) -> tuple[Any, int | tuple[int, ...] | None]:
+        """The ``recompute`` shorthand as (mode, layer counts it carries or None)."""
+        mode = value
+        if isinstance(mode, str):
+            key = mode.strip().lower()
+            if key.replace(",", "").replace(" ", "").isdigit():  # "2" or "2,1": layer counts
+                mode = _split_list(key)
+                mode = int(mode) if isinstance(mode, str) else mode
+            elif key in ("true", "yes", "on"):
+                mode = True
+            elif key in ("false", "no", "off", "none"):
+                mode = False
+            elif key in RECOMPUTE_MODES[1:]:
+                mode = key
+        if mode is None:
+            mode = False
+        if isinstance(mode, (list, tuple)) or (isinstance(mode, int) and not isinstance(mode, bool)):
+            layers = cls._convert_layers(mode, "recompute")
+            return ("full", layers) if layers else (False, None)  # recompute=0: off
+        if mode is True:
+            return "full", None
+        if mode is False or mode in RECOMPUTE_MODES[1:]:
+            return mode, None
+        raise ConfigError(
+            f"recompute={value!r} is not valid; choose one of: False, True, 'full', 'selective', "
+            "a layer count N or per-stage counts [n0, n1, ...]"
+        )
+
+    @staticmethod
+    def _convert_select(value: Any) -> Any:
+        """``select_recompute`` as a tuple of names, or True (MindFormers' "the default selection")."""
+        value = _split_list(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+            value = value.strip().lower() in _TRUE_STRINGS
+        if value is False or value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return tuple(dict.fromkeys(v.strip() if isinstance(v, str) else v for v in value))
+        return value  # True, or something validate() refuses
+
+    @staticmethod
+    def _convert_layers(value: Any, name: str) -> int | tuple[int, ...]:
+        """A layer count (int >= 0) or per-stage counts (tuple of ints >= 0)."""
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ConfigError(f"{name}={value!r} is not valid; expected per-stage layer counts [n0, n1, ...]")
+            return tuple(_to_int(name, v, minimum=0) for v in value)
+        return _to_int(name, value, minimum=0)
+
+    def validate(self) -> None:
+        """Check the mode, the selected parts and the layer counts."""
+        if not (self.recompute is False or self.recompute in RECOMPUTE_MODES[1:]):
+            raise invalid_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        if not isinstance(self.select_recompute, tuple):
+            raise ConfigError(
+                f"select_recompute={self.select_recompute!r} is not valid; expected a list of: "
+                f"{', '.join(SELECT_RECOMPUTE_CHOICES)}"
+            )
+        for part in self.select_recompute:
+            if part not in SELECT_RECOMPUTE_CHOICES:
+                raise invalid_choice("select_recompute", part, SELECT_RECOMPUTE_CHOICES)
+        if self.recompute == "selective" and not self.select_recompute:
+            raise ConfigError(
+                "select_recompute=[] is not valid with recompute='selective'; name at least one of: "
+                f"{', '.join(SELECT_RECOMPUTE_CHOICES)}"
+            )
+        layers = self.recompute_num_layers
+        counts = layers if isinstance(layers, tuple) else (layers,)
+        if layers is not None and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+            raise ConfigError(
+                f"recompute_num_layers={layers!r} is not valid; expected None, an integer >= 1 or per-stage counts"
+            )
+        if layers == 0:
+            raise ConfigError("recompute_num_layers=0 is not valid; use recompute=False to recompute nothing")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any recomputation happens."""
+        return self.recompute is not False
+
+    def recomputes_layer(self, layer_in_chunk: int, stage: int = 0) -> bool:
+        """Whether the ``layer_in_chunk``-th layer (counted from 0 within its stage's model chunk) of pipeline
+        ``stage`` is recomputed (fully or selectively, per ``recompute``)."""
+        if not self.enabled:
+            return False
+        layers = self.recompute_num_layers
+        if layers is None:
+            return True
+        if isinstance(layers, tuple):
+            if not 0 <= stage < len(layers):
+                raise ConfigError(
+                    f"recompute_num_layers={list(layers)} has no entry for pipeline stage {stage}; "
+                    f"give one count per stage (0..{len(layers) - 1})"
+                )
+            layers = layers[stage]
+        return layer_in_chunk < layers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mixture of experts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEConfig(_Section):
+    """Mixture-of-experts routing (MindFormers' ``moe_config``); ``expert_num=1`` means a dense model."""
+
+    expert_num: int = 1
+    """Number of experts in each MoE layer (1 = no MoE)."""
+    num_experts_chosen: int = 1
+    """Experts each token is routed to (top-k); at most ``expert_num``."""
+    capacity_factor: float = 1.1
+    """With ``routing_policy="topk"``: each expert takes at most ``ceil(capacity_factor * tokens * k /
+    expert_num)`` tokens per batch; tokens over capacity skip the layer through the residual."""
+    aux_loss_factor: float = 0.05
+    """Weight of the load-balancing loss (Switch Transformer) added to the training loss; 0 disables it."""
+    z_loss_factor: float = 0.0
+    """Weight of the router z-loss (ST-MoE) that keeps router logits small; 0 disables it."""
+    routing_policy: str = "topk"
+    """``"topk"``: top-k routing with a per-expert capacity (fixed shapes, MindFormers' TopkRouterV1/V2, both
+    accepted as aliases); ``"dropless"``: every token reaches its k experts, ``capacity_factor`` unused."""
+    norm_topk_prob: bool = True
+    """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral, Qwen-MoE)."""
+
+    def _convert(self) -> None:
+        self.expert_num = _to_int("expert_num", self.expert_num)
+        self.num_experts_chosen = _to_int("num_experts_chosen", self.num_experts_chosen)
+        self.capacity_factor = _to_float("capacity_factor", self.capacity_factor, 0.0, inclusive=False)
+        self.aux_loss_factor = _to_float("aux_loss_factor", self.aux_loss_factor, 0.0, inclusive=True)
+        self.z_loss_factor = _to_float("z_loss_factor", self.z_loss_factor, 0.0, inclusive=True)
+        self.routing_policy = _to_choice("routing_policy", self.routing_policy, ROUTING_POLICIES,
+                                         ROUTING_POLICY_ALIASES)
+        self.norm_topk_prob = _to_bool("norm_topk_prob", self.norm_topk_prob)
+
+    def validate(self) -> None:
+        """Check ranges and that top-k does not exceed the number of experts."""
+        _require_int("expert_num", self.expert_num)
+        _require_int("num_experts_chosen", self.num_experts_chosen)
+        for name, inclusive in (("capacity_factor", False), ("aux_loss_factor", True), ("z_loss_factor", True)):
+            value = getattr(self, name)
+            if not isinstance(value, float):  # strings were converted at construction
+                raise ConfigError(f"{name}={value!r} is not valid; expected a number {'>=' if inclusive else '>'} 0")
+            _to_float(name, value, 0.0, inclusive)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise invalid_choice("routing_policy", self.routing_policy, ROUTING_POLICIES)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob={self.norm_topk_prob!r} is not valid; expected true or false")
+        if self.num_experts_chosen > self.expert_num:
+            raise ConfigError(
+                f"num_experts_chosen={self.num_experts_chosen} is not valid with expert_num={self.expert_num}; "
+                f"choose 1..{self.expert_num}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has more than one expert."""
+        return self.expert_num > 1
+
+    def expert_capacity(self, num_tokens: int) -> int | None:
+        """Tokens one expert accepts from a batch of ``num_tokens`` (None for ``"dropless"``: no limit)."""
+        if self.routing_policy == "dropless":
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.num_experts_chosen / self.expert_num)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parallel layout
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelConfig(_Section):
+    """How training is spread over processes (MindFormers' ``parallel_config`` plus ``parallel_mode``).
+
+    Modes: ``stand_alone`` runs one process and ignores the layout sizes (so a YAML can keep its layout and
+    still run on one device); ``data_parallel`` replicates the model on ``data_parallel`` processes (sharding
+    optimizer state, gradients and parameters per ``optimizer_shard``) and allows no other size above 1;
+    ``semi_auto_parallel`` applies the layout as given; ``auto_parallel`` lets the planner choose it: the sizes
+    are hints, not checked against the world size, and the planner's answer comes from :meth:`with_layout`.
+
+    The raw fields keep what the user wrote; the read-only properties ``dp``, ``tp``, ``pp``, ``ep``, ``vpp``,
+    ``micro_batches``, ``zero_stage``, ``sequence_parallel`` and ``vocab_parallel`` give what the engine applies
+    in the current mode.
+    """
+
+    _SUBSECTIONS: ClassVar[tuple[str, ...]] = ("recompute",)
+
+    parallel_mode: str | int = "stand_alone"
+    """``"stand_alone"``, ``"data_parallel"``, ``"semi_auto_parallel"`` or ``"auto_parallel"`` (MindSpore's ids
+    0/1/2 are accepted for the last three)."""
+    data_parallel: int = 1
+    """Data-parallel size: replicas that each see a different part of the global batch."""
+    model_parallel: int = 1
+    """Tensor-parallel size: ranks that split each layer's heads, FFN and (with ``vocab_emb_dp=False``) vocabulary."""
+    pipeline_stage: int = 1
+    """Pipeline-parallel size: ranks that each hold a consecutive slice of the layers."""
+    micro_batch_num: int = 1
+    """Micro-batches each data-parallel rank's batch is split into for the pipeline (>= ``pipeline_stage``);
+    ignored when ``pipeline_stage`` is 1."""
+    pipeline_schedule: str = "1f1b"
+    """Pipeline schedule from torch.distributed.pipelining: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``."""
+    virtual_pipeline_stages: int = 1
+    """Model chunks per pipeline rank; >= 2 with ``interleaved_1f1b`` (smaller bubble), otherwise 1."""
+    expert_parallel: int = 1
+    """Expert-parallel size: ranks, taken from the data x model parallel ranks, that split the experts."""
+    optimizer_shard: bool | int | str = 0
+    """ZeRO stage over the data-parallel ranks: 0/False none, 1 optimizer state, 2 + gradients, 3 + parameters
+    (FSDP2); True means 1, as in MindFormers."""
+    use_seq_parallel: bool = False
+    """Sequence parallelism: norms and dropout run on sequence shards across the model-parallel ranks."""
+    vocab_emb_dp: bool = True
+    """Keep the embedding and LM head whole on every model-parallel rank; False shards the vocabulary (embedding
+    and a vocabulary-parallel loss)."""
+    recompute: RecomputeConfig | Mapping[str, Any] | bool | str | int | list[int] = field(
+        default_factory=RecomputeConfig
+    )
+    """Activation recomputation: a :class:`RecomputeConfig`, a mapping of its fields or a shorthand of its
+    ``recompute`` field (``"full"``, ``"selective"``, True/False, a layer count)."""
+
+    def _convert(self) -> None:
+        mode = self.parallel_mode
+        if isinstance(mode, str) and mode.strip().isdigit():
+            mode = int(mode.strip())
+        if isinstance(mode, int) and not isinstance(mode, bool):
+            if mode not in PARALLEL_MODE_IDS:
+                raise invalid_choice("parallel_mode", self.parallel_mode, PARALLEL_MODES)
+            mode = PARALLEL_MODE_IDS[mode]
+        self.parallel_mode = _to_choice("parallel_mode", mode, PARALLEL_MODES)
+        for name in _SIZE_FIELDS:
+            setattr(self, name, _to_int(name, getattr(self, name)))
+        self.pipeline_schedule = _to_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES,
+                                            {"interleaved1f1b": "interleaved_1f1b"})
+        shard = self.optimizer_shard
+        if isinstance(shard, str) and shard.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+            shard = shard.strip().lower() in _TRUE_STRINGS  # "1" lands on True = stage 1 either way
+        elif isinstance(shard, str) and shard.strip().isdigit():
+            shard = int(shard.strip())
+        if isinstance(shard, bool):
+            shard = int(shard)
+        if type(shard) is not int or shard not in ZERO_STAGES:
+            raise ConfigError(
+                f"optimizer_shard={self.optimizer_shard!r} is not valid; choose one of: False, True (=1), 0, 1, 2, 3"
+            )
+        self.optimizer_shard = shard
+        self.use_seq_parallel = _to_bool("use_seq_parallel", self.use_seq_parallel)
+        self.vocab_emb_dp = _to_bool("vocab_emb_dp", self.vocab_emb_dp)
+        if isinstance(self.recompute, (RecomputeConfig, Mapping)) or self.recompute is None:
+            self.recompute = RecomputeConfig.coerce(self.recompute, "recompute")
+        else:  # a shorthand of RecomputeConfig.recompute, whose messages already name "recompute"
+            self.recompute = RecomputeConfig(recompute=self.recompute)
+
+    # -- phase (a): the config on its own -----------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check the config on its own (types, ranges, mode, schedule, micro-batches, virtual stages, expert
+        parallel); raise a one-line ConfigError naming the field, its value and what is valid."""
+        if self.parallel_mode not in PARALLEL_MODES:
+            raise invalid_choice("parallel_mode", self.parallel_mode, PARALLEL_MODES)
+        for name in _SIZE_FIELDS:
+            _require_int(name, getattr(self, name))
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise invalid_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if type(self.optimizer_shard) is not int or self.optimizer_shard not in ZERO_STAGES:
+            raise invalid_choice("optimizer_shard", self.optimizer_shard, ZERO_STAGES)
+        for name in ("use_seq_parallel", "vocab_emb_dp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; expected true or false")
+        if not isinstance(self.recompute, RecomputeConfig):
+            raise ConfigError(f"recompute={self.recompute!r} is not valid; expected a RecomputeConfig")
+        with _prefixed("recompute"):
+            self.recompute.validate()
+        self._validate_pipeline()
+        self._validate_mode_sizes()
+
+    def _validate_pipeline(self) -> None:
+        pp, mb, vpp, schedule = self.pipeline_stage, self.micro_batch_num, self.virtual_pipeline_stages, \
+            self.pipeline_schedule
+        layers = self.recompute.recompute_num_layers
+        if isinstance(layers, tuple) and len(layers) != pp:
+            raise ConfigError(
+                f"recompute.recompute_num_layers={list(layers)} is not valid; give one count per pipeline stage "
+                f"({pp} for pipeline_stage={pp})"
+            )
+        if schedule == "interleaved_1f1b":
+            if vpp < 2:
+                raise ConfigError(
+                    f"virtual_pipeline_stages={vpp} is not valid with pipeline_schedule='interleaved_1f1b'; "
+                    "expected 2 or more model chunks per rank"
+                )
+            if pp < 2:
+                raise ConfigError(
+                    f"pipeline_schedule='interleaved_1f1b' is not valid with pipeline_stage={pp}; "
+                    "expected pipeline_stage >= 2, or choose one of: 'gpipe', '1f1b'"
+                )
+        elif vpp != 1:
+            raise ConfigError(
+                f"virtual_pipeline_stages={vpp} is not valid with pipeline_schedule={schedule!r}; "
+                "expected 1, or pipeline_schedule='interleaved_1f1b'"
+            )
+        if pp > 1 and mb < pp:
+            raise ConfigError(
+                f"micro_batch_num={mb} is not valid with pipeline_stage={pp}; expected micro_batch_num >= {pp}"
+            )
+        if schedule == "interleaved_1f1b":
+            # torch's Interleaved1F1B runs micro-batches in rounds of mb // pp and needs whole rounds.
+            rounds = max(1, mb // pp)
+            if mb % rounds:
+                raise ConfigError(
+                    f"micro_batch_num={mb} is not valid with interleaved_1f1b and pipeline_stage={pp}; expected a "
+                    f"multiple of micro_batch_num // pipeline_stage = {rounds}, e.g. {pp * rounds} or "
+                    f"{pp * (rounds + 1)}"
+                )
+
+    def _validate_mode_sizes(self) -> None:
+        if self.parallel_mode == "data_parallel":
+            for name in ("model_parallel", "pipeline_stage", "expert_parallel"):
+                if getattr(self, name) != 1:
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)} is not valid with parallel_mode='data_parallel' (expected 1); "
+                        "use parallel_mode='semi_auto_parallel' for model, pipeline or expert parallelism"
+                    )
+        dp_mp = self.data_parallel * self.model_parallel
+        if dp_mp % self.expert_parallel:
+            raise ConfigError(
+                f"expert_parallel={self.expert_parallel} is not valid; it must divide data_parallel*model_parallel = "
+                f"{self.data_parallel}*{self.model_parallel} = {dp_mp}; choose one of: "
+                f"{', '.join(map(str, _divisors(dp_mp)))}"
+            )
+
+    # -- phase (b): the config against a run --------------------------------------------------------------------
+
+    def validate_for(
+        self,
+        world_size: int,
+        model_config: Any = None,
+        per_device_batch: int | None = None,
+        global_batch: int | None = None,
+    ) -> None:
+        """Check the config against a run: ``world_size`` processes, a model config and batch sizes.
+
+        ``model_config`` is any object with ``num_attention_heads``, ``num_key_value_heads`` (None = heads),
+        ``intermediate_size``, ``vocab_size``, ``num_hidden_layers`` and, for MoE, ``num_experts`` /
+        ``expert_num`` / ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
+        ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
+        all data-parallel ranks (before gradient accumulation). In ``auto_parallel`` mode only ``world_size`` is
+        checked: validate the planner's :meth:`with_layout` result instead.
+        """
+        self.validate()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size={world_size!r} is not valid; expected an integer >= 1")
+        mode = self.parallel_mode
+        if mode == "auto_parallel":
+            return
+        if mode == "stand_alone" and world_size != 1:
+            raise ConfigError(
+                f"parallel_mode='stand_alone' is not valid with world_size={world_size} (it runs one process); "
+                "choose one of: 'data_parallel', 'semi_auto_parallel', 'auto_parallel'"
+            )
+        if mode == "data_parallel" and self.data_parallel != world_size:
+            raise ConfigError(
+                f"data_parallel={self.data_parallel} does not match world_size={world_size}; "
+                f"expected data_parallel={world_size} with parallel_mode='data_parallel'"
+            )
+        if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
+            raise ConfigError(
+                f"data_parallel*model_parallel*pipeline_stage = {self.data_parallel}*{self.model_parallel}*"
+                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}"
+            )
+        if model_config is not None:
+            self._validate_model(model_config)
+        self._validate_batch(per_device_batch, global_batch)
+
+    def _validate_model(self, cfg: Any) -> None:
+        tp = self.tp
+        heads = getattr(cfg, "num_attention_heads", None)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        sharded = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                   "intermediate_size": getattr(cfg, "intermediate_size", None)}
+        if self.vocab_parallel:
+            sharded["vocab_size"] = getattr(cfg, "vocab_size", None)
+        sharded = {k: v for k, v in sharded.items() if isinstance(v, int)}
+        for name, size in sharded.items():
+            if size % tp:
+                allowed = _divisors(math.gcd(*sharded.values()))
+                raise ConfigError(
+                    f"model_parallel={tp} does not divide the model's {name}={size}; "
+                    f"choose one of: {', '.join(map(str, allowed))}"
+                )
+        num_layers = getattr(cfg, "num_hidden_layers", None)
+        chunks = self.pp * self.vpp
+        if isinstance(num_layers, int) and num_layers < chunks:
+            what = f"pipeline_stage*virtual_pipeline_stages = {self.pp}*{self.vpp} = " if self.vpp > 1 \
+                else "pipeline_stage="
+            raise ConfigError(
+                f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
+                f"expected at most {num_layers} model chunks (each needs a layer)"
+            )
+        experts, source = _expert_count(cfg)
+        if experts is not None and experts % self.ep:
+            raise ConfigError(
+                f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "
+                f"{', '.join(str(d) for d in _divisors(experts) if (self.dp * self.tp) % d == 0)}"
+            )
+
+    def _validate_batch(self, per_device_batch: int | None, global_batch: int | None) -> None:
+        if per_device_batch is not None:
+            per_device_batch = _to_int("per_device_batch", per_device_batch)
+            if per_device_batch % self.micro_batches:
+                raise ConfigError(
+                    f"per_device_batch={per_device_batch} is not divisible by micro_batch_num={self.micro_batches}; "
+                    f"expected a multiple of {self.micro_batches} (pipeline micro-batches split each rank's batch)"
+                )
+        if global_batch is not None:
+            global_batch = _to_int("global_batch", global_batch)
+            unit = self.dp * self.micro_batches
+            if global_batch % unit:
+                raise ConfigError(
+                    f"global_batch={global_batch} is not divisible by data_parallel*micro_batch_num = "
+                    f"{self.dp}*{self.micro_batches} = {unit}; expected a multiple of {unit}"
+                )
+
+    # -- layout helpers for the launcher, the planner and the engine --------------------------------------------
+
+    def required_world_size(self) -> int:
+        """Processes this config asks for: 1 (stand_alone), ``data_parallel`` (data_parallel), or
+        data_parallel*model_parallel*pipeline_stage (semi_auto_parallel; auto_parallel's hint sizes)."""
+        return self.dp * self.tp * self.pp
+
+    def with_layout(self, data_parallel: int, model_parallel: int = 1, pipeline_stage: int = 1,
+                    **fields: Any) -> ParallelConfig:
+        """A validated copy with the given sizes (and any other ``fields``, e.g. ``expert_parallel``,
+        ``micro_batch_num``); an ``auto_parallel`` config becomes ``semi_auto_parallel``, as the planner's
+        answer is a fixed layout. Other modes are kept."""
+        for key in fields:
+            if key not in self.field_names():
+                raise self._unknown_key(key)
+        mode = "semi_auto_parallel" if self.parallel_mode == "auto_parallel" else self.parallel_mode
+        return dataclasses.replace(self, **{"parallel_mode": mode, **fields, "data_parallel": data_parallel,
+                                            "model_parallel": model_parallel, "pipeline_stage": pipeline_stage})
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the run uses torch.distributed (every mode except ``stand_alone``)."""
+        return self.parallel_mode != "stand_alone"
+
+    @property
+    def _layout_applies(self) -> bool:
+        return self.parallel_mode in ("semi_auto_parallel", "auto_parallel")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size applied (1 in stand_alone)."""
+        return self.data_parallel if self.is_distributed else 1
+
+    @property
+    def tp(self) -> int:
+        """Tensor (model) parallel size applied (1 in stand_alone and data_parallel modes)."""
+        return self.model_parallel if self._layout_applies else 1
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel size applied (1 in stand_alone and data_parallel modes)."""
+        return self.pipeline_stage if self._layout_applies else 1
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size applied (1 in stand_alone and data_parallel modes)."""
+        return self.expert_parallel if self._layout_applies else 1
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank applied (1 without pipeline parallelism)."""
+        return self.virtual_pipeline_stages if self.pp > 1 else 1
+
+    @property
+    def micro_batches(self) -> int:
+        """Pipeline micro-batches per step applied (1 without pipeline parallelism)."""
+        return self.micro_batch_num if self.pp > 1 else 1
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO stage applied, 0..3 (0 when there is only one data-parallel rank)."""
+        return self.optimizer_shard if self.dp > 1 else 0
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether sequence parallelism is applied (needs more than one model-parallel rank)."""
+        return self.use_seq_parallel and self.tp > 1
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether the vocabulary is sharded across model-parallel ranks."""
+        return not self.vocab_emb_dp and self.tp > 1
+
+    @property
+    def torch_schedule_name(self) -> str:
+        """``pipeline_schedule`` as named by ``torch.distributed.pipelining.schedules.get_schedule_class``."""
+        return TORCH_SCHEDULE_NAMES[self.pipeline_schedule]
+
+
+def _expert_count(cfg: Any) -> tuple[int | None, str]:
+    """The model config's number of experts and the attribute it came from; (None, "") for dense models."""
+    for name in ("num_experts", "expert_num", "num_local_experts"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value, name
+    moe = getattr(cfg, "moe_config", None)
+    value = getattr(moe, "expert_num", None) if moe is not None else None
+    if isinstance(value, int) and value > 1:
+        return value, "moe_config.expert_num"
+    return None, ""
