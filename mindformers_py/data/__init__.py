@@ -1,0 +1,35 @@
+"""Data: the embedded default corpus (Python stdlib source), tokenizer training, packing, collators."""
+
+from mindformers_py.data.cache import default_cache_dir
+from mindformers_py.data.collators import DataCollatorForCausalLM
+from mindformers_py.data.corpus import load_text_files, split_of, stdlib_corpus, stdlib_files, stdlib_root
+from mindformers_py.data.packing import count_tokens, pack_dataset
+from mindformers_py.data.pretraining import default_pretraining_data, tokenizer_fingerprint
+from mindformers_py.data.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    ENDOFTEXT,
+    PAD,
+    default_tokenizer,
+    default_tokenizer_path,
+    train_bpe_tokenizer,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "DataCollatorForCausalLM",
+    "ENDOFTEXT",
+    "PAD",
+    "count_tokens",
+    "default_cache_dir",
+    "default_pretraining_data",
+    "default_tokenizer",
+    "default_tokenizer_path",
+    "load_text_files",
+    "pack_dataset",
+    "split_of",
+    "stdlib_corpus",
+    "stdlib_files",
+    "stdlib_root",
+    "tokenizer_fingerprint",
+    "train_bpe_tokenizer",
+]
