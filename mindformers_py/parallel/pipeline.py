@@ -1,0 +1,354 @@
+"""Pipeline parallelism: a causal LM cut into stages by layers, run by ``torch.distributed.pipelining``.
+
+The cut follows the plans the model declares (``config.base_model_pp_plan`` and the head's ``_pp_plan``): modules
+listed before ``layers`` (token and position embeddings) live on the first stage, ``layers`` is split into
+contiguous ranges, and modules listed after it (final norm, LM head) live on the last stage, where the loss is
+computed. Modules outside the plans hold no trained weights (rotary tables, dropout) and every stage keeps them.
+
+A stage module shares the original model's submodules (no copy) and keeps their names, so its state-dict keys
+are those of the full model (``model.layers.5.mlp.up_proj.weight`` stays that on whichever rank owns layer 5):
+sharded checkpoints written under one layout load under another. Each stage is wrapped in torch's
+``PipelineStage`` and driven by one of its schedules: ``gpipe`` (``ScheduleGPipe``), ``1f1b``
+(``Schedule1F1B``) or ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``, several stage modules per rank,
+assigned round-robin: rank r holds stages r, r + pp, r + 2·pp, ...).
+
+The loss of a micro-batch is its token-summed cross-entropy divided by the token count of the whole batch
+(``num_items_in_batch``), and gradients are not rescaled by the schedule, so a pipelined step computes the
+same loss and gradients as one stand-alone forward/backward of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from ..errors import ConfigError
+from ..layers import IGNORE_INDEX, build_attention_mask, causal_lm_loss
+from .config import ParallelConfig
+
+LAYERS_KEY = "layers"
+
+
+def layer_ranges(num_layers: int, num_chunks: int) -> list[range]:
+    """Split ``num_layers`` transformer layers into ``num_chunks`` contiguous ranges, as even as possible.
+
+    Left-over layers go to the earliest chunks: the last chunk also runs the LM head and the loss, whose cost
+    grows with the vocabulary, so it is the one that gets the smaller share.
+    """
+    if num_chunks < 1 or num_layers < num_chunks:
+        raise ConfigError(
+            f"pipeline chunks={num_chunks} is not valid for num_hidden_layers={num_layers}; "
+            f"expected between 1 and {num_layers} chunks (each needs a layer)"
+        )
+    base, extra = divmod(num_layers, num_chunks)
+    ranges, start = [], 0
+    for chunk in range(num_chunks):
+        size = base + (1 if chunk < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[int]:
+    """Stage indices held by pipeline rank ``pp_rank``: round-robin ("looped"), as interleaved 1F1B expects."""
+    return [pp_rank + chunk * pp_size for chunk in range(virtual_stages)]
+
+
+class LayerSlice(nn.ModuleDict):
+    """Some consecutive layers of a ``ModuleList``, keyed by their index in the full model.
+
+    Iterating yields the layers (not the keys, unlike ``ModuleDict``), so code written for the full
+    ``ModuleList`` runs unchanged, while parameter names keep the full model's numbering.
+    """
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self.values())
+
+
+def _plan_names(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """From the model's pipeline plan (transformers merges ``config.base_model_pp_plan`` under the base-model
+    prefix with the head's ``_pp_plan``): the base model's modules before ``layers`` (first stage), those after
+    it (last stage), and the head's modules (last stage)."""
+    prefix = model.base_model_prefix + "."
+    plan = list(getattr(model, "_pp_plan", None) or {})
+    base = [name[len(prefix):] for name in plan if name.startswith(prefix)]
+    if LAYERS_KEY not in base:
+        raise ConfigError(
+            f"pipeline_stage > 1 is not supported for {type(model).__name__}: it declares no pipeline plan "
+            f"(base_model_pp_plan) with a '{LAYERS_KEY}' entry; use pipeline_stage=1"
+        )
+    cut = base.index(LAYERS_KEY)
+    head = [name for name in plan if not name.startswith(prefix)]
+    return base[:cut], base[cut + 1 :], head
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline chunk of a decoder-only causal LM (``GPTForCausalLM`` and models built like it).
+
+    It holds the chunk's layers and, on the first chunk, the embeddings, on the last the final norm and the
+    head, under the full model's attribute names (``model.embed_tokens``, ``model.layers.<i>``, ``lm_head``).
+    ``forward`` maps token ids (first chunk) or hidden states (others) to hidden states (others than the last)
+    or logits (last); positions run 0..T-1, as in training without a cache.
+
+    Args:
+        model: the full causal LM; its submodules are shared, not copied.
+        layers: indices of the transformer layers this chunk runs.
+        is_first: whether the chunk embeds the tokens.
+        is_last: whether the chunk applies the final norm and the LM head.
+    """
+
+    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.is_first, self.is_last = is_first, is_last
+        self.layer_ids = layers
+        before, after, head = _plan_names(model)
+        prefix = model.base_model_prefix
+        source_base = getattr(model, prefix)
+        base = nn.Module()
+        # Weight-free helpers (rotary tables, dropout) are needed by every chunk.
+        planned = {*before, *after, LAYERS_KEY}
+        for name, child in source_base.named_children():
+            if name not in planned:
+                base.add_module(name, child)
+        for names, owned in ((before, is_first), (after, is_last)):
+            for name in names:
+                base.add_module(name, getattr(source_base, name, None) if owned else None)
+        all_layers = getattr(source_base, LAYERS_KEY)
+        base.add_module(LAYERS_KEY, LayerSlice({str(i): all_layers[i] for i in layers}))
+        self.add_module(prefix, base)
+        self._base_name = prefix
+        self._head_names = head
+        for name in head:
+            self.add_module(name, getattr(model, name) if is_last else None)
+
+    @property
+    def base(self) -> nn.Module:
+        """The container of embeddings, layers and norm (``self.model`` for GPT)."""
+        return getattr(self, self._base_name)
+
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs`` (B, T) token ids on the first chunk, (B, T, C) hidden states elsewhere; returns (B, T, C)
+        hidden states, or (B, T, V) logits on the last chunk. ``attention_mask`` is the HF padding mask (B, T)."""
+        base, cfg = self.base, self.config
+        length = inputs.shape[1]
+        position_ids = torch.arange(length, device=inputs.device)[None]
+        if self.is_first:
+            hidden = base.embed_tokens(inputs)  # (B, T, C)
+            if getattr(base, "embed_positions", None) is not None:
+                hidden = hidden + base.embed_positions(position_ids)
+            hidden = base.drop(hidden) if hasattr(base, "drop") else hidden
+        else:
+            hidden = inputs
+        mask = build_attention_mask(
+            attention_mask, query_length=length, kv_length=length,
+            sliding_window=getattr(cfg, "sliding_window", None), device=hidden.device,
+        )
+        rotary = base.rotary_emb(position_ids, hidden.dtype) if getattr(base, "rotary_emb", None) is not None else None
+        for layer in base.layers:
+            hidden = layer(hidden, mask, rotary)
+        if self.is_last:
+            if getattr(base, "norm", None) is not None:
+                hidden = base.norm(hidden)
+            for name in self._head_names:
+                hidden = getattr(self, name)(hidden)
+        return hidden
+
+
+def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int]) -> list[CausalLMStage]:
+    """The stage modules ``chunk_ids`` of ``model`` cut into ``num_chunks`` chunks by :func:`layer_ranges`."""
+    ranges = layer_ranges(model.config.num_hidden_layers, num_chunks)
+    return [CausalLMStage(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1) for i in chunk_ids]
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a next-token loss in ``labels`` (shifted by one, ``-100`` ignored)."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Loss of one micro-batch: token-summed cross-entropy over the whole batch's token count."""
+    return causal_lm_loss(logits, labels, num_items_in_batch)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a DTensor (tensor parallel, FSDP), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class PipelineParallel:
+    """This rank's share of a pipelined causal LM and the schedule that trains it.
+
+    Build it with :func:`build_pipeline`. ``model_parts`` are the stage modules this rank holds (one, or
+    ``virtual_pipeline_stages`` for interleaved 1F1B); give their parameters to the optimizer. :meth:`step`
+    runs forward and backward of a whole per-rank batch and returns the batch loss on every pipeline rank.
+
+    Attributes:
+        model_parts: this rank's stage modules, in stage order.
+        stages: the ``PipelineStage`` wrapping each model part.
+        schedule: the torch pipeline schedule.
+        pp_group: the process group of this rank's pipeline.
+        pp_rank: this rank's position in the pipeline.
+        pp_size: number of pipeline ranks.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], stages: list[PipelineStage], schedule: Any,
+                 pp_group: dist.ProcessGroup, tied_group: dist.ProcessGroup | None,
+                 tied_names: list[str]) -> None:
+        self.model_parts = model_parts
+        self.stages = stages
+        self.schedule = schedule
+        self.pp_group = pp_group
+        self.pp_rank = dist.get_rank(pp_group)
+        self.pp_size = dist.get_world_size(pp_group)
+        self.has_first_stage = any(stage.is_first for stage in stages)
+        self.has_last_stage = any(stage.is_last for stage in stages)
+        self._tied_group = tied_group
+        self._tied_names = tied_names
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Trainable parameters of every model part on this rank."""
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters with the full model's names (each name lives on exactly one pipeline rank, except tied
+        embeddings, which the first and last stage both hold)."""
+        for part in self.model_parts:
+            yield from part.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the full model's state dict (full-model key names)."""
+        out: dict[str, Any] = {}
+        for part in self.model_parts:
+            out.update(part.state_dict())
+        return out
+
+    def train(self, mode: bool = True) -> PipelineParallel:
+        """Set training mode on every model part."""
+        for part in self.model_parts:
+            part.train(mode)
+        return self
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one per-rank batch, split into the configured micro-batches.
+
+        Every rank of the pipeline passes the same batch (the first stage reads ``input_ids``, the last
+        ``labels``). ``num_items_in_batch`` normalises the summed token loss (HF's meaning); by default it is
+        this batch's loss-token count, which makes the loss the token mean. Gradients accumulate into the
+        parameters (tied embeddings are summed between the first and last stage). Returns the batch loss
+        (detached) on every rank of the pipeline.
+        """
+        if num_items_in_batch is None:
+            num_items_in_batch = max(count_loss_tokens(labels), 1)
+        kwargs = {}
+        if attention_mask is not None and not bool(attention_mask.all()):
+            kwargs["attention_mask"] = attention_mask
+        args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                           loss_kwargs={"num_items_in_batch": num_items_in_batch}, **kwargs)
+        self._sync_tied_grads()
+        device = self.stages[0].device
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses \
+            else torch.zeros((), device=device)
+        # The loss is known on the last rank only; the caller logs it on every rank.
+        dist.broadcast(total, group_src=self.pp_size - 1, group=self.pp_group)
+        return total
+
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradients of weights shared by the first and last stage (tied input/output embeddings):
+        each stage holds its own copy, and both copies must take the same update."""
+        if self._tied_group is None:
+            return
+        for part in self.model_parts:
+            params = dict(part.named_parameters(remove_duplicate=False))
+            for name in self._tied_names:
+                param = params.get(name)
+                if param is not None and param.grad is not None:
+                    dist.all_reduce(_local(param.grad), group=self._tied_group)
+
+
+def _tied_weight_names(model: nn.Module) -> list[str]:
+    """Names of the weights the first and last stage would both hold (tied input/output embeddings)."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    names = list(tied) + list(tied.values()) if isinstance(tied, Mapping) else list(tied)
+    return names
+
+
+def _pp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup:
+    if mesh is None:
+        return dist.group.WORLD
+    if mesh.mesh_dim_names and "pp" in mesh.mesh_dim_names and mesh.ndim > 1:
+        return mesh["pp"].get_group()
+    return mesh.get_group()
+
+
+def build_pipeline(
+    model: nn.Module,
+    parallel_config: ParallelConfig,
+    mesh: DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
+) -> PipelineParallel:
+    """Cut ``model`` into pipeline stages, keep this rank's, wrap them in ``PipelineStage`` and build the schedule.
+
+    Args:
+        model: a causal LM declaring ``base_model_pp_plan`` (e.g. ``GPTForCausalLM``), with the same weights on
+            every rank (same seed or same checkpoint). Its submodules are shared by the stage modules; drop the
+            other references to it afterwards so the layers of other stages are freed.
+        parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num`` and
+            ``pipeline_schedule``.
+        mesh: a mesh with a ``"pp"`` dimension (or a 1-D pipeline mesh); None uses the whole world.
+        device: where the stage modules run (default: CPU for gloo, else the current CUDA device).
+        parallelize: applied to each stage module after the cut (tensor parallel, recompute, data parallel /
+            ZeRO, in torchtitan's order); it may wrap and return a new module or modify in place (None).
+    """
+    pp, vpp = parallel_config.pp, parallel_config.vpp
+    group = _pp_group(mesh)
+    if dist.get_world_size(group) != pp:
+        raise ConfigError(
+            f"pipeline_stage={pp} does not match the pipeline process group of {dist.get_world_size(group)} ranks"
+        )
+    pp_rank = dist.get_rank(group)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
+    device = torch.device(device)
+    num_chunks = pp * vpp
+    chunk_ids = stage_ids_for_rank(pp_rank, pp, vpp)
+    parts: list[nn.Module] = []
+    for part in split_model(model, num_chunks, chunk_ids):
+        part.to(device)
+        if parallelize is not None:
+            part = parallelize(part) or part
+        parts.append(part)
+    stages = [PipelineStage(part, chunk, num_chunks, device, group=group) for part, chunk in zip(parts, chunk_ids)]
+    schedule_cls = get_schedule_class(parallel_config.torch_schedule_name)
+    common = dict(n_microbatches=parallel_config.micro_batches, loss_fn=_pipeline_loss, scale_grads=False)
+    if issubclass(schedule_cls, PipelineScheduleSingle):
+        schedule = schedule_cls(stages[0], **common)
+    else:
+        schedule = schedule_cls(stages, **common)
+    tied_names = _tied_weight_names(model)
+    tied_group = None
+    if tied_names and pp > 1:
+        ranks = dist.get_process_group_ranks(group)
+        pair = [ranks[0], ranks[-1]]
+        if pp == 2:
+            tied_group = group
+        elif pp_rank in (0, pp - 1):
+            # Only the two members create the group; the middle stages hold no tied weight.
+            tied_group = dist.new_group(pair, use_local_synchronization=True)
+    return PipelineParallel(parts, stages, schedule, group, tied_group, tied_names)
