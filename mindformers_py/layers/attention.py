@@ -76,13 +76,18 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        y = attention_core(
+        y = self.core(
             q, k, v, attention_mask,
             is_causal=self.is_causal and attention_mask is None and t > 1,
             dropout=self.dropout if self.training else 0.0,
             scale=self.scale,
         )
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q, k, v, mask, is_causal: bool, dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+        """This layer's softmax(q kᵀ) v, i.e. :func:`attention_core`. Selective recompute replaces it on the
+        instance with a checkpointed call, so only this part is re-run in backward."""
+        return attention_core(q, k, v, mask, is_causal, dropout, scale)
 
 
 def attention_core(

@@ -1,0 +1,178 @@
+"""The device mesh of a run: torch's ``DeviceMesh`` with named dimensions built from a :class:`ParallelConfig`.
+
+One 4-D world mesh ``("pp", "dp_replicate", "dp_shard", "tp")`` (torchtitan's layout, sizes of 1 kept so every
+dimension can always be named) covers every layout. Data parallelism is split in two so that ZeRO and HSDP are
+the same mesh read differently: ``dp_shard`` ranks shard parameters, gradients and optimizer state (FSDP2), and
+``dp_replicate`` ranks hold replicas that all-reduce their gradients; the flattened ``"dp"`` dimension is the
+whole data-parallel group (it splits the batch and averages metrics). Expert parallelism is folded into the
+data x model parallel ranks as MindFormers does, so it has no dimension of its own here.
+
+The backend is NCCL on CUDA and gloo on CPU; tests run every layout on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..errors import ConfigError
+from .config import ParallelConfig
+from .data import shards_state
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DEFAULT_TIMEOUT_S = 600
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the process group described by the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), unless this process already joined one.
+
+    ``backend`` defaults to NCCL on CUDA and gloo on CPU. ``timeout_s`` bounds every collective, so a rank that
+    died makes the others fail with an error instead of hanging forever (default: ``MINDFORMERS_DIST_TIMEOUT``
+    seconds, else 600).
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"torch.distributed environment is incomplete (missing {', '.join(missing)}); start the run with "
+            "torchrun or `mindformers-py run`, or use parallel_mode='stand_alone'"
+        )
+    device_type = default_device_type()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MINDFORMERS_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    dist.init_process_group(
+        backend=backend or ("nccl" if device_type == "cuda" else "gloo"),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+@dataclass
+class ParallelMesh:
+    """The world mesh and its named sub-meshes, for one process.
+
+    Attributes:
+        world: the 4-D ``DeviceMesh`` over ``MESH_DIMS``, or None for a single process without a process group.
+        pp: pipeline-parallel size.
+        dp_replicate: data-parallel replicas (DDP, or the replicate dimension of HSDP).
+        dp_shard: data-parallel ranks that shard state (FSDP2); 1 without ZeRO stages 2/3.
+        tp: tensor-parallel size.
+    """
+
+    world: DeviceMesh | None
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Whole data-parallel size (replicas x shards): how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` or ``"cpu"``."""
+        return self.world.device_type if self.world is not None else default_device_type()
+
+    def _sub(self, name: str) -> DeviceMesh | None:
+        return self.world[name] if self.world is not None else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """1-D tensor-parallel mesh (None for a single process)."""
+        return self._sub("tp")
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """1-D pipeline mesh (None for a single process)."""
+        return self._sub("pp")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh over every data-parallel rank (replicas and shards flattened): batch split, metric means,
+        DDP and ZeRO-1's optimizer-state partition."""
+        if self.world is None:
+            return None
+        return self.world["dp_replicate", "dp_shard"]._flatten("dp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh handed to FSDP2's ``fully_shard``: 1-D ``dp_shard`` (FSDP), or 2-D ``(dp_replicate,
+        dp_shard)`` when both are larger than 1 (HSDP: replicate across the first, shard across the second)."""
+        if self.world is None:
+            return None
+        if self.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_shard"]
+
+    def local_rank(self, dim: str) -> int:
+        """This process's coordinate along ``dim`` (``"pp"``, ``"dp"``, ``"tp"``, ...); 0 for a single process."""
+        if self.world is None:
+            return 0
+        if dim == "dp":
+            return self.dp_mesh.get_local_rank()
+        return self.world.get_local_rank(dim)
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this process's data-parallel replica/shard, which picks its part of the global batch."""
+        return self.local_rank("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        """Index of this process within its tensor-parallel group."""
+        return self.local_rank("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline stage index of this process."""
+        return self.local_rank("pp")
+
+
+def mesh_sizes(config: ParallelConfig, shard_size: int | None = None) -> dict[str, int]:
+    """Sizes of ``MESH_DIMS`` for ``config``.
+
+    When FSDP2 shards the state (ZeRO stages 2 and 3, see :mod:`.data`), it shards over ``shard_size``
+    data-parallel ranks (default: all of them, plain FSDP); a smaller ``shard_size`` keeps ``dp / shard_size``
+    replicas of each shard (HSDP, MindFormers' ``optimizer_weight_shard_size``). Otherwise all data-parallel
+    ranks are replicas.
+    """
+    dp = config.dp
+    shard = 1
+    if shards_state(config):
+        shard = dp if shard_size is None else shard_size
+        if shard < 1 or dp % shard:
+            raise ConfigError(
+                f"optimizer shard size={shard_size} is not valid with data_parallel={dp}; expected a divisor of {dp}"
+            )
+    return {"pp": config.pp, "dp_replicate": dp // shard, "dp_shard": shard, "tp": config.tp}
+
+
+def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_type: str | None = None) -> ParallelMesh:
+    """The :class:`ParallelMesh` of ``config`` for this process, joining the process group if needed.
+
+    ``stand_alone`` (or any layout of one process without a process group) gives a mesh-less
+    :class:`ParallelMesh`; otherwise the world size must equal the layout's size (checked by
+    :meth:`ParallelConfig.validate_for`, so the message names the offending fields).
+    """
+    sizes = mesh_sizes(config, shard_size)
+    if not config.is_distributed and not dist.is_initialized():
+        return ParallelMesh(world=None, **{k: 1 for k in sizes})
+    init_distributed()
+    config.validate_for(dist.get_world_size())
+    shape = tuple(sizes[d] for d in MESH_DIMS)
+    world = init_device_mesh(device_type or default_device_type(), shape, mesh_dim_names=MESH_DIMS)
+    return ParallelMesh(world=world, **sizes)

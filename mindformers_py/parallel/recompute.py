@@ -1,0 +1,66 @@
+"""Activation recomputation (checkpointing) with torch's checkpoint wrappers, chosen by :class:`RecomputeConfig`.
+
+* ``full``: each chosen transformer layer is wrapped in ``checkpoint_wrapper`` (non-reentrant): only its input
+  is kept for backward, and its forward is re-run there.
+* ``selective``: only the parts named in ``select_recompute`` are re-run: ``attention_core`` (the
+  softmax(q kᵀ)v of :func:`mindformers_py.layers.attention_core`, whose intermediates grow with the square of the
+  sequence; the layer's :meth:`Attention.core` is replaced by a ``torch.utils.checkpoint`` call of it),
+  ``self_attn`` or ``mlp`` (those sub-blocks wrapped in ``checkpoint_wrapper``).
+* every-N-layers: ``recompute_num_layers`` limits either mode to the first N layers of each pipeline stage.
+
+Checkpointing preserves the RNG state, so dropout masks are the same in the re-run. The wrappers add
+``_checkpoint_wrapped_module`` to parameter names; torch's state-dict hooks (and DCP) remove it again, so
+checkpoints do not depend on recompute.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
+
+from ..layers import Attention, attention_core
+from .config import RecomputeConfig
+from .data import layer_modules
+
+
+def _checkpointed_attention_core(*args, **kwargs):
+    return checkpoint(attention_core, *args, use_reentrant=False, **kwargs)
+
+
+def _wrap_child(parent: nn.Module, name: str) -> None:
+    setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
+
+
+def _parents(model: nn.Module, targets: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each module in ``targets``, in the order of ``targets``."""
+    where = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            where.setdefault(id(child), (parent, name))
+    return [where[id(t)] for t in targets]
+
+
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0) -> nn.Module:
+    """Apply ``recompute`` to ``model``'s transformer layers in place; returns ``model``.
+
+    ``model`` may be a whole model or one pipeline stage (``stage`` its index, for per-stage layer counts);
+    layers are counted from 0 within it. Apply after tensor parallelism and before data parallelism.
+    """
+    if not recompute.enabled:
+        return model
+    layers = layer_modules(model)
+    chosen = [layer for i, layer in enumerate(layers) if recompute.recomputes_layer(i, stage)]
+    if recompute.recompute == "full":
+        for parent, name in _parents(model, chosen):
+            _wrap_child(parent, name)
+        return model
+    for layer in chosen:
+        for part in recompute.select_recompute:
+            if part == "attention_core":
+                for module in layer.modules():
+                    if isinstance(module, Attention):
+                        module.core = _checkpointed_attention_core
+            elif isinstance(getattr(layer, part, None), nn.Module):
+                _wrap_child(layer, part)
+    return model

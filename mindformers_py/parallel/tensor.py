@@ -1,0 +1,215 @@
+"""Tensor parallelism from the plans a model declares, applied with DTensor's ``parallelize_module``.
+
+A model declares how its layers shard with HF's plan strings (``GPTConfig.base_model_tp_plan`` for the base
+model, ``_tp_plan`` on the head); this module maps each string to one of torch's parallel styles:
+
+=========================  =================================================================================
+plan string                torch style
+=========================  =================================================================================
+``colwise``                ``ColwiseParallel()``: output features split, input replicated
+``rowwise``                ``RowwiseParallel()``: input features split, output all-reduced (reduce-scattered
+                           over the sequence with sequence parallelism)
+``embedding_rowwise``      ``RowwiseParallel(input_layouts=Replicate())``: vocabulary rows split, looked-up
+                           vectors all-reduced. Only with ``vocab_emb_dp=False``.
+``colwise_gather_output``  ``ColwiseParallel(output_layouts=Replicate())``: vocabulary split, logits gathered.
+                           Only with ``vocab_emb_dp=False``, where the logits are instead kept sharded
+                           (``Shard(-1)``) for ``loss_parallel`` unless full logits are asked for.
+=========================  =================================================================================
+
+With ``vocab_emb_dp=True`` (MindFormers' default) the embedding and the LM head stay whole on every
+tensor-parallel rank, as in MindFormers; the plan entries for them are then not applied.
+
+Sequence parallelism (``use_seq_parallel``, torchtitan's recipe): between transformer sublayers the residual
+stream is split along the sequence (``Shard(1)``) across the tensor-parallel ranks. Every norm gets
+``SequenceParallel``; the attention and MLP blocks get ``PrepareModuleInput`` that all-gathers the sequence before
+their column-parallel projections; their row-parallel projections reduce-scatter back to ``Shard(1)``. The
+stream is cut into sequence shards at the embedding dropout (``<base>.drop``), after the position embeddings
+were added, and the LM head all-gathers it again.
+
+Model code never changes: layers compute with local sizes (``view(b, t, -1, head_dim)``), so a rank holding
+half the heads simply sees half the heads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..errors import ConfigError, invalid_choice
+from ..layers import RMSNorm
+
+PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+# Where the residual stream is cut into sequence shards: the base model's embedding dropout, which runs after
+# token and position embeddings are summed (so positions see the whole sequence).
+SEQUENCE_SCATTER_MODULE = "drop"
+NORM_TYPES = (nn.LayerNorm, RMSNorm)
+
+
+def tp_plan_of(model: nn.Module) -> dict[str, str]:
+    """The full plan of ``model``: module-name pattern (``*`` for one name part) -> plan string.
+
+    HF models merge the config's ``base_model_tp_plan`` (prefixed with ``base_model_prefix``) with the head's
+    ``_tp_plan`` in ``model.tp_plan``; a bare module with a ``config`` gets the base plan under ``model.``.
+    """
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "model")
+    return {f"{prefix}.{k}": v for k, v in base.items()}
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")) + r"\Z")
+
+
+def _matching(model: nn.Module, key: str) -> list[str]:
+    pattern = _pattern(key)
+    return [name for name, _ in model.named_modules() if name and pattern.match(name)]
+
+
+def _styles(
+    model: nn.Module, plan: Mapping[str, str], *, sequence_parallel: bool, vocab_parallel: bool, gather_logits: bool
+) -> dict[str, ParallelStyle]:
+    """Module name -> torch parallel style for every module the plan (and sequence parallelism) touches."""
+    seq = Shard(1)
+    styles: dict[str, ParallelStyle] = {}
+    block_inputs: set[str] = set()
+    for key, kind in plan.items():
+        if kind not in PLAN_STYLES:
+            raise invalid_choice(f"tp_plan[{key!r}]", kind, PLAN_STYLES)
+        for name in _matching(model, key):
+            if kind == "colwise":
+                styles[name] = ColwiseParallel()
+                block_inputs.add(name.rpartition(".")[0])
+            elif kind == "rowwise":
+                styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+            elif kind == "embedding_rowwise":
+                if vocab_parallel:
+                    styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            elif vocab_parallel:  # colwise_gather_output
+                styles[name] = ColwiseParallel(
+                    input_layouts=seq if sequence_parallel else Replicate(),
+                    output_layouts=Replicate() if gather_logits else Shard(-1),
+                    use_local_output=gather_logits,
+                )
+            elif sequence_parallel:  # a whole head still needs the whole sequence
+                styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True)
+    if not sequence_parallel:
+        return styles
+    for name, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            styles[name] = SequenceParallel()
+    for block in block_inputs:
+        # Only the first input (the hidden states) changes layout; the others (mask, rotary, cache) pass through.
+        arity = _positional_arity(model.get_submodule(block))
+        styles[block] = PrepareModuleInput(
+            input_layouts=(seq,) + (None,) * (arity - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (arity - 1),
+            use_local_output=True,
+        )
+    scatter = [f"{name}.{SEQUENCE_SCATTER_MODULE}" for name, child in model.named_children()
+               if isinstance(getattr(child, SEQUENCE_SCATTER_MODULE, None), nn.Module) and hasattr(child, "layers")]
+    if not scatter:
+        raise ConfigError(
+            f"use_seq_parallel=True is not supported for {type(model).__name__}: its base model has no "
+            f"'{SEQUENCE_SCATTER_MODULE}' module where the sequence could be split"
+        )
+    for name in scatter:
+        styles[name] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
+                                          use_local_output=True)
+    return styles
+
+
+def _positional_arity(module: nn.Module) -> int:
+    """How many positional inputs ``module.forward`` takes (callers in our layers pass all of them)."""
+    params = inspect.signature(module.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
+    gather_logits: bool = False,
+    plan: Mapping[str, str] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` following its declared plan; returns ``model``.
+
+    Args:
+        model: an HF-style model (or a pipeline stage of one) whose layers compute with local sizes.
+        tp_mesh: the tensor-parallel mesh (``ParallelMesh.tp_mesh``).
+        sequence_parallel: split the residual stream along the sequence between sublayers.
+        vocab_parallel: shard the embedding and LM head by vocabulary (``vocab_emb_dp=False``); the logits come
+            out as a ``DTensor`` sharded on the vocabulary, for ``loss_parallel``.
+        gather_logits: with ``vocab_parallel``, gather the logits into an ordinary full tensor instead (the
+            plan's literal ``colwise_gather_output``: inference, or a loss computed outside ``loss_parallel``).
+        plan: module-name pattern -> plan string; default :func:`tp_plan_of` ``(model)``. Patterns that match no
+            module are skipped, so one plan serves every pipeline stage.
+    """
+    if tp_mesh.ndim != 1:
+        raise ConfigError(f"tensor-parallel mesh has {tp_mesh.ndim} dimensions; expected a 1-D mesh")
+    plan = tp_plan_of(model) if plan is None else dict(plan)
+    if not plan:
+        raise ConfigError(f"model_parallel > 1 is not supported for {type(model).__name__}: it declares no tp_plan")
+    styles = _styles(model, plan, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                     gather_logits=gather_logits)
+    if sequence_parallel and not any(isinstance(s, SequenceParallel) for s in styles.values()):
+        raise ConfigError(f"use_seq_parallel=True is not supported for {type(model).__name__}: it has no norm layers")
+    tied = _tied_pairs(model)
+    parallelize_module(model, tp_mesh, styles)
+    _retie(model, tied)
+    return model
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """(alias, owner) parameter names sharing one tensor, e.g. ``("lm_head.weight", "model.embed_tokens.weight")``.
+
+    ``parallelize_module`` replaces each module's parameters separately, which would silently untie them."""
+    seen: dict[int, str] = {}
+    pairs = []
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if id(param) in seen:
+                pairs.append((full, seen[id(param)]))
+            else:
+                seen[id(param)] = full
+    return pairs
+
+
+def _retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    for alias, owner in pairs:
+        owner_param = model.get_parameter(owner)
+        alias_param = model.get_parameter(alias)
+        if owner_param is alias_param:
+            continue
+        if isinstance(owner_param, DTensor) != isinstance(alias_param, DTensor) or (
+            isinstance(owner_param, DTensor) and owner_param.placements != alias_param.placements
+        ):
+            raise ConfigError(f"tied weights {owner} and {alias} are sharded differently by the tp_plan")
+        module_name, _, pname = alias.rpartition(".")
+        setattr(model.get_submodule(module_name), pname, owner_param)
+
+
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """An ordinary tensor with the full value of ``tensor`` (gathering a ``DTensor``; others unchanged)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
