@@ -12,6 +12,13 @@ import sys
 from .errors import MindFormersError
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .recipes import load_recipe, run_recipe
+
+    run_recipe(load_recipe(args.config), args.extra)
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint
 
@@ -30,6 +37,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindformers-py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run", help="run a task recipe (YAML); override any field with --name value or --section.name value",
+        description="Run a task recipe. Overrides: --<training or parallel field> VALUE (e.g. --max_steps 8, "
+        "--parallel_mode semi_auto_parallel, --data_parallel 2), --run_mode train|finetune|eval|predict, or a dotted "
+        "path --<section>.<field> VALUE (e.g. --model.num_layers 4, --data.block_size 128).",
+    )
+    run.add_argument("config", help="recipe file, e.g. tasks/gpt/pretrain_tiny.yaml")
+    run.set_defaults(func=_cmd_run)
     conv = sub.add_parser("convert", help="convert a checkpoint between our format and HF's")
     conv.add_argument("src", help="source checkpoint folder (ours or HF)")
     conv.add_argument("dst", help="destination folder (written atomically)")

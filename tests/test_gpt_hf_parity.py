@@ -96,3 +96,15 @@ def test_cli_convert(tmp_path):
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ours"), "--to", "mindformers"]) == 0
     assert mf.AutoConfig.from_pretrained(tmp_path / "ours").model_type == "mindformers_gpt"
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "x"), "--to", "hf"]) == 2
+
+
+def test_llama3_scaled_rope_matches_hf(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    hf = tiny_hf_model("llama", rope_parameters=rope)
+    hf.save_pretrained(tmp_path)
+    ours = mf.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert ours.config.rope_parameters["rope_type"] == "llama3"
+    ids = torch.randint(3, VOCAB, (1, 40))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4

@@ -6,7 +6,6 @@ Token embeddings are plain ``nn.Embedding`` modules owned by each model; their t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,17 +46,12 @@ class RotaryEmbedding(nn.Module):
             theta = float(self.rope_parameters.get("rope_theta", 10000.0))
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
             return 1.0 / (theta**exponents), 1.0
+        from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        # The HF functions read a config object; give them the few fields they look at.
-        cfg = SimpleNamespace(
-            rope_parameters=self.rope_parameters,
-            head_dim=self.head_dim,
-            hidden_size=self.head_dim,
-            num_attention_heads=1,
-            max_position_embeddings=self.max_positions,
-            partial_rotary_factor=1.0,
-        )
+        # The HF functions read a config; a one-head Llama config carries exactly the fields they look at.
+        cfg = LlamaConfig(hidden_size=self.head_dim, num_attention_heads=1, head_dim=self.head_dim,
+                          max_position_embeddings=self.max_positions, rope_parameters=dict(self.rope_parameters))
         return ROPE_INIT_FUNCTIONS[self.rope_type](cfg, None)
 
     @torch.no_grad()

@@ -1,0 +1,151 @@
+"""Running a task recipe: build tokenizer, data, model, TrainingArguments and ParallelConfig from the sections,
+then train / finetune / evaluate / predict. The same recipe runs on one process or many: only ``parallel``
+changes, and when it needs more processes than this one the run re-launches itself under torchrun's machinery.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, check_choice
+from ..parallel.config import ParallelConfig
+from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
+from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
+
+RESOLVED_NAME = "run_config.yaml"
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or our launcher) as one rank of a job."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run a recipe dict (with CLI-style ``overrides``); returns the final metrics (and generated samples)."""
+    recipe = apply_overrides(recipe, parse_overrides(overrides or []))
+    check_recipe(recipe, "recipe")
+    run_mode = recipe.get("run_mode", "train")
+    check_choice("run_mode", run_mode, RUN_MODES)
+    parallel = ParallelConfig.coerce(recipe.get("parallel"), "parallel")
+    tok_s = section_from_dict(TokenizerSection, recipe.get("tokenizer"), "tokenizer")
+    data_s = section_from_dict(DataSection, recipe.get("data"), "data")
+    gen_s = section_from_dict(GenerateSection, recipe.get("generate"), "generate")
+    model_s = dict(recipe.get("model") or {})
+    name_or_path = model_s.pop("name_or_path", None)
+    if name_or_path is None:
+        raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
+
+    # Validate everything that needs no weights and no process group first (config, layout, batch).
+    from ..auto import resolve_config
+    from ..trainer.arguments import TrainingArguments
+
+    training = dict(recipe.get("training") or {})
+    args = TrainingArguments(**training, parallel_config=parallel)
+    config, _, _ = resolve_config(name_or_path, **model_s)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else parallel.required_world_size()
+    if parallel.parallel_mode != "auto_parallel":
+        parallel.validate_for(world, config, per_device_batch=args.per_device_train_batch_size)
+    if world > 1 and not under_torchrun():
+        return _relaunch(recipe, args.output_dir, world)
+    if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
+        raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
+
+    tokenizer = _load_tokenizer(tok_s, name_or_path)
+    if not Path(name_or_path).is_dir():  # a preset: size the vocabulary and special tokens to the tokenizer
+        model_s.setdefault("vocab_size", len(tokenizer))
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            model_s.setdefault(name, getattr(tokenizer, name))
+    from ..auto import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_s)
+    if model.config.vocab_size < len(tokenizer):
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}; set model.vocab_size")
+
+    results: dict[str, Any] = {}
+    if run_mode != "predict":
+        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, data_s, name_or_path))
+    if gen_s.prompts and _is_main():
+        results["samples"] = generate_samples(model, tokenizer, gen_s, args.output_dir)
+    return results
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _load_tokenizer(tok_s: TokenizerSection, name_or_path: str):
+    from transformers import AutoTokenizer
+
+    from ..data import default_tokenizer
+
+    if tok_s.name_or_path:
+        return AutoTokenizer.from_pretrained(tok_s.name_or_path)
+    if Path(name_or_path, "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(name_or_path)
+    return default_tokenizer(vocab_size=tok_s.vocab_size)
+
+
+def _datasets(data_s: DataSection, tokenizer):
+    from ..data import default_pretraining_data, load_text_files, pack_dataset
+
+    if data_s.source == "stdlib":
+        train, val = default_pretraining_data(tokenizer, data_s.block_size, max_files=data_s.max_files)
+    else:
+        train = pack_dataset(load_text_files(data_s.train_files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
+        val = None
+        if data_s.validation_files:
+            val = pack_dataset(load_text_files(data_s.validation_files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
+    if val is not None and data_s.max_eval_samples is not None:
+        val = val.select(range(min(len(val), data_s.max_eval_samples)))
+    return train, val
+
+
+def _train_or_eval(run_mode, recipe, args, model, tokenizer, data_s, name_or_path) -> dict[str, Any]:
+    from ..data import DataCollatorForCausalLM
+    from ..trainer import Trainer
+
+    train, val = _datasets(data_s, tokenizer)
+    trainer = Trainer(model=model, args=args, data_collator=DataCollatorForCausalLM(tokenizer),
+                      train_dataset=train if run_mode != "eval" else None, eval_dataset=val, processing_class=tokenizer)
+    if _is_main():
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
+    metrics: dict[str, Any] = {}
+    if run_mode == "train":
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    elif run_mode == "finetune":
+        trainer.finetune(finetune_checkpoint=name_or_path, resume_from_checkpoint=args.resume_from_checkpoint)
+    if run_mode in ("train", "finetune"):
+        trainer.save_model()
+    if val is not None:
+        metrics = trainer.evaluate()
+    return metrics
+
+
+def generate_samples(model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[str]:
+    """Continue each prompt with ``pipeline("text-generation")``; print them and save ``samples.txt``."""
+    from ..pipelines import pipeline
+
+    gen = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample, repetition_penalty=gen_s.repetition_penalty)
+    if gen_s.do_sample:
+        kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
+    samples = [out[0]["generated_text"] for out in (gen(p, **kwargs) for p in gen_s.prompts)]
+    text = "\n\n".join(f"----- sample {i + 1} -----\n{s}" for i, s in enumerate(samples))
+    print(text)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    Path(output_dir, "samples.txt").write_text(text + "\n")
+    return samples
+
+
+def _relaunch(recipe: dict[str, Any], output_dir: str, world: int) -> dict[str, Any]:
+    """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them."""
+    from ..parallel.launch import launch_recipe
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    resolved = Path(output_dir) / RESOLVED_NAME
+    dump_recipe(recipe, resolved)
+    launch_recipe(str(resolved), nproc=world)
+    return {}

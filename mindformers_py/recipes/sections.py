@@ -1,0 +1,82 @@
+"""The sections of a task recipe that are not configs of their own (those are the model config,
+``TrainingArguments`` and ``ParallelConfig``): where the tokenizer and data come from and what to generate."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ConfigError, check_choice
+
+RUN_MODES = ("train", "finetune", "eval", "predict")
+DATA_SOURCES = ("stdlib", "files")
+
+
+@dataclass
+class TokenizerSection:
+    """Which tokenizer the run uses."""
+
+    name_or_path: str | None = None
+    """A tokenizer folder; None trains (once, then cached) a byte-level BPE on the training corpus."""
+    vocab_size: int = 8192
+    """Vocabulary size of the tokenizer trained when ``name_or_path`` is None."""
+
+
+@dataclass
+class DataSection:
+    """Where training and evaluation text comes from and how it is cut into blocks."""
+
+    source: str = "stdlib"
+    """``stdlib`` (the running interpreter's standard library source, split by file) or ``files``."""
+    train_files: list[str] | str | None = None
+    """Training files or glob(s) when ``source: files`` (text, json/jsonl or csv)."""
+    validation_files: list[str] | str | None = None
+    """Validation files or glob(s) when ``source: files``; None holds out nothing."""
+    format: str | None = None
+    """Loader for ``files``: text, json or csv; None infers it from the extension."""
+    text_column: str = "text"
+    """Column holding the text in json/csv files."""
+    block_size: int = 256
+    """Tokens per training sample (documents are concatenated and cut into blocks)."""
+    max_files: int | None = None
+    """Use at most this many stdlib files per split (quick runs); None uses all."""
+    max_eval_samples: int | None = None
+    """Evaluate on at most this many validation blocks; None uses all."""
+
+    def __post_init__(self) -> None:
+        check_choice("data.source", self.source, DATA_SOURCES)
+        if self.source == "files" and not self.train_files:
+            raise ConfigError("data.train_files is required when data.source is 'files'")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"data.block_size={self.block_size!r} must be an integer >= 2")
+
+
+@dataclass
+class GenerateSection:
+    """Text generated after training (``train``/``finetune``) or by ``predict``, with ``pipeline("text-generation")``."""
+
+    prompts: list[str] = field(default_factory=list)
+    """Prompts to continue; empty generates nothing."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+    do_sample: bool = False
+    """Sample (with temperature/top_k/top_p) instead of greedy decoding."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_k: int = 50
+    """Sample among the k most likely tokens."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens of this total probability."""
+    repetition_penalty: float = 1.0
+    """Penalty (>1) on tokens already generated."""
+
+
+def section_from_dict(cls: type, data: Mapping[str, Any] | None, name: str):
+    """Build a section dataclass, refusing unknown keys with the list of valid ones."""
+    data = dict(data or {})
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in valid:
+            raise ConfigError(f"{name}.{key} is not a valid key; valid keys: {', '.join(valid)}")
+    return cls(**data)
