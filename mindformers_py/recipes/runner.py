@@ -10,16 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, check_choice
+from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..parallel.config import ParallelConfig
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
 RESOLVED_NAME = "run_config.yaml"
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or our launcher) as one rank of a job."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
@@ -142,10 +138,10 @@ def generate_samples(model, tokenizer, gen_s: GenerateSection, output_dir: str) 
 
 def _relaunch(recipe: dict[str, Any], output_dir: str, world: int) -> dict[str, Any]:
     """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them."""
-    from ..parallel.launch import launch_recipe
+    from ..parallel.launch import launch
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     resolved = Path(output_dir) / RESOLVED_NAME
-    dump_recipe(recipe, resolved)
-    launch_recipe(str(resolved), nproc=world)
+    dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
+    launch(["-m", "mindformers_py", "run", str(resolved)], world)
     return {}
