@@ -1,0 +1,218 @@
+"""Process launch with torchrun's own machinery (``torch.distributed.launcher.api.elastic_launch``).
+
+A distributed layout needs ``data_parallel * model_parallel * pipeline_stage`` processes. Started by ``torchrun``
+(which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
+(``mindformers-py run recipe.yaml --parallel_mode semi_auto_parallel``), it has no world yet, so
+:func:`launch` starts the processes on this node, exactly as ``torchrun --standalone --nproc_per_node N`` would:
+a local c10d rendezvous, no restarts, and an elastic agent that watches the workers. When one worker dies (an
+exception, a kill, an out-of-memory), the agent stops the others and :func:`launch` raises :class:`LaunchError`
+naming the rank, so a job never hangs in a collective waiting for a peer that is gone.
+
+Several nodes: run one torchrun agent per node with the same rendezvous endpoint (see :func:`multinode_command`)::
+
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 --rdzv_id job1 \\
+        -m mindformers_py run tasks/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel
+
+where HOST is the address of one of the nodes (reachable from all of them); every node runs the same command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ..errors import ConfigError, MindFormersError
+
+# Variables torchrun sets in every worker; their presence means "already launched".
+TORCHRUN_ENV = ("LOCAL_RANK", "WORLD_SIZE")
+
+
+class LaunchError(MindFormersError):
+    """A launched worker failed; the job was stopped. The message names the first failing rank and its exit."""
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in a torchrun-launched job (from the environment torchrun sets)."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    world_size: int
+    """Processes in the whole job."""
+    local_world_size: int
+    """Processes on this node."""
+
+
+def distributed_env(environ: dict[str, str] | None = None) -> DistributedEnv | None:
+    """The torchrun environment of this process, or None when it was not started by torchrun."""
+    env = os.environ if environ is None else environ
+    if not all(key in env for key in TORCHRUN_ENV):
+        return None
+    world = int(env["WORLD_SIZE"])
+    return DistributedEnv(
+        rank=int(env.get("RANK", env["LOCAL_RANK"])),
+        local_rank=int(env["LOCAL_RANK"]),
+        world_size=world,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a worker started by torchrun (or by :func:`launch`)."""
+    return distributed_env() is not None
+
+
+def needs_launch(world_size: int) -> bool:
+    """Whether a job of ``world_size`` processes must be started from here: more than one process is needed
+    and this process is not already one of torchrun's workers."""
+    return world_size > 1 and not launched_by_torchrun()
+
+
+def check_world_size(required: int) -> int:
+    """The world size to run with: torchrun's when launched by it (which must equal ``required``), else
+    ``required``. Raises a ConfigError naming both sizes when torchrun started a different number of workers."""
+    env = distributed_env()
+    if env is None:
+        return required
+    if env.world_size != required:
+        raise ConfigError(
+            f"the parallel layout needs world_size={required} processes but torchrun started WORLD_SIZE="
+            f"{env.world_size}; set --nproc_per_node/--nnodes to give {required} processes or change the layout"
+        )
+    return env.world_size
+
+
+def _describe_failure(err: ChildFailedError) -> str:
+    rank, failure = err.get_first_failure()
+    code = failure.exitcode
+    how = f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-code).name})"
+    message = failure.message
+    if isinstance(message, dict):  # from the worker's error file: the exception it raised
+        message = message.get("message", "")
+    # A signal is already named above; an exception's first line says what went wrong.
+    detail = f": {str(message).splitlines()[0]}" if message and code >= 0 else ""
+    others = len(err.failures) - 1
+    tail = f" ({others} more rank(s) failed)" if others > 0 else ""
+    return f"rank {rank} of the job failed with {how}{detail}{tail}; the other ranks were stopped"
+
+
+@contextlib.contextmanager
+def _worker_threads(nproc: int) -> Iterator[None]:
+    """As torchrun: one OpenMP thread per worker unless the user chose, so N workers do not oversubscribe."""
+    if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def launch(
+    target: Callable[..., Any] | Sequence[str],
+    nproc: int,
+    *args: Any,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    start_method: str = "spawn",
+) -> dict[int, Any]:
+    """Run ``target`` in ``nproc`` worker processes on this node and wait for all of them.
+
+    Args:
+        target: a picklable function (called as ``target(*args)`` in each worker; the return values come back),
+            or the arguments of a Python command line run in each worker, e.g.
+            ``["-m", "mindformers_py", "run", "recipe.yaml"]`` (``args`` must then be empty).
+        nproc: workers on this node.
+        nnodes: nodes in the job; with more than one, every node calls this with the same ``rdzv_endpoint``
+            and ``run_id`` (``torchrun --nnodes`` does the same from the shell).
+        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; default: a free local port (single node).
+        run_id: rendezvous id shared by the nodes of one job; default: a fresh one.
+        max_restarts: times the whole group is restarted after a failure (0: fail at once).
+        monitor_interval: seconds between the agent's checks of its workers (how fast a death is noticed).
+        start_method: how function workers are started (``spawn`` is safe with threads and CUDA).
+
+    Returns:
+        ``{global_rank: return value}`` for this node's workers (None for command lines).
+
+    Raises:
+        LaunchError: a worker failed or was killed; the others were stopped.
+    """
+    if nproc < 1 or nnodes < 1:
+        raise ConfigError(f"nproc={nproc}, nnodes={nnodes} is not valid; expected integers >= 1")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError(f"rdzv_endpoint={rdzv_endpoint!r} is not valid with nnodes={nnodes}; expected HOST:PORT")
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=run_id or str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+    )
+    if callable(target):
+        entrypoint: Callable[..., Any] | str = target
+        call_args: tuple[Any, ...] = args
+    else:
+        if args:
+            raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
+        entrypoint, call_args = sys.executable, ("-u", *target)
+    try:
+        with _worker_threads(nproc):
+            return elastic_launch(config, entrypoint)(*call_args)
+    except ChildFailedError as err:
+        raise LaunchError(_describe_failure(err)) from None
+
+
+def relaunch_command_line(argv: Sequence[str] | None = None) -> list[str]:
+    """The Python arguments that re-run this program's CLI in a worker: ``-m mindformers_py <argv>``."""
+    return ["-m", "mindformers_py", *(sys.argv[1:] if argv is None else argv)]
+
+
+def launch_cli(world_size: int, argv: Sequence[str] | None = None) -> bool:
+    """For the CLI: start ``world_size`` local workers running the same command line and wait, if needed.
+
+    Returns True when the job ran in launched workers (the calling process only supervised and should exit),
+    False when this process should run the job itself (one process, or already a torchrun worker).
+    Raises :class:`LaunchError` when a worker failed.
+    """
+    if needs_launch(world_size):
+        launch(relaunch_command_line(argv), world_size)
+        return True
+    if launched_by_torchrun():
+        check_world_size(world_size)
+    return False
+
+
+def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_args: Sequence[str],
+                      run_id: str = "mindformers") -> str:
+    """The torchrun command each of ``nnodes`` nodes runs for a multi-node job (printed in docs and by the CLI).
+
+    ``endpoint`` is ``HOST:PORT`` of one node that all nodes reach; ``program_args`` the ``mindformers-py``
+    arguments, e.g. ``["run", "recipe.yaml", "--parallel_mode", "semi_auto_parallel"]``.
+    """
+    parts = ["torchrun", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc_per_node),
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", run_id,
+             "-m", "mindformers_py", *program_args]
+    return shlex.join(parts)

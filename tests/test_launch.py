@@ -1,0 +1,146 @@
+"""Process launch: local workers via torchrun's machinery, failures end the job, two torchrun agents on loopback."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindformers_py.errors import ConfigError
+from mindformers_py.parallel.launch import (
+    LaunchError,
+    check_world_size,
+    distributed_env,
+    launch,
+    launch_cli,
+    multinode_command,
+    needs_launch,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A worker script that joins the world and all-reduces its rank: proves the processes really form one group.
+ALL_REDUCE_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from mindformers_py.parallel.launch import distributed_env
+    env = distributed_env()
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    print(f"rank={env.rank} world={env.world_size} local_world={env.local_world_size} sum={int(total.item())}",
+          flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _all_reduce_ranks(scale):
+    """Worker: join the job's world, return (rank, world size, sum of rank+1 over the world times scale)."""
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    out = (distributed_env().rank, dist.get_world_size(), int(total.item()) * scale)
+    dist.destroy_process_group()
+    return out
+
+
+def _fail_on_rank_one(how):
+    """Worker: rank 1 dies (killed or raising) while rank 0 waits for it in a collective."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("rank one gave up")
+    dist.barrier()  # without the agent stopping it, rank 0 would wait here for the gloo timeout (30 min)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_distributed_env_reads_torchrun_variables():
+    assert distributed_env({}) is None
+    env = distributed_env({"LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+
+
+def test_launch_decision_and_world_size_check(monkeypatch):
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert needs_launch(2) and not needs_launch(1)
+    assert check_world_size(4) == 4
+    assert launch_cli(1) is False  # one process: run here, nothing spawned
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not needs_launch(2)  # under torchrun: use the given world
+    assert check_world_size(2) == 2 and launch_cli(2) is False
+    with pytest.raises(ConfigError, match="world_size=4.*WORLD_SIZE=2"):
+        check_world_size(4)
+
+
+def test_multinode_command_is_a_torchrun_rendezvous():
+    cmd = multinode_command(2, 8, "10.0.0.1:29400", ["run", "tasks/gpt/pretrain_tiny.yaml", "--parallel_mode",
+                                                     "semi_auto_parallel"])
+    assert cmd.startswith("torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29400")
+    assert cmd.endswith("-m mindformers_py run tasks/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel")
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="nproc=0"):
+        launch(["-c", "pass"], 0)
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        launch(["-c", "pass"], 1, nnodes=2)
+
+
+def test_function_workers_form_one_world():
+    results = launch(_all_reduce_ranks, 2, 10)
+    assert results == {0: (0, 2, 30), 1: (1, 2, 30)}
+
+
+def test_command_line_workers_form_one_world(tmp_path, capfd):
+    script = tmp_path / "all_reduce.py"
+    script.write_text(ALL_REDUCE_SCRIPT)
+    launch([str(script)], 2)
+    out = capfd.readouterr().out
+    assert "rank=0 world=2 local_world=2 sum=3" in out and "rank=1 world=2 local_world=2 sum=3" in out
+
+
+@pytest.mark.parametrize("how, expected", [("kill", "exit code -9 (SIGKILL)"), ("raise", "RuntimeError: rank one gave up")])
+def test_a_failed_rank_ends_the_whole_job_with_an_error(how, expected):
+    with pytest.raises(LaunchError, match="rank 1") as err:
+        launch(_fail_on_rank_one, 2, how)
+    assert expected in str(err.value) and "other ranks were stopped" in str(err.value)
+
+
+def test_two_torchrun_agents_on_loopback(tmp_path):
+    script = tmp_path / "all_reduce.py"
+    script.write_text(ALL_REDUCE_SCRIPT)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback",
+           "--local_addr", "127.0.0.1", str(script)]
+    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = []
+    try:
+        for agent in agents:
+            out, _ = agent.communicate(timeout=240)
+            outputs.append(out)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    joined = "\n".join(outputs)
+    assert "rank=0 world=2 local_world=1 sum=3" in joined and "rank=1 world=2 local_world=1 sum=3" in joined
