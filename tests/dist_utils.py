@@ -3,7 +3,7 @@
 ``run_workers(fn, world_size, *args)`` starts ``world_size`` processes (forkserver: torch and our package are
 imported once, then each worker is forked from that server), sets the torchrun environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free local port), joins a gloo process
-group with a short timeout, calls ``fn(rank, world_size, *args)`` and returns every rank's return value, indexed
+group with a short timeout, calls ``fn(rank, world_size, *args, **kwargs)`` and returns every rank's return value, indexed
 by rank. A worker's exception fails the call with that worker's traceback.
 """
 
@@ -30,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple,
+            kwargs: dict) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -42,22 +43,22 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_d
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **kwargs)
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return their results by rank.
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes; return their results by rank.
 
     ``fn`` must be importable (a module-level function) and its result picklable.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="mf-dist-") as out_dir:
-        mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+        mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args, kwargs), nprocs=world_size,
                            join=True, start_method="forkserver")
         results = []
         for rank in range(world_size):

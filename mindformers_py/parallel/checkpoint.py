@@ -1,0 +1,196 @@
+"""Sharded training checkpoints with ``torch.distributed.checkpoint`` (DCP), and their consolidation.
+
+A checkpoint folder holds:
+
+* the DCP shards (``*.distcp``) and ``.metadata``: every rank writes only its own shards of the model and optimizer
+  state, under the *unsharded* names (``model.layers.3.mlp.up_proj.weight``,
+  ``state.model.layers.3.mlp.up_proj.weight.exp_avg``, ...) that ``get_state_dict`` gives for any layout;
+* ``config.json``: the model config (with ``architectures``), so the folder can be consolidated on its own;
+* ``extra_state.json``: small JSON values the caller passes (step counters, scheduler state).
+
+Because names and global shapes do not depend on the layout, DCP reshards on load: a checkpoint written under
+dp2 x tp2 loads under tp2, ZeRO-3 or stand-alone and training continues on the same loss curve.
+:func:`consolidate_checkpoint` turns a folder into one ordinary safetensors checkpoint that
+``AutoModelForCausalLM.from_pretrained`` loads (and ``convert_checkpoint(..., to="hf")`` exports to HF).
+
+Folders are written under a temporary name and renamed when every rank finished, so a crash never leaves a
+half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ..auto import resolve_config
+from ..convert import _AUTO_BY_TASK, _task_of
+from ..errors import CheckpointError
+from ..utils.safetensors_io import atomic_folder
+
+MODEL_KEY, OPTIM_KEY = "model", "optimizer"
+CONFIG_NAME, EXTRA_NAME, METADATA_NAME = "config.json", "extra_state.json", ".metadata"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, nn.Module) else [value]
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's inner optimizer over the parameters it owns (its
+    state dict then names only those; DCP merges the ranks' parts), otherwise the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def training_state(
+    model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{"model": ..., "optimizer": ...}`` for DCP: flat, layout-independent names, local shards as DTensors.
+
+    ``model`` may be a list of model parts (pipeline stages held by this rank), each with its own optimizer
+    in ``optimizer`` (same order), or one optimizer when there is one part.
+    """
+    parts, optims = _as_list(model), _as_list(optimizer)
+    if optims and len(optims) != len(parts):
+        raise CheckpointError(f"got {len(parts)} model parts but {len(optims)} optimizers; pass one optimizer per part")
+    state: dict[str, dict[str, Any]] = {MODEL_KEY: {}}
+    if optims:
+        state[OPTIM_KEY] = {}
+    for i, part in enumerate(parts):
+        if optims:
+            model_sd, optim_sd = get_state_dict(part, _local_optimizer(optims[i]), options=_OPTIONS)
+            state[OPTIM_KEY].update(optim_sd)
+        else:
+            model_sd = get_model_state_dict(part, options=_OPTIONS)
+        state[MODEL_KEY].update(model_sd)
+    return state
+
+
+def _architecture(model: nn.Module) -> str | None:
+    """The model's own class name, skipping the classes FSDP/DDP/replicate insert in front of it."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch.") and issubclass(cls, nn.Module):
+            return cls.__name__
+    return None
+
+
+def _write_config(model: nn.Module, folder: Path) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return
+    data = json.loads(config.to_json_string(use_diff=False))
+    arch = _architecture(model)
+    if not data.get("architectures") and arch and arch.endswith(("ForCausalLM", "Model", "ForSequenceClassification")):
+        data["architectures"] = [arch]
+    (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+@contextlib.contextmanager
+def _shared_atomic_folder(final: Path) -> Iterator[Path]:
+    """A temporary folder shared by all ranks (made by rank 0) that becomes ``final`` once every rank is done."""
+    with contextlib.ExitStack() as stack:
+        tmp = [str(stack.enter_context(atomic_folder(final))) if _is_rank0() else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(tmp, src=0)
+        yield Path(tmp[0])
+        _barrier()  # every rank has written its part before rank 0 renames the folder
+    _barrier()
+
+
+def save_checkpoint(
+    folder: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a sharded checkpoint of ``model`` (and ``optimizer``) into ``folder``; collective (all ranks call it).
+
+    ``extra`` is saved by rank 0 as JSON (step, scheduler state, ...) and returned by :func:`load_checkpoint`.
+    Returns the folder.
+    """
+    final = Path(folder)
+    state = training_state(model, optimizer)
+    with _shared_atomic_folder(final) as tmp:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        if _is_rank0():
+            _write_config(_as_list(model)[0], tmp)
+            (tmp / EXTRA_NAME).write_text(json.dumps(dict(extra or {}), indent=2))
+    return final
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / METADATA_NAME).is_file():
+        what = "does not exist" if not folder.exists() else "is not a DCP checkpoint (no .metadata)"
+        raise CheckpointError(f"checkpoint {folder} {what}; pass a folder written by save_checkpoint")
+
+
+def load_checkpoint(
+    folder: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` under any layout into ``model`` (and ``optimizer``),
+    resharding as needed; collective. Returns the ``extra`` values saved with it."""
+    folder = Path(folder)
+    _check_folder(folder)
+    parts, optims = _as_list(model), _as_list(optimizer)
+    state = training_state(parts, optims or None)
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {folder} does not match the model/optimizer: {str(e).splitlines()[0]}") from None
+    for i, part in enumerate(parts):
+        if optims:
+            set_state_dict(part, _local_optimizer(optims[i]), model_state_dict=state[MODEL_KEY],
+                           optim_state_dict=state[OPTIM_KEY], options=_OPTIONS)
+        else:
+            set_model_state_dict(part, state[MODEL_KEY], options=_OPTIONS)
+    extra_path = folder / EXTRA_NAME
+    return json.loads(extra_path.read_text()) if extra_path.is_file() else {}
+
+
+def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+    """Turn a sharded checkpoint (any layout) into one safetensors checkpoint that
+    ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads; runs in a single process (rank 0 of a job,
+    or offline). The output appears under its final name only when complete."""
+    src, dst = Path(checkpoint_dir), Path(output_dir)
+    _check_folder(src)
+    if not (src / CONFIG_NAME).is_file():
+        raise CheckpointError(f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config")
+    config = resolve_config(src)[0]
+    auto = _AUTO_BY_TASK[_task_of(getattr(config, "architectures", None))]
+    model = auto.from_config(config)
+    state = {MODEL_KEY: model.state_dict()}
+    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    model.load_state_dict(state[MODEL_KEY])
+    with atomic_folder(dst) as tmp:
+        model.save_pretrained(tmp)
+    return dst
