@@ -1,0 +1,354 @@
+"""The seam between the Trainer and the layout: everything that depends on how training is spread over devices.
+
+The Trainer owns the loop (steps, epochs, callbacks, logging, evaluation schedule, checkpoint naming); an
+:class:`Engine` owns what a layout changes: where the model lives and how it is wrapped, the optimizer, mixed
+precision, one optimizer step's forward and backward over its micro-batches (a pipeline schedule needs to own
+that), gradient clipping, which samples this rank reads, metric reduction, and how weights, optimizer state and
+RNG state are written and read. The Trainer never branches on the layout: it calls the engine.
+
+:class:`Engine` itself is the stand-alone implementation (one process, one device), kept lean because it is what
+most runs use. Distributed engines subclass it, override what their layout changes and register themselves for
+their ``parallel_mode`` with :func:`register_engine`; :func:`build_engine` picks the engine for a config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError
+from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
+from .config import ParallelConfig
+from .recompute import apply_recompute
+
+if TYPE_CHECKING:
+    from ..trainer.arguments import TrainingArguments
+
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+RNG_NAME = "rng_state.pth"
+
+LossFn = Callable[[nn.Module, dict[str, Any], Any], torch.Tensor]
+
+
+class Engine:
+    """Stand-alone engine: one process on one device (CUDA when visible and not ``use_cpu``, else CPU).
+
+    Attributes:
+        rank, world_size: this process and the number of processes (0 and 1 here).
+        dp_rank, dp_size: this process's data-parallel rank and the data-parallel size (0 and 1 here).
+        device: where the model, batches and losses live.
+        scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
+    """
+
+    supports_fused_loss: bool = True
+    """Whether the Trainer may compute a causal-LM loss from the model's body and head directly (the model is not
+    wrapped, so calling its submodules is the same as calling it)."""
+
+    def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
+        self.parallel_config = parallel_config
+        self.args = args
+        self.rank = 0
+        self.world_size = 1
+        self.dp_rank = 0
+        self.dp_size = 1
+        self.device = torch.device("cpu")
+        self.scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process writes shared files and logs (global rank 0)."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this process is the first on its machine."""
+        return self.rank == 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Check the layout against this process group and pick the device and precision tools."""
+        self.parallel_config.validate_for(self.world_size)
+        use_cuda = torch.cuda.is_available() and not self.args.use_cpu
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        if self.args.fp16:
+            if self.device.type != "cuda":
+                raise ConfigError(
+                    "fp16=True needs a CUDA device (float16 training uses torch.amp.GradScaler); "
+                    "on CPU use bf16=True"
+                )
+            self.scaler = torch.amp.GradScaler("cuda")
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` acquired (nothing for one process)."""
+
+    def barrier(self) -> None:
+        """Wait for every process (a no-op for one process)."""
+
+    # -- model and optimizer --------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Place ``model`` for training (device, recompute, ``torch.compile``); returns the module to call.
+
+        The returned module may be a wrapper; ``model`` itself stays the plain model whose ``save_pretrained``
+        and parameters the Trainer uses.
+        """
+        self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
+                                          per_device_batch=self.args.per_device_train_batch_size)
+        model.to(self.device)
+        apply_recompute(model, self.parallel_config.recompute)
+        if self.args.torch_compile:
+            return torch.compile(model, mode=self.args.torch_compile_mode)
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW over ``model``'s decay / no-decay parameter groups, with the arguments' hyper-parameters."""
+        from ..trainer.optim import create_optimizer, parameter_groups
+
+        return create_optimizer(parameter_groups(model, self.args.weight_decay), self.args)
+
+    # -- one optimizer step ---------------------------------------------------------------------------------------
+
+    def autocast(self) -> ContextManager[Any]:
+        """The mixed-precision context for forward passes (bf16 on CPU/CUDA, fp16 on CUDA, else nothing)."""
+        if self.args.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.args.fp16:
+            return torch.autocast(self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch`` with its tensors on :attr:`device` (asynchronous copies from pinned memory)."""
+        if self.device.type == "cpu":
+            return dict(batch)
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step; gradients accumulate in the
+        parameters. ``loss_fn(model, batch, num_items_in_batch)`` returns a micro-batch's share of the step's
+        loss (normalised by the whole step's label tokens), so the returned sum is the step's loss. No sync."""
+        total = None
+        for batch in micro_batches:
+            with self.autocast():
+                loss = loss_fn(model, self.to_device(batch), num_items_in_batch)
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping (a tensor, no sync)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the accumulated gradients (through the fp16 scaler when there is one)."""
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients (set to None: no memset, and the next backward writes instead of adding)."""
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- data and metrics -----------------------------------------------------------------------------------------
+
+    def shard_indices(self, indices: Sequence[int]) -> list[int]:
+        """This data-parallel rank's share of a global batch's sample indices (all of them here)."""
+        return list(indices)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over the data-parallel ranks (itself here)."""
+        return tensor
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of ``tensor`` over the data-parallel ranks (itself here)."""
+        return tensor
+
+    def gather_for_metrics(self, value: Any) -> list[Any]:
+        """Every data-parallel rank's ``value``, in rank order (``[value]`` here)."""
+        return [value]
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, model: nn.Module, folder: str | Path, processing_class: Any = None) -> None:
+        """Write whole (consolidated) weights and config into ``folder`` with ``save_pretrained`` (safetensors),
+        and the tokenizer/processor beside them."""
+        if not self.is_main_process:
+            return
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if hasattr(model, "save_pretrained"):
+            with _quiet_progress_bars():
+                model.save_pretrained(folder)
+        else:
+            save_state_dict(model.state_dict(), folder)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(folder)
+
+    def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy the safetensors weights of ``folder`` (or an already converted ``state``) into ``model`` in place;
+        tied parameters may be absent from the file. Mismatches raise a CheckpointError naming ``folder``."""
+        state = load_state_dict(folder) if state is None else state
+        copy_weights(model, state, folder)
+
+    def save_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None) -> None:
+        """Write a complete training checkpoint into ``folder`` atomically: weights (``save_pretrained``),
+        optimizer, scheduler, fp16 scaler, RNG states and the Trainer's text ``files`` (name -> content).
+        The folder appears only when everything is written."""
+        with atomic_folder(folder) as tmp:
+            self.save_pretrained(model, tmp, processing_class)
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+            torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
+            if self.scaler is not None:
+                torch.save(self.scaler.state_dict(), tmp / SCALER_NAME)
+            torch.save(capture_rng_state(), tmp / RNG_NAME)
+            for name, text in files.items():
+                (tmp / name).write_text(text, encoding="utf-8")
+
+    def load_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        lr_scheduler: Any) -> None:
+        """Restore weights, optimizer, scheduler and fp16 scaler from a folder written by
+        :meth:`save_checkpoint` (RNG states separately, with :meth:`load_rng_state`, right before training)."""
+        folder = Path(folder)
+        self.load_weights(model, folder)
+        _load_into("optimizer", optimizer, folder / OPTIMIZER_NAME)
+        _load_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
+        if self.scaler is not None and (folder / SCALER_NAME).is_file():
+            _load_into("fp16 scaler", self.scaler, folder / SCALER_NAME)
+
+    def checkpoint_files(self) -> list[str]:
+        """Files (besides weights) a complete checkpoint of this engine holds, for checking before loading."""
+        return [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_NAME]
+
+    def load_rng_state(self, folder: str | Path) -> None:
+        """Restore Python, NumPy, torch and CUDA random states saved in ``folder``."""
+        restore_rng_state(_torch_load(Path(folder) / RNG_NAME, "RNG state"))
+
+
+# -- registry ---------------------------------------------------------------------------------------------------
+
+_ENGINES: dict[str, Callable[[ParallelConfig, Any], Engine]] = {"stand_alone": Engine}
+
+
+def register_engine(parallel_mode: str, factory: Callable[[ParallelConfig, Any], Engine]) -> None:
+    """Make ``factory(parallel_config, args)`` the engine for ``parallel_mode``."""
+    _ENGINES[parallel_mode] = factory
+
+
+def build_engine(parallel_config: ParallelConfig, args: TrainingArguments) -> Engine:
+    """The engine for ``parallel_config.parallel_mode`` (not yet set up: call :meth:`Engine.setup`)."""
+    mode = parallel_config.parallel_mode
+    if mode not in _ENGINES:
+        raise ConfigError(
+            f"parallel_mode={mode!r} has no training engine in this installation; choose one of: "
+            f"{', '.join(repr(m) for m in _ENGINES)}"
+        )
+    return _ENGINES[mode](parallel_config, args)
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def copy_weights(model: nn.Module, state: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """Copy ``state`` into ``model``'s parameters and buffers, checking names and shapes. A key may be missing
+    only when it is tied to (shares its tensor with) a key that is present, as ``save_pretrained`` drops ties."""
+    expected = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in expected.items():
+        aliases[id(tensor)].append(name)
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"weights in {where} do not match the model: unexpected {unexpected[0]} "
+                              f"({len(unexpected)} extra tensors)")
+    missing = [n for n in expected if n not in state and not any(a in state for a in aliases[id(expected[n])])]
+    if missing:
+        raise CheckpointError(f"weights in {where} do not match the model: missing {missing[0]} "
+                              f"({len(missing)} tensors missing)")
+    with torch.no_grad():
+        for name, value in state.items():
+            target = expected[name]
+            if target.shape != value.shape:
+                raise CheckpointError(f"weights in {where} do not match the model: {name} has shape "
+                                      f"{tuple(value.shape)} in the checkpoint, {tuple(target.shape)} in the model")
+            target.copy_(value)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and CUDA random states, as plain types and tensors (loadable with
+    ``weights_only=True``)."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """Hide transformers' per-save "Writing model shards" bar, which would break the training progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _torch_load(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path.parent} is incomplete: {what} file {path.name} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unpickling raises many types; all mean a damaged file
+        raise CheckpointError(f"{what} file {path} is damaged ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else 'unreadable'})") from None
+
+
+def _load_into(what: str, target: Any, path: Path) -> None:
+    state = _torch_load(path, what)
+    try:
+        target.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError, TypeError) as err:
+        raise CheckpointError(f"{what} state in {path} does not match this run ({err})") from None
+
+
+__all__ = ["Engine", "build_engine", "capture_rng_state", "copy_weights", "register_engine",
+           "restore_rng_state"]

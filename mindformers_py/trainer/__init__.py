@@ -1,0 +1,27 @@
+"""Training: ``Trainer`` and ``TrainingArguments`` with HF's API, our callbacks, optimizer and loss helpers."""
+
+from .arguments import TrainingArguments
+from .callbacks import (
+    JsonlLoggerCallback,
+    LossCurveCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    default_callbacks,
+    plot_loss_curve,
+)
+from .loss import FusedCausalLMLoss, linear_cross_entropy
+from .trainer import Trainer, infer_task
+
+__all__ = [
+    "FusedCausalLMLoss",
+    "JsonlLoggerCallback",
+    "LossCurveCallback",
+    "ProgressCallback",
+    "TensorBoardCallback",
+    "Trainer",
+    "TrainingArguments",
+    "default_callbacks",
+    "infer_task",
+    "linear_cross_entropy",
+    "plot_loss_curve",
+]

@@ -1,0 +1,390 @@
+"""``TrainingArguments``: HF's training fields with HF's names and meanings, plus ``parallel_config`` and ``task``.
+
+Fields keep the meaning a transformers user knows; the few defaults that differ are documented on the field
+(``logging_steps=10`` and ``report_to="tensorboard"``, because our runs are small and we always want a curve).
+Values may be given as Python values or as strings (YAML / CLI); strings are converted to the field's type at
+construction and every field is checked there, so an instance that exists is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from transformers.trainer_utils import SchedulerType
+
+from ..errors import ConfigError, check_choice
+from ..parallel.config import ParallelConfig
+
+SCHEDULERS = tuple(s.value for s in SchedulerType)
+# Schedulers that step on an evaluation metric instead of every optimizer step.
+METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
+INTERVAL_STRATEGIES = ("no", "steps", "epoch")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+REPORT_TARGETS = ("tensorboard",)
+TASKS = ("text_generation", "fill_mask", "text_classification", "token_classification", "translation",
+         "question_answering", "image_classification")
+# Tasks whose loss is a token-level cross-entropy, so exp(eval_loss) is a perplexity.
+PERPLEXITY_TASKS = ("text_generation", "fill_mask")
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+_NONE = ("none", "null", "")
+
+
+@dataclass
+class TrainingArguments:
+    """Everything that controls a training run, with HuggingFace's field names and meanings.
+
+    ``parallel_config`` adds MindFormers' layout (a :class:`ParallelConfig` or a mapping of its fields; the
+    default runs stand-alone) and ``task`` names what is trained (it picks the default collator, how label
+    tokens are counted and whether evaluation reports perplexity). Artifacts written to ``output_dir``:
+    ``checkpoint-<step>/``, ``trainer_state.json`` (HF's format), ``log.jsonl`` (always), TensorBoard events
+    (``report_to``) and ``loss_curve.png``.
+    """
+
+    output_dir: str = "trainer_output"
+    """Folder for checkpoints, ``trainer_state.json``, logs and the loss curve."""
+    overwrite_output_dir: bool = False
+    """Allow training into an ``output_dir`` that holds another run: its checkpoints, state, logs and curve are
+    removed first. Without it (and without resuming) such a folder is refused."""
+    task: str | None = None
+    """What is trained: one of ``TASKS``; None infers it from the model (a causal LM loss -> ``text_generation``)."""
+
+    per_device_train_batch_size: int = 8
+    """Training samples per data-parallel rank per micro-batch (HF's meaning)."""
+    per_device_eval_batch_size: int = 8
+    """Evaluation samples per data-parallel rank per batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step; the loss is normalised by the label tokens of all of
+    them together, so batch 4 x 1 and batch 2 x 2 give the same update."""
+
+    learning_rate: float = 5e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay; biases and normalisation weights (1-D parameters) never decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (logged as ``grad_norm``); 0 disables clipping."""
+    optim: str = "adamw_torch_fused"
+    """``"adamw_torch_fused"`` (fused kernel where the device supports it, else foreach) or ``"adamw_torch"``
+    (foreach, multi-tensor)."""
+
+    num_train_epochs: float = 3.0
+    """Passes over the training data (fractions allowed); ignored when ``max_steps`` > 0."""
+    max_steps: int = -1
+    """Total optimizer steps; -1 derives it from ``num_train_epochs``."""
+    lr_scheduler_type: str = "linear"
+    """A schedule of ``transformers.get_scheduler`` (``SchedulerType``): linear, cosine, constant, ..."""
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the schedule (e.g. ``{"min_lr_rate": 0.1}`` for ``cosine_with_min_lr``)."""
+    warmup_steps: int | float = 0
+    """Linear warmup steps; a float in (0, 1) is a fraction of the total steps (HF v5's meaning)."""
+    warmup_ratio: float = 0.0
+    """Fraction of the total steps used for warmup when ``warmup_steps`` is 0."""
+
+    logging_strategy: str = "steps"
+    """When to log: ``"no"``, ``"steps"`` (every ``logging_steps``) or ``"epoch"``."""
+    logging_steps: int = 10
+    """Log every this many optimizer steps (HF's default is 500; ours suits small runs). Logging is the only
+    point where the training loop waits for the device."""
+    logging_first_step: bool = False
+    """Also log after the first step."""
+    logging_dir: str | None = None
+    """TensorBoard folder; None = ``<output_dir>/runs``."""
+    report_to: str | list[str] = "tensorboard"
+    """Integrations that receive the logs: ``"tensorboard"``, ``"all"`` (= tensorboard) or ``"none"``. HF v5
+    defaults to none; we default to TensorBoard. ``log.jsonl`` is written whatever this says."""
+    run_name: str | None = None
+    """A name for the run, shown in TensorBoard's text tab; None = the ``output_dir`` name."""
+    disable_tqdm: bool = False
+    """Hide the progress bar."""
+    plot_loss_curve: bool = True
+    """Write ``<output_dir>/loss_curve.png`` (train and eval loss) when training ends."""
+
+    eval_strategy: str = "no"
+    """When to evaluate during training: ``"no"``, ``"steps"`` (every ``eval_steps``) or ``"epoch"``."""
+    eval_steps: int | None = None
+    """Evaluate every this many steps; None = ``logging_steps``."""
+    eval_delay: float = 0
+    """Steps (or epochs, with ``eval_strategy="epoch"``) to wait before the first evaluation."""
+    prediction_loss_only: bool = False
+    """In ``evaluate``/``predict``, compute only the loss (no logits gathered for ``compute_metrics``)."""
+
+    save_strategy: str = "steps"
+    """When to write ``checkpoint-<step>``: ``"no"``, ``"steps"`` (every ``save_steps`` and at the end) or
+    ``"epoch"``."""
+    save_steps: int = 500
+    """Checkpoint every this many optimizer steps."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints, deleting the oldest; None keeps all."""
+    resume_from_checkpoint: str | bool | None = None
+    """Checkpoint folder to resume from, or True for the latest ``checkpoint-*`` in ``output_dir``; used when
+    ``Trainer.train`` is called without one."""
+
+    seed: int = 42
+    """Seed of Python, NumPy and torch at the start of a fresh run (dropout, initialisation)."""
+    data_seed: int | None = None
+    """Seed of the training-data shuffle; None = ``seed``."""
+    bf16: bool = False
+    """bfloat16 autocast (CPU and CUDA); weights and optimizer state stay fp32."""
+    fp16: bool = False
+    """float16 autocast with a gradient scaler; CUDA only."""
+    torch_compile: bool = False
+    """Compile the model with ``torch.compile`` before training."""
+    torch_compile_mode: str | None = None
+    """``torch.compile`` mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``); None = default."""
+    fused_loss: bool = True
+    """Compute the causal-LM loss with a chunked linear + cross-entropy that never holds the full logits and
+    computes their gradient in the forward pass (less memory traffic). It is checked once against the model's
+    own loss and used only where the two agree; otherwise the model computes its loss as usual."""
+    use_cpu: bool = False
+    """Train on the CPU even when a GPU is present."""
+
+    dataloader_num_workers: int = 0
+    """Worker processes that load and collate batches; 0 loads in the main process."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete training batch of each epoch."""
+    dataloader_pin_memory: bool = True
+    """Pin host batches for faster copies to a GPU (no effect on CPU)."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches prefetched per worker (with ``dataloader_num_workers`` > 0); None = torch's default."""
+    remove_unused_columns: bool = True
+    """Drop dataset columns that the model's ``forward`` does not take (e.g. raw ``text``)."""
+    label_names: list[str] | None = None
+    """Keys of the batch holding labels; None = the model's (``["labels"]`` for most)."""
+
+    parallel_config: ParallelConfig | Mapping[str, Any] | None = field(default_factory=ParallelConfig)
+    """How training is spread over processes (MindFormers' parallel_config); a mapping of its fields is accepted.
+    The default runs in one process."""
+
+    def __post_init__(self) -> None:
+        self._convert()
+        self.validate()
+
+    # -- construction -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every field name, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> TrainingArguments:
+        """Build from a YAML section or CLI strings; unknown keys are refused with the valid names."""
+        data = dict(data or {})
+        unknown = [k for k in data if k not in cls.field_names()]
+        if unknown:
+            raise ConfigError(f"{unknown[0]} is not a TrainingArguments field; valid fields: {', '.join(cls.field_names())}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-serialisable dict of every field, accepted back by :meth:`from_dict`."""
+        out = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            out[name] = value.to_dict() if isinstance(value, ParallelConfig) else value
+        return out
+
+    def to_json_string(self) -> str:
+        """The fields as indented JSON (saved beside checkpoints as ``training_args.json``)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+    def _convert(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for name in self.field_names():
+            if name == "parallel_config":
+                continue
+            setattr(self, name, _coerce(name, getattr(self, name), hints[name]))
+        self.parallel_config = ParallelConfig.coerce(self.parallel_config, "parallel_config")
+        if isinstance(self.report_to, str):
+            self.report_to = [part.strip() for part in self.report_to.split(",") if part.strip()]
+        report = [r.lower() for r in self.report_to]
+        for target in report:
+            check_choice("report_to", target, REPORT_TARGETS + ("all", "none"))
+        self.report_to = [] if "none" in report else list(REPORT_TARGETS) if "all" in report else report
+        for name in ("lr_scheduler_type", "eval_strategy", "save_strategy", "logging_strategy", "optim"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, value.strip().lower())
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+
+    # -- checks -------------------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check every field and the relations between fields; raise a one-line ConfigError on the first fault."""
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        check_choice("eval_strategy", self.eval_strategy, INTERVAL_STRATEGIES)
+        check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES)
+        check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
+        check_choice("optim", self.optim, OPTIMIZERS)
+        if self.task is not None:
+            check_choice("task", self.task, TASKS)
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "eval_steps", "save_steps"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("dataloader_num_workers", "seed"):
+            _at_least(name, getattr(self, name), 0)
+        if self.data_seed is not None:
+            _at_least("data_seed", self.data_seed, 0)
+        if self.save_total_limit is not None:
+            _at_least("save_total_limit", self.save_total_limit, 1)
+        if self.dataloader_prefetch_factor is not None:
+            _at_least("dataloader_prefetch_factor", self.dataloader_prefetch_factor, 1)
+        if self.max_steps != -1:
+            _at_least("max_steps", self.max_steps, 1, hint="or -1 to use num_train_epochs")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "eval_delay", "warmup_steps"):
+            _at_least(name, getattr(self, name), 0)
+        if not self.num_train_epochs > 0:
+            raise ConfigError(f"num_train_epochs={self.num_train_epochs!r} is not valid; expected a number > 0")
+        if not self.adam_epsilon > 0:
+            raise ConfigError(f"adam_epsilon={self.adam_epsilon!r} is not valid; expected a number > 0")
+        for name in ("adam_beta1", "adam_beta2", "warmup_ratio"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"{name}={value!r} is not valid; expected a number in [0, 1)")
+        if isinstance(self.warmup_steps, float) and not self.warmup_steps.is_integer() and self.warmup_steps > 1:
+            raise ConfigError(
+                f"warmup_steps={self.warmup_steps!r} is not valid; expected a whole number of steps or a fraction < 1"
+            )
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16=True and fp16=True are both set; choose one mixed-precision mode")
+        if self.lr_scheduler_type in METRIC_SCHEDULERS and self.eval_strategy == "no":
+            raise ConfigError(
+                f"lr_scheduler_type={self.lr_scheduler_type!r} steps on the evaluation loss, but eval_strategy='no'; "
+                "choose one of: 'steps', 'epoch' for eval_strategy"
+            )
+        if self.torch_compile_mode is not None:
+            check_choice("torch_compile_mode", self.torch_compile_mode,
+                         ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+        if not str(self.output_dir).strip():
+            raise ConfigError("output_dir='' is not valid; expected a folder path")
+        if not isinstance(self.parallel_config, ParallelConfig):
+            raise ConfigError(f"parallel_config={self.parallel_config!r} is not valid; expected a ParallelConfig")
+        self.parallel_config.validate()
+
+    # -- derived values (HF's names, read by callbacks written for transformers) -----------------------------------
+
+    @property
+    def tensorboard_dir(self) -> str:
+        """Where TensorBoard events go: ``logging_dir`` or ``<output_dir>/runs``."""
+        return self.logging_dir or os.path.join(self.output_dir, "runs")
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes of the run (``WORLD_SIZE`` set by torchrun; 1 otherwise)."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def process_index(self) -> int:
+        """Global rank of this process."""
+        return int(os.environ.get("RANK", "0"))
+
+    @property
+    def local_process_index(self) -> int:
+        """Rank of this process on its machine."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process writes logs (the main process only)."""
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes shared files (the main process only)."""
+        return self.process_index == 0
+
+    @property
+    def train_batch_size(self) -> int:
+        """Samples per micro-batch on one rank (HF's name)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation batch on one rank (HF's name)."""
+        return self.per_device_eval_batch_size
+
+    def warmup_steps_for(self, max_steps: int) -> int:
+        """Warmup steps for a run of ``max_steps``: ``warmup_steps`` (a fraction of ``max_steps`` when < 1) or
+        ``warmup_ratio`` of ``max_steps``."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:
+            return math.ceil(self.warmup_steps * max_steps)
+        return math.ceil(self.warmup_ratio * max_steps)
+
+
+def _at_least(name: str, value: Any, minimum: float, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        kind = "an integer" if isinstance(minimum, int) and not isinstance(value, float) else "a number"
+        extra = f" {hint}" if hint else ""
+        raise ConfigError(f"{name}={value!r} is not valid; expected {kind} >= {minimum}{extra}")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """``value`` converted to the type ``hint`` allows when it is a string (YAML/CLI); type-checked otherwise."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    plain = [typing.get_origin(t) or t for t in allowed]
+    if value is None:
+        if type(None) in plain:
+            return None
+        raise ConfigError(f"{name}=None is not valid; expected {_describe(plain)}")
+    if isinstance(value, str):
+        text = value.strip()
+        if type(None) in plain and text.lower() in _NONE:
+            return None
+        if bool in plain and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        if int in plain:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if float in plain:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if list in plain:
+            return [part.strip() for part in text.split(",") if part.strip()]
+        if dict in plain:
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                return parsed
+        if str in plain:
+            return value
+        raise ConfigError(f"{name}={value!r} is not valid; expected {_describe(plain)}")
+    for t in plain:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value if int in plain and isinstance(value, int) else float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is bool and isinstance(value, bool):
+            return value
+        if t in (str, list, dict) and isinstance(value, t):
+            return value
+        if t is list and isinstance(value, tuple):
+            return list(value)
+    raise ConfigError(f"{name}={value!r} is not valid; expected {_describe(plain)}")
+
+
+def _describe(types: list[Any]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "a mapping", type(None): "none"}
+    return " or ".join(names.get(t, getattr(t, "__name__", str(t))) for t in types)

@@ -1,0 +1,166 @@
+"""Batches for the Trainer: a resumable sampler over global batches, the default collators and label counting.
+
+Training order is a pure function of (data seed, epoch): every epoch is one permutation cut into consecutive
+global micro-batches of ``per_device_train_batch_size x data-parallel size`` samples, each data-parallel rank
+reading its part (:meth:`Engine.shard_indices`). So a step sees the same samples whatever the layout and the
+gradient-accumulation split, and resuming at (epoch, micro-batches consumed) skips exactly the samples already
+used without loading them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from transformers import DataCollatorWithPadding, default_data_collator
+from transformers.trainer_utils import RemoveColumnsCollator
+
+from ..data.collators import DataCollatorForCausalLM
+from ..errors import MindFormersError
+from .loss import IGNORE_INDEX
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields one data-parallel rank's sample indices for each global micro-batch of an epoch.
+
+    Args:
+        num_samples: length of the dataset.
+        global_batch_size: samples of one micro-batch over all data-parallel ranks.
+        shard: maps a global batch's indices to this rank's (``Engine.shard_indices``).
+        shuffle: permute the samples every epoch (training) or keep their order (evaluation).
+        seed: base of the per-epoch permutation seed.
+        drop_last: drop a last global batch smaller than ``global_batch_size``.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, shard: Callable[[Sequence[int]], list[int]],
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.shard = shard
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on."""
+        self.epoch = epoch
+        self.skip = skip_batches
+
+    def batches_per_epoch(self) -> int:
+        """Global micro-batches in a whole epoch."""
+        if self.drop_last:
+            return self.num_samples // self.global_batch_size
+        return math.ceil(self.num_samples / self.global_batch_size)
+
+    def order(self) -> torch.Tensor:
+        """The sample order of the current epoch."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order().tolist()
+        size = self.global_batch_size
+        for b in range(self.skip, self.batches_per_epoch()):
+            yield self.shard(order[b * size:(b + 1) * size])
+
+    def __len__(self) -> int:
+        return max(0, self.batches_per_epoch() - self.skip)
+
+
+def build_dataloader(dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: Callable[[list[Any]], Any],
+                     num_workers: int, pin_memory: bool, prefetch_factor: int | None, seed: int) -> DataLoader:
+    """A DataLoader over ``sampler``'s batches. It gets its own generator, so creating iterators never draws
+    from the global torch RNG (which would shift dropout masks between a resumed and an uninterrupted run)."""
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = True
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
+class StackingCausalLMCollator:
+    """Collator for causal-LM examples of equal length without a tokenizer: stacks them (transformers'
+    ``default_data_collator``) and adds ``labels`` = ``input_ids`` (-100 where ``attention_mask`` is 0) when the
+    examples have none."""
+
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        lengths = {len(ex["input_ids"]) for ex in examples}
+        if len(lengths) > 1:
+            raise MindFormersError(
+                f"examples of different lengths ({sorted(lengths)[0]} .. {sorted(lengths)[-1]} tokens) need padding; "
+                "pass processing_class=<tokenizer with a pad token> or a data_collator to the Trainer"
+            )
+        batch = default_data_collator(list(examples))
+        if "labels" not in batch:
+            labels = batch["input_ids"].clone()
+            if "attention_mask" in batch:
+                labels.masked_fill_(batch["attention_mask"] == 0, IGNORE_INDEX)
+            batch["labels"] = labels
+        return batch
+
+
+def default_collator(task: str, tokenizer: Any) -> Callable[[list[Any]], Any]:
+    """The collator used when none is given: for ``text_generation`` our causal-LM collator (padding with the
+    tokenizer, labels from input_ids) or, without a tokenizer, :class:`StackingCausalLMCollator`; for other tasks
+    transformers' ``DataCollatorWithPadding`` with a tokenizer, else ``default_data_collator``."""
+    has_pad = tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None
+    if task == "text_generation":
+        return DataCollatorForCausalLM(tokenizer) if has_pad else StackingCausalLMCollator()
+    if has_pad:
+        return DataCollatorWithPadding(tokenizer)
+    return default_data_collator
+
+
+def forward_columns(model: Any, label_names: Sequence[str]) -> list[str]:
+    """Batch keys the model's ``forward`` takes by name, plus the label keys (HF's ``remove_unused_columns``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    names = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return list(dict.fromkeys(names + list(label_names) + ["label", "label_ids"]))
+
+
+def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[str], description: str) -> tuple[Any, Callable]:
+    """``(dataset, collate_fn)`` that hand the collator only ``columns``: a ``datasets.Dataset`` loses the other
+    columns once, any other dataset's examples are filtered per batch (transformers' ``RemoveColumnsCollator``)."""
+    if not columns:
+        return dataset, collate_fn
+    column_names = getattr(dataset, "column_names", None)
+    if isinstance(column_names, list) and hasattr(dataset, "remove_columns"):
+        unused = [c for c in column_names if c not in columns]
+        if unused and len(unused) < len(column_names):
+            dataset = dataset.remove_columns(unused)
+        return dataset, collate_fn
+    return dataset, RemoveColumnsCollator(collate_fn, list(columns), description=description)
+
+
+def count_label_tokens(batch: Mapping[str, Any], shifted: bool, label_name: str = "labels") -> int | None:
+    """Label tokens that count in the loss of one micro-batch (for ``num_items_in_batch``): entries of
+    ``labels`` that are not -100, without each row's first position when the model shifts labels (causal LM)."""
+    labels = batch.get(label_name)
+    if not isinstance(labels, torch.Tensor):
+        return None
+    if shifted and labels.ndim >= 2:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def count_input_tokens(batch: Mapping[str, Any]) -> int:
+    """Non-padding input tokens of a micro-batch (``attention_mask`` sum, else the size of ``input_ids``)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return int(mask.sum())
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    return 0

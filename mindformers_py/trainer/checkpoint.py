@@ -1,0 +1,172 @@
+"""Where training checkpoints live and what the Trainer itself writes into them.
+
+A checkpoint is ``<output_dir>/checkpoint-<step>/``: the engine writes weights, optimizer, scheduler and RNG
+states (:meth:`Engine.save_checkpoint`), the Trainer adds ``trainer_state.json`` (HF's ``TrainerState``),
+``data_state.json`` (the data position, :class:`DataPosition`) and ``training_args.json``. The folder is written
+under a temporary name and renamed when complete, so a ``checkpoint-<step>`` folder is never half written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerState
+
+from ..errors import CheckpointError, MindFormersError
+from ..utils.safetensors_io import has_weights
+
+CHECKPOINT_PREFIX = "checkpoint"
+TRAINER_STATE_NAME = "trainer_state.json"
+DATA_STATE_NAME = "data_state.json"
+ARGS_NAME = "training_args.json"
+LOG_NAME = "log.jsonl"
+CURVE_NAME = "loss_curve.png"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+
+
+@dataclass
+class DataPosition:
+    """How far training has read the data: the epoch and the samples of it already consumed.
+
+    Samples (not batches) are stored so a run resumed with another batch size still skips what was used; with
+    the same batch size the skip is exact.
+    """
+
+    epoch: int = 0
+    """Epoch being read (0-based)."""
+    samples_consumed: int = 0
+    """Samples of that epoch already used (global, over all data-parallel ranks)."""
+    num_samples: int = 0
+    """Length of the training dataset when the checkpoint was written."""
+    global_batch_size: int = 0
+    """Samples per global micro-batch when the checkpoint was written."""
+    data_seed: int = 0
+    """Seed of the per-epoch shuffles."""
+
+    def to_json(self) -> str:
+        """The position as JSON text."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, folder: Path) -> DataPosition:
+        """The position saved in checkpoint ``folder``."""
+        data = _read_json(folder / DATA_STATE_NAME, "data position")
+        try:
+            return cls(**{k: int(data[k]) for k in ("epoch", "samples_consumed", "num_samples", "global_batch_size",
+                                                     "data_seed")})
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"data position file {folder / DATA_STATE_NAME} is damaged ({err!r})") from None
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Complete ``checkpoint-<step>`` folders of ``output_dir``, oldest (lowest step) first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: str | bool | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint folder to resume from: None (fresh run), the latest in ``output_dir`` for True, or the
+    given path; a missing one raises a CheckpointError naming the path."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        folders = checkpoint_folders(output_dir)
+        if not folders:
+            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir} holds no {CHECKPOINT_PREFIX}-<step> "
+                                  "folder to resume from")
+        return folders[-1]
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint={str(resume)!r}: no such checkpoint folder")
+    return path
+
+
+def check_checkpoint(folder: Path, engine_files: list[str]) -> None:
+    """Refuse a checkpoint folder that lacks weights, engine state or the Trainer's files."""
+    if not has_weights(folder):
+        raise CheckpointError(f"checkpoint {folder} is incomplete: no model weights (model.safetensors)")
+    for name in [TRAINER_STATE_NAME, DATA_STATE_NAME, *engine_files]:
+        if not (folder / name).is_file():
+            raise CheckpointError(f"checkpoint {folder} is incomplete: {name} is missing")
+
+
+def read_trainer_state(folder: Path) -> TrainerState:
+    """The ``TrainerState`` saved in checkpoint ``folder``."""
+    path = folder / TRAINER_STATE_NAME
+    _read_json(path, "trainer state")
+    try:
+        return TrainerState.load_from_json(str(path))
+    except TypeError as err:
+        raise CheckpointError(f"trainer state file {path} is damaged ({err})") from None
+
+
+def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``limit`` (never ``keep``); returns the deleted folders."""
+    if limit is None:
+        return []
+    folders = checkpoint_folders(output_dir)
+    excess = len(folders) - limit
+    doomed = [p for p in folders if keep is None or p.resolve() != keep.resolve()][:max(0, excess)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def prepare_output_dir(output_dir: str | Path, overwrite: bool, logging_dir: str | Path | None) -> None:
+    """Make ``output_dir`` ready for a fresh run: refuse one holding another run's checkpoints or state unless
+    ``overwrite``, in which case those files (checkpoints, state, log, curve, TensorBoard events under
+    ``logging_dir``) are removed first. Other files are left alone."""
+    root = Path(output_dir)
+    previous = [p for p in checkpoint_folders(root)] + [p for p in (root / TRAINER_STATE_NAME,) if p.exists()]
+    if previous and not overwrite:
+        names = ", ".join(p.name for p in previous[:3]) + (", ..." if len(previous) > 3 else "")
+        raise MindFormersError(
+            f"output_dir={str(root)!r} holds another run ({names}); pass overwrite_output_dir=True to replace it, "
+            "resume_from_checkpoint=True to continue it, or choose another output_dir"
+        )
+    if overwrite:
+        for path in checkpoint_folders(root):
+            shutil.rmtree(path)
+        for name in (TRAINER_STATE_NAME, LOG_NAME, CURVE_NAME):
+            (root / name).unlink(missing_ok=True)
+        if logging_dir is not None and Path(logging_dir).is_dir():
+            for events in Path(logging_dir).glob("events.out.tfevents.*"):
+                events.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path.parent} is incomplete: {what} file {path.name} is missing")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{what} file {path} is damaged (not valid JSON: {err})") from None
+
+
+def pretrained_state(model: Any, folder: str | Path) -> dict[str, Any]:
+    """The weights of a ``save_pretrained`` folder keyed for ``model``. For our model families an HF checkpoint
+    of a covered architecture (e.g. GPT-2) is converted on the fly, as ``AutoModelForCausalLM`` does."""
+    from ..models import registry
+    from ..utils.safetensors_io import load_state_dict
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"finetune_checkpoint={str(folder)!r}: no such checkpoint folder")
+    state = load_state_dict(folder)
+    config = getattr(model, "config", None)
+    family = registry.family_for_model_type(getattr(config, "model_type", None) or "")
+    if family is None or family.converter is None or not isinstance(config, family.config_class):
+        return state
+    raw = _read_json(folder / "config.json", "model config") if (folder / "config.json").is_file() else {}
+    if raw.get("model_type") in family.hf_types:
+        state = family.converter.state_dict_from_hf(state, config)
+    return state

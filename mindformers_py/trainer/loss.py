@@ -1,0 +1,181 @@
+"""Causal-LM loss without the full logits: a chunked linear + cross-entropy with its gradient made in the forward.
+
+For a GPT the LM head and its cross-entropy dominate a CPU training step: the (tokens x vocab) logits are written,
+read by log-softmax, written again as log-probabilities, and in backward a same-sized gradient is zero-filled and
+written twice more. :class:`LinearCrossEntropy` walks the tokens in chunks, turns each chunk's logits into
+``softmax - one_hot`` in place and multiplies it straight into the hidden-state and weight gradients, so the
+full logits never exist and the backward pass only scales two saved gradients. The matrix products are the same
+three as the plain path; what disappears is the memory traffic around them.
+
+:class:`FusedCausalLMLoss` applies it to a model from outside: the model's body (``model.base_model``) gives the
+hidden states, its output embedding (an ``nn.Linear``) the weight. That is only valid when the model's logits are
+exactly ``lm_head(base_model(...)[0])`` and its loss is plain next-token cross-entropy, so :meth:`probe` runs the
+model both ways once on a slice of the first batch and enables the fused path only when the losses agree.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+# Elements of one chunk's logits (fp32): 2**25 is 128 MiB, large enough for efficient matrix products.
+_CHUNK_ELEMENTS = 2**25
+# The probe runs on the first sample of a batch, cut to this many tokens.
+_PROBE_TOKENS = 64
+
+logger = logging.getLogger(__name__)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``sum(cross_entropy(hidden @ weight.T + bias, targets)) / denominator`` over non-ignored targets.
+
+    Gradients with respect to ``hidden``, ``weight`` and ``bias`` are computed in the forward pass, chunk by
+    chunk, and scaled by the incoming gradient in backward. Under autocast the matrix products run in the
+    autocast dtype and the softmax in fp32, as autocast would do for ``F.linear`` + ``F.cross_entropy``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        device_type = hidden.device.type
+        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        need_grad = any(ctx.needs_input_grad[:3])
+        with torch.autocast(device_type, enabled=False):
+            w = weight.to(compute_dtype)
+            b = bias.float() if bias is not None else None
+            grad_hidden = torch.empty_like(hidden) if need_grad else None
+            # Accumulate the weight gradient in fp32 whatever the compute dtype (as autocast's mm backward would).
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+                if need_grad and bias is not None else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+            scale = 1.0 / denominator.float()
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start:start + chunk].to(compute_dtype)
+                t = targets[start:start + chunk]
+                valid = t != IGNORE_INDEX
+                index = t.clamp(min=0).unsqueeze(1)
+                logits = (h @ w.t()).float()  # (n, V)
+                if b is not None:
+                    logits += b
+                target_logit = logits.gather(1, index).squeeze(1)
+                peak = logits.amax(1, keepdim=True)
+                probs = logits.sub_(peak).exp_()  # in place: the logits are not needed any more
+                norm = probs.sum(1, keepdim=True)
+                log_norm = norm.log().add_(peak).squeeze(1)
+                total += ((log_norm - target_logit) * valid).sum()
+                if not need_grad:
+                    continue
+                weight_rows = valid.to(probs.dtype)
+                probs.div_(norm)  # softmax
+                probs.scatter_add_(1, index, -weight_rows.unsqueeze(1))  # - one_hot(target) on counted rows
+                probs.mul_((weight_rows * scale).unsqueeze(1))  # ignored rows get no gradient
+                g = probs.to(compute_dtype)
+                grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)
+                if compute_dtype == torch.float32:
+                    grad_weight.addmm_(g.t(), h)
+                else:
+                    grad_weight += (g.t() @ h).float()
+                if grad_bias is not None:
+                    grad_bias += probs.sum(0)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
+                                  grad_bias.to(bias.dtype) if grad_bias is not None else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        grad_output = grad_output.to(grad_hidden.dtype)
+        return (grad_hidden * grad_output, grad_weight * grad_output,
+                grad_bias * grad_output if grad_bias is not None else None, None, None)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets of a causal LM: position t predicts ``labels[t + 1]``; the last position predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         num_items_in_batch: int | torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         shift: bool = True) -> torch.Tensor:
+    """Next-token cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` (-100 ignored), without
+    materialising the logits. Normalised by ``num_items_in_batch`` when given (gradient accumulation over the
+    whole batch's tokens), else by the number of counted targets — HF's ``ForCausalLMLoss`` conventions."""
+    targets = (shift_labels(labels) if shift else labels).reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        denominator = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    else:
+        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets, denominator)
+
+
+class FusedCausalLMLoss:
+    """The loss of a causal LM computed as ``linear_cross_entropy(body(inputs), head.weight, labels)``.
+
+    Build it with :meth:`probe`, which returns None unless the model's own loss agrees on a sample.
+    """
+
+    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
+        self.body = body
+        self.head = head
+        self._body_kwargs = {"use_cache": False} if _accepts(body, "use_cache") else {}
+
+    def __call__(self, inputs: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of one batch (``inputs`` holds ``labels``), normalised as :func:`linear_cross_entropy`."""
+        body_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        hidden = self.body(**body_inputs, **self._body_kwargs)[0]
+        return linear_cross_entropy(hidden, self.head.weight, inputs["labels"], num_items_in_batch, self.head.bias)
+
+    @classmethod
+    def probe(cls, model: nn.Module, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
+        """A fused loss for ``model`` if its loss on (a slice of) ``inputs`` equals the fused one, else None."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        body = getattr(model, "base_model", None)
+        labels = inputs.get("labels")
+        if not isinstance(head, nn.Linear) or not isinstance(body, nn.Module) or body is model \
+                or not isinstance(labels, torch.Tensor) or labels.ndim != 2:
+            return None
+        fused = cls(body, head)
+        sample = _probe_slice(inputs, labels.shape)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.autocast(labels.device.type, enabled=False):
+                reference = model(**sample).loss
+                mine = fused(sample)
+            agree = reference is not None and bool(torch.allclose(reference.float(), mine, rtol=1e-4, atol=1e-5))
+        except Exception as err:  # noqa: BLE001 - any failure just means the model is not of the expected shape
+            logger.debug("fused causal-LM loss not applicable to %s: %s", type(model).__name__, err)
+            agree = False
+        finally:
+            model.train(was_training)
+        return fused if agree else None
+
+
+def _probe_slice(inputs: Mapping[str, Any], shape: torch.Size) -> dict[str, Any]:
+    """The first sample of a batch, cut to ``_PROBE_TOKENS`` positions, for the tensors shaped like the labels."""
+    batch, length = shape
+    keep = min(length, _PROBE_TOKENS)
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == batch:
+            value = value[:1]
+            if value.ndim == 2 and value.shape[1] == length:
+                value = value[:, :keep]
+        out[key] = value
+    return out
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False

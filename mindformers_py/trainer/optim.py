@@ -1,0 +1,56 @@
+"""AdamW with decay / no-decay parameter groups, and learning-rate schedules from ``transformers.get_scheduler``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from transformers import get_scheduler
+
+from ..errors import MindFormersError
+from .arguments import TrainingArguments
+
+# Devices whose AdamW has a fused kernel in torch.
+_FUSED_DEVICES = ("cuda", "cpu", "mps", "xpu")
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters split into a decayed group (matrices, embeddings) and a group without decay (biases
+    and normalisation weights, i.e. every parameter with fewer than two dimensions). Tied parameters appear once."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def create_optimizer(groups: Iterable[dict[str, Any]], args: TrainingArguments) -> torch.optim.Optimizer:
+    """AdamW over ``groups`` with the arguments' hyper-parameters, fused or foreach as ``args.optim`` asks."""
+    groups = list(groups)
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        raise MindFormersError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    fused = args.optim == "adamw_torch_fused" and all(
+        p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params
+    )
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(
+        groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay, **kwargs,
+    )
+
+
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int) -> Any:
+    """The ``args.lr_scheduler_type`` schedule over ``max_steps`` optimizer steps with the arguments' warmup."""
+    return get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps_for(max_steps),
+        num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )
+
+
+def steps_on_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on an evaluation metric (after ``evaluate``) rather than every optimizer step."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or type(scheduler).__name__ == "GreedyLR"
+

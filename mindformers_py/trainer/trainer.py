@@ -1,0 +1,600 @@
+"""``Trainer``: HF's Trainer API (train / evaluate / predict / save_model, callbacks, TrainerState) on a lean loop.
+
+The loop waits for the device only at logging, evaluation and saving: losses, gradient norms and the non-finite
+check stay on the device in between. Everything that depends on the parallel layout goes through the engine
+(:mod:`mindformers_py.parallel.engine`), so distributed layouts plug in without changing this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_pt_utils import nested_concat, nested_numpify
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed, \
+    speed_metrics
+from transformers.utils.generic import find_labels
+
+from ..errors import MindFormersError, check_choice
+from ..parallel.engine import Engine, build_engine
+from .arguments import PERPLEXITY_TASKS, TASKS, TrainingArguments
+from .batching import GlobalBatchSampler, build_dataloader, count_input_tokens, count_label_tokens, \
+    default_collator, drop_unused_columns, forward_columns
+from .callbacks import default_callbacks
+from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
+    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints
+from .loss import FusedCausalLMLoss
+from .optim import create_scheduler, steps_on_metric
+
+logger = logging.getLogger(__name__)
+
+# Suffixes of model class names and the task they train, for models whose ``loss_type`` does not say.
+_TASK_BY_CLASS_SUFFIX = {
+    "ForCausalLM": "text_generation", "LMHeadModel": "text_generation", "ForMaskedLM": "fill_mask",
+    "ForSequenceClassification": "text_classification", "ForTokenClassification": "token_classification",
+    "ForQuestionAnswering": "question_answering", "ForImageClassification": "image_classification",
+    "ForConditionalGeneration": "translation", "ForSeq2SeqLM": "translation",
+}
+
+
+class Trainer:
+    """Train, evaluate and predict with a HuggingFace-style model (``model(**batch)`` returns ``.loss`` /
+    ``.logits``), with transformers' callbacks, ``TrainerState`` and checkpoint layout.
+
+    Args:
+        model: the model to train (a ``PreTrainedModel`` or any module following its call convention).
+        args: the :class:`TrainingArguments` (default: all defaults, ``output_dir="trainer_output"``).
+        data_collator: turns a list of examples into a batch; default from ``task`` and the tokenizer
+            (:func:`~mindformers_py.trainer.batching.default_collator`).
+        train_dataset, eval_dataset: map-style datasets of dicts (lists or tensors) or ``datasets.Dataset``;
+            ``eval_dataset`` may be a dict of named datasets.
+        processing_class: the tokenizer (or processor), saved with the model; ``tokenizer`` is its old name.
+        compute_metrics: ``EvalPrediction -> dict`` called by ``evaluate``/``predict``.
+        callbacks: ``TrainerCallback`` instances or classes added after the defaults.
+        optimizers: ``(optimizer, lr_scheduler)`` to use instead of AdamW and ``lr_scheduler_type``.
+        preprocess_logits_for_metrics: ``(logits, labels) -> tensor`` applied to each batch's logits before they
+            are gathered for ``compute_metrics`` (e.g. argmax, to avoid keeping whole vocabularies).
+        task: overrides ``args.task``; None infers it from the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        tokenizer: Any = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        callbacks: Iterable[TrainerCallback | type[TrainerCallback]] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        task: str | None = None,
+    ) -> None:
+        if model is None:
+            raise MindFormersError("Trainer needs a model")
+        if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
+            raise MindFormersError("Trainer got both processing_class and tokenizer and they differ; pass one of them")
+        self.args = args if args is not None else TrainingArguments()
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        self.task = task or self.args.task or infer_task(model)
+        if self.task is not None:
+            check_choice("task", self.task, TASKS)
+        self.label_names = list(self.args.label_names or find_labels(type(model)) or ["labels"])
+        self.engine: Engine = build_engine(self.args.parallel_config, self.args)
+        self.engine.setup()
+        set_seed(self.args.seed)
+        self.model = model
+        self.model_wrapped = self.engine.prepare_model(model)
+        self.data_collator = data_collator or default_collator(self.task, self.processing_class)
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(model)
+        self._loss_shifts_labels = self.task == "text_generation"
+        # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token.
+        self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
+            if hasattr(model, "num_parameters") else 0
+        self._fused_loss: FusedCausalLMLoss | None = None
+        self._fused_probed = False
+        self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
+                                  is_world_process_zero=self.engine.is_main_process)
+        self.control = TrainerControl()
+        self.callback_handler = CallbackHandler(
+            default_callbacks(self.args) + list(callbacks or []), self.model, self.processing_class,
+            self.optimizer, self.lr_scheduler,
+        )
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # -- callbacks (HF's API) ------------------------------------------------------------------------------------
+
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (instance or class) after the current ones."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove a callback (instance or first of a class) and return it."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove a callback (instance or first of a class)."""
+        self.callback_handler.remove_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of the run."""
+        return self.engine.is_main_process
+
+    # -- training -------------------------------------------------------------------------------------------------
+
+    def finetune(self, finetune_checkpoint: str | Path | None = None,
+                 resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train starting from pretrained weights (MindFormers' name): load ``finetune_checkpoint`` (a folder
+        written by ``save_pretrained``; for our model families an HF checkpoint is converted) into the model,
+        then :meth:`train` with a fresh optimizer. None trains the model as given. A resumed run takes its
+        weights from the resumed checkpoint instead."""
+        if finetune_checkpoint is not None:
+            state = pretrained_state(self.model, finetune_checkpoint)
+            self.engine.load_weights(self.model, finetune_checkpoint, state)
+        return self.train(resume_from_checkpoint=resume_from_checkpoint)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Run the training loop; returns ``TrainOutput(global_step, training_loss, metrics)``.
+
+        ``resume_from_checkpoint`` (default ``args.resume_from_checkpoint``) is a ``checkpoint-<step>`` folder
+        or True for the latest in ``output_dir``: weights, optimizer, scheduler, RNG and data position are
+        restored, so the run continues exactly as if it had not stopped.
+        """
+        args, engine = self.args, self.engine
+        if self.train_dataset is None:
+            raise MindFormersError("Trainer.train needs a train_dataset")
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        checkpoint = resolve_resume(resume, args.output_dir)
+        if checkpoint is None:
+            if engine.is_main_process:
+                default_tb = None if args.logging_dir else args.tensorboard_dir
+                prepare_output_dir(args.output_dir, args.overwrite_output_dir, default_tb)
+            engine.barrier()
+            set_seed(args.seed)
+        else:
+            check_checkpoint(checkpoint, engine.checkpoint_files())
+
+        dataset, collate = self._prepared(self.train_dataset, "train")
+        num_samples = _length(dataset, "train_dataset")
+        global_batch = args.per_device_train_batch_size * engine.dp_size
+        if num_samples < global_batch:
+            raise MindFormersError(
+                f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
+                f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
+                "ranks); use more data or a smaller per_device_train_batch_size"
+            )
+        data_seed = args.data_seed if args.data_seed is not None else args.seed
+        sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
+                                     drop_last=args.dataloader_drop_last)
+        loader = build_dataloader(dataset, sampler, collate, args.dataloader_num_workers,
+                                  args.dataloader_pin_memory and engine.device.type == "cuda",
+                                  args.dataloader_prefetch_factor, data_seed)
+        batches_per_epoch = sampler.batches_per_epoch()
+        accum = args.gradient_accumulation_steps
+        steps_per_epoch = math.ceil(batches_per_epoch / accum)
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+        num_epochs = math.ceil(max_steps / steps_per_epoch)
+
+        if self.optimizer is None:
+            self.optimizer = engine.build_optimizer(self.model)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = create_scheduler(self.optimizer, args, max_steps)
+        self.state = TrainerState(is_local_process_zero=engine.is_local_main_process,
+                                  is_world_process_zero=engine.is_main_process)
+        position = DataPosition(num_samples=num_samples, global_batch_size=global_batch, data_seed=data_seed)
+        if checkpoint is not None:
+            engine.load_checkpoint(checkpoint, self.model, self.optimizer, self.lr_scheduler)
+            saved = read_trainer_state(checkpoint)
+            self.state = dataclasses.replace(saved, is_local_process_zero=engine.is_local_main_process,
+                                             is_world_process_zero=engine.is_main_process)
+            position = self._resumed_position(DataPosition.read(checkpoint), num_samples, global_batch, data_seed)
+        self.state.max_steps = max_steps
+        self.state.num_train_epochs = num_epochs
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.compute_steps(args, max_steps)
+        for name in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, name, getattr(self, name))
+        self.callback_handler.train_dataloader = loader
+
+        self.model_wrapped.train()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if checkpoint is not None:
+            engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
+        return self._train_loop(loader, sampler, position, batches_per_epoch, num_epochs)
+
+    def _train_loop(self, loader: Any, sampler: GlobalBatchSampler, position: DataPosition,
+                    batches_per_epoch: int, num_epochs: int) -> TrainOutput:
+        args, engine, state = self.args, self.engine, self.state
+        accum = args.gradient_accumulation_steps
+        self._tr_loss = torch.zeros((), device=engine.device)
+        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=engine.device)
+        self._logged_step = state.global_step
+        self._total_loss = 0.0
+        self._grad_norm: torch.Tensor | None = None
+        self._learning_rate = self.optimizer.param_groups[0]["lr"]
+        self._tokens_since_log = 0
+        self._log_clock = time.perf_counter()
+        start_time, start_step, tokens_run = time.time(), state.global_step, 0
+        self._position = position
+        epoch = position.epoch
+        skip = position.samples_consumed // position.global_batch_size
+        if skip >= batches_per_epoch:
+            epoch, skip = epoch + 1, 0
+
+        while epoch < num_epochs and state.global_step < state.max_steps and not self.control.should_training_stop:
+            sampler.set_epoch(epoch, skip)
+            self._position = dataclasses.replace(position, epoch=epoch, samples_consumed=skip * sampler.global_batch_size)
+            self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
+            batches = iter(loader)
+            consumed = skip
+            while consumed < batches_per_epoch and state.global_step < state.max_steps:
+                micro_batches = list(itertools.islice(batches, accum))
+                if not micro_batches:
+                    break
+                consumed += len(micro_batches)
+                self.control = self.callback_handler.on_step_begin(args, state, self.control)
+                tokens = sum(count_input_tokens(b) for b in micro_batches)
+                loss = engine.forward_backward(self.model_wrapped, micro_batches,
+                                               self._num_items(micro_batches), self._micro_batch_loss)
+                if args.max_grad_norm > 0:
+                    self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
+                self.control = self.callback_handler.on_pre_optimizer_step(args, state, self.control)
+                engine.optimizer_step(self.optimizer)
+                self.control = self.callback_handler.on_optimizer_step(args, state, self.control)
+                self._learning_rate = self.optimizer.param_groups[0]["lr"]
+                if not steps_on_metric(self.lr_scheduler):
+                    self.lr_scheduler.step()
+                engine.zero_grad(self.optimizer)
+
+                state.global_step += 1
+                state.epoch = epoch + consumed / batches_per_epoch
+                state.num_input_tokens_seen += tokens
+                state.total_flos += float(self._flops_per_token * tokens * engine.dp_size)
+                self._tokens_since_log += tokens
+                tokens_run += tokens
+                self._tr_loss += loss
+                self._note_nonfinite(loss)
+                self._position.samples_consumed = consumed * sampler.global_batch_size
+                self.control = self.callback_handler.on_step_end(args, state, self.control)
+                self._maybe_log_save_evaluate()
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self.control = self.callback_handler.on_epoch_end(args, state, self.control)
+            self._maybe_log_save_evaluate()
+            epoch, skip = epoch + 1, 0
+
+        self._check_finite()
+        steps_run = state.global_step - start_step
+        self._total_loss += self._tr_loss.item()
+        train_loss = self._total_loss / max(steps_run, 1)
+        metrics = speed_metrics("train", start_time,
+                                num_samples=steps_run * accum * self._position.global_batch_size,
+                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+        metrics["total_flos"] = state.total_flos
+        metrics["train_loss"] = train_loss
+        self.log(metrics)
+        if engine.is_main_process:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            state.save_to_json(str(Path(args.output_dir) / TRAINER_STATE_NAME))
+        self.control = self.callback_handler.on_train_end(args, state, self.control)
+        engine.barrier()
+        return TrainOutput(state.global_step, train_loss, metrics)
+
+    def _resumed_position(self, saved: DataPosition, num_samples: int, global_batch: int, data_seed: int) -> DataPosition:
+        if (saved.num_samples, saved.global_batch_size, saved.data_seed) != (num_samples, global_batch, data_seed):
+            logger.warning(
+                "resuming with different data: the checkpoint was written with %d samples, global batch %d, data "
+                "seed %d; this run has %d, %d, %d, so the skip of consumed samples is approximate",
+                saved.num_samples, saved.global_batch_size, saved.data_seed, num_samples, global_batch, data_seed)
+        return DataPosition(epoch=saved.epoch, samples_consumed=saved.samples_consumed, num_samples=num_samples,
+                            global_batch_size=global_batch, data_seed=data_seed)
+
+    def _num_items(self, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor | None:
+        """Label tokens of the whole optimizer step (HF's ``num_items_in_batch``), counted on the host batches,
+        summed over data-parallel ranks; None when the loss cannot use it."""
+        counts = [count_label_tokens(b, self._loss_shifts_labels, self.label_names[0]) for b in micro_batches]
+        if any(c is None for c in counts):
+            return None
+        total = torch.tensor(sum(counts), device=self.engine.device)
+        return self.engine.all_reduce_sum(total)
+
+    def _micro_batch_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """One micro-batch's share of the step loss: normalised by the step's label tokens when the loss takes
+        ``num_items_in_batch``, else (a per-micro-batch mean) divided by the accumulation steps, as HF does."""
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None or not (self.model_accepts_loss_kwargs or self._fused_loss is not None):
+            loss = loss / self.args.gradient_accumulation_steps
+        return loss
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """The loss of one batch (HF's signature; override to change the objective). Uses the fused causal-LM
+        loss when it applies (see ``TrainingArguments.fused_loss``), else ``model(**inputs).loss``."""
+        if not return_outputs:
+            fused = self._fused_for(inputs)
+            if fused is not None:
+                return fused(inputs, num_items_in_batch)
+        kwargs = {"num_items_in_batch": num_items_in_batch} \
+            if num_items_in_batch is not None and self.model_accepts_loss_kwargs else {}
+        outputs = model(**inputs, **kwargs)
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+        if loss is None:
+            raise MindFormersError(
+                f"the model returned no loss for a batch with keys {sorted(inputs)}; training needs "
+                f"{self.label_names[0]!r} in the batch (set by the data collator)"
+            )
+        return (loss, outputs) if return_outputs else loss
+
+    def _fused_possible(self) -> bool:
+        return (self.args.fused_loss and self.engine.supports_fused_loss and self.task == "text_generation"
+                and not self.args.torch_compile)
+
+    def _fused_for(self, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
+        if not self._fused_probed and self._fused_possible() and isinstance(inputs.get("labels"), torch.Tensor):
+            self._fused_loss = FusedCausalLMLoss.probe(self.model, inputs)
+            self._fused_probed = True
+            logger.info("causal-LM loss: %s", "fused linear cross-entropy" if self._fused_loss else "the model's own")
+        return self._fused_loss if "labels" in inputs else None
+
+    # -- non-finite losses: tracked on the device, checked where the loop syncs anyway -------------------------------
+
+    def _note_nonfinite(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss) & (self._first_bad_step < 0)
+        self._first_bad_step = torch.where(bad, self.state.global_step, self._first_bad_step)
+        if self.engine.device.type == "cpu":  # no device to wait for: check every step
+            self._check_finite()
+
+    def _check_finite(self) -> None:
+        step = int(self._first_bad_step)
+        if step >= 0:
+            raise MindFormersError(
+                f"the training loss is not finite (nan or inf) at step {step}: lower learning_rate, keep "
+                "max_grad_norm > 0, prefer bf16 to fp16, and check the data (a step whose labels are all -100 "
+                "has no tokens to average)"
+            )
+
+    # -- log / evaluate / save -----------------------------------------------------------------------------------
+
+    def _maybe_log_save_evaluate(self) -> None:
+        state, control = self.state, self.control
+        if control.should_log and state.global_step > self._logged_step:
+            self._check_finite()
+            steps = state.global_step - self._logged_step
+            loss = self.engine.all_reduce_mean(self._tr_loss).item() / steps
+            self._tr_loss.zero_()
+            self._total_loss += loss * steps
+            now = time.perf_counter()
+            tokens = int(self.engine.all_reduce_sum(torch.tensor(self._tokens_since_log, device=self.engine.device)))
+            logs: dict[str, float] = {"loss": loss}
+            if self._grad_norm is not None:
+                logs["grad_norm"] = float(self._grad_norm)
+            logs["learning_rate"] = self._learning_rate
+            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
+            self.log(logs)
+        if self.control.should_evaluate:
+            self._check_finite()
+            metrics = self.evaluate()
+            if steps_on_metric(self.lr_scheduler):
+                self.lr_scheduler.step(metrics.get("eval_loss", next(iter(metrics.values()))))
+        if self.control.should_save:
+            self._save_checkpoint()
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record ``logs`` (with ``epoch`` and ``step``) in ``state.log_history`` and send them to ``on_log``."""
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def _save_checkpoint(self) -> Path:
+        self._check_finite()
+        args = self.args
+        folder = Path(args.output_dir) / f"checkpoint-{self.state.global_step}"
+        files = {
+            TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
+            DATA_STATE_NAME: self._position.to_json(),
+            ARGS_NAME: args.to_json_string(),
+        }
+        self.engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files,
+                                    self.processing_class)
+        if self.engine.is_main_process:
+            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=folder)
+            self.state.save_to_json(str(Path(args.output_dir) / TRAINER_STATE_NAME))
+        self.engine.barrier()
+        return folder
+
+    def save_model(self, output_dir: str | Path | None = None) -> None:
+        """Save the model (``save_pretrained``: config + safetensors), the tokenizer and ``training_args.json``
+        into ``output_dir`` (default ``args.output_dir``)."""
+        folder = Path(output_dir or self.args.output_dir)
+        self.engine.save_pretrained(self.model, folder, self.processing_class)
+        if self.engine.is_main_process:
+            (folder / ARGS_NAME).write_text(self.args.to_json_string(), encoding="utf-8")
+
+    # -- evaluation and prediction ---------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate on ``eval_dataset`` (default: the Trainer's); returns ``{prefix}_loss`` (mean over label
+        tokens), ``{prefix}_perplexity`` for language-modelling tasks, ``compute_metrics``' results and speed.
+        A dict of datasets is evaluated one by one with prefixes ``{prefix}_{name}``."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise MindFormersError("evaluate needs an eval_dataset (pass one to the Trainer or to evaluate)")
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        loss_only = self.compute_metrics is None or self.args.prediction_loss_only
+        output = self._evaluation_loop(dataset, "eval_dataset", loss_only, ignore_keys, metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (logits, or ``preprocess_logits_for_metrics`` of them) for ``test_dataset`` as NumPy
+        arrays, its label ids when it has labels, and metrics (loss, ``compute_metrics``, speed)."""
+        output = self._evaluation_loop(test_dataset, "test_dataset", False, ignore_keys, metric_key_prefix)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None, num_items_in_batch: Any = None
+                        ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
+        """``(loss, logits, labels)`` of one batch without gradients (HF's signature). The loss is normalised
+        by ``num_items_in_batch`` when given (and the loss accepts it), else a mean over the batch."""
+        has_labels = all(isinstance(inputs.get(k), torch.Tensor) for k in self.label_names)
+        labels = inputs.get(self.label_names[0]) if has_labels else None
+        if prediction_loss_only and has_labels:
+            fused = self._fused_for(inputs)
+            if fused is not None:
+                return fused(inputs, num_items_in_batch), None, None
+        kwargs: dict[str, Any] = {}
+        if has_labels and num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        if _accepts(self.model, "use_cache"):
+            kwargs["use_cache"] = False
+        outputs = model(**inputs, **kwargs)
+        loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
+        if prediction_loss_only:
+            return loss, None, None
+        if ignore_keys is None:
+            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
+        if isinstance(outputs, Mapping):
+            logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
+        else:
+            logits = tuple(outputs[1:] if has_labels else outputs)
+        return loss, logits[0] if len(logits) == 1 else logits, labels
+
+    def _evaluation_loop(self, dataset: Any, description: str, prediction_loss_only: bool,
+                         ignore_keys: list[str] | None, metric_key_prefix: str) -> EvalLoopOutput:
+        args, engine = self.args, self.engine
+        dataset, collate = self._prepared(dataset, description)
+        num_samples = _length(dataset, description)
+        if num_samples == 0:
+            raise MindFormersError(f"{description} is empty")
+        sampler = GlobalBatchSampler(num_samples, args.per_device_eval_batch_size * engine.dp_size,
+                                     engine.shard_indices, shuffle=False)
+        loader = build_dataloader(dataset, sampler, collate, 0, args.dataloader_pin_memory and
+                                  engine.device.type == "cuda", None, args.seed)
+        model = self.model_wrapped
+        was_training = model.training
+        model.eval()
+        start = time.time()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        items = 0
+        predictions: Any = None
+        label_ids: Any = None
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    n_items = count_label_tokens(batch, self._loss_shifts_labels, self.label_names[0])
+                    inputs = engine.to_device(batch)
+                    with engine.autocast():
+                        loss, logits, labels = self.prediction_step(
+                            model, inputs, prediction_loss_only, ignore_keys,
+                            torch.tensor(n_items, device=engine.device) if n_items else None)
+                    if loss is not None and n_items:
+                        loss_sum += loss.double() * n_items
+                        items += n_items
+                    if logits is not None:
+                        if self.preprocess_logits_for_metrics is not None:
+                            logits = self.preprocess_logits_for_metrics(logits, labels)
+                        predictions = nested_concat(predictions, _to_cpu(logits), padding_index=-100) \
+                            if predictions is not None else _to_cpu(logits)
+                    if labels is not None and not prediction_loss_only:
+                        label_ids = nested_concat(label_ids, labels.cpu(), padding_index=-100) \
+                            if label_ids is not None else labels.cpu()
+        finally:
+            model.train(was_training)
+        loss_sum = engine.all_reduce_sum(loss_sum)
+        items = int(engine.all_reduce_sum(torch.tensor(items, device=engine.device)))
+        metrics: dict[str, float] = {}
+        if items:
+            mean = float(loss_sum) / items
+            metrics[f"{metric_key_prefix}_loss"] = mean
+            if self.task in PERPLEXITY_TASKS:
+                metrics[f"{metric_key_prefix}_perplexity"] = math.exp(mean) if mean < 700 else math.inf
+        predictions = nested_numpify(predictions) if predictions is not None else None
+        label_ids = nested_numpify(label_ids) if label_ids is not None else None
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+            for key, value in (computed or {}).items():
+                name = key if key.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{key}"
+                metrics[name] = value.item() if hasattr(value, "item") else value
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples, num_steps=len(loader)))
+        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
+
+    # -- data -----------------------------------------------------------------------------------------------------
+
+    def _prepared(self, dataset: Any, description: str) -> tuple[Any, Callable]:
+        if not self.args.remove_unused_columns:
+            return dataset, self.data_collator
+        columns = forward_columns(self.model, self.label_names)
+        return drop_unused_columns(dataset, self.data_collator, columns, description)
+
+
+def infer_task(model: nn.Module) -> str | None:
+    """The task a model trains, from its loss type or class name (None when neither says)."""
+    config = getattr(model, "config", None)
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss \
+            and not getattr(config, "is_encoder_decoder", False):
+        return "text_generation"
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_BY_CLASS_SUFFIX.items() if name.endswith(suffix)), None)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``num_items_in_batch`` (by name or through ``**kwargs``), HF's rule."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_items_in_batch" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _length(dataset: Any, name: str) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
+                               "iterable datasets are not supported") from None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
