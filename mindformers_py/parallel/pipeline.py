@@ -19,7 +19,8 @@ same loss and gradients as one stand-alone forward/backward of the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..errors import ConfigError
 from ..layers import IGNORE_INDEX, build_attention_mask, causal_lm_loss
@@ -102,13 +104,27 @@ class CausalLMStage(nn.Module):
         layers: indices of the transformer layers this chunk runs.
         is_first: whether the chunk embeds the tokens.
         is_last: whether the chunk applies the final norm and the LM head.
+
+    Attributes:
+        stage_index: index of this chunk in the whole pipeline (set by :func:`split_model`).
+        pp_rank: pipeline rank holding this chunk (per-stage settings such as recompute layer counts read it).
+        sequence_shards: sequence-parallel shards of the hidden states this chunk receives (the tensor-parallel
+            size with ``use_seq_parallel``), so positions and masks are built for the whole sequence.
+        config, base_model_prefix, tp_plan: the full model's, for the tensor-parallel and recompute engines.
     """
 
     def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.config = model.config
+        # What the other parallel engines read from an HF model: the plans, the layer class, the tied weights.
+        self.base_model_prefix = model.base_model_prefix
+        self.tp_plan = dict(getattr(model, "tp_plan", None) or {})
+        self._no_split_modules = list(getattr(model, "_no_split_modules", None) or ())
         self.is_first, self.is_last = is_first, is_last
         self.layer_ids = layers
+        self.stage_index = 0
+        self.pp_rank = 0
+        self.sequence_shards = 1
         before, after, head = _plan_names(model)
         prefix = model.base_model_prefix
         source_base = getattr(model, prefix)
@@ -138,7 +154,7 @@ class CausalLMStage(nn.Module):
         """``inputs`` (B, T) token ids on the first chunk, (B, T, C) hidden states elsewhere; returns (B, T, C)
         hidden states, or (B, T, V) logits on the last chunk. ``attention_mask`` is the HF padding mask (B, T)."""
         base, cfg = self.base, self.config
-        length = inputs.shape[1]
+        length = inputs.shape[1] if self.is_first else inputs.shape[1] * self.sequence_shards
         position_ids = torch.arange(length, device=inputs.device)[None]
         if self.is_first:
             hidden = base.embed_tokens(inputs)  # (B, T, C)
@@ -162,10 +178,16 @@ class CausalLMStage(nn.Module):
         return hidden
 
 
-def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int]) -> list[CausalLMStage]:
-    """The stage modules ``chunk_ids`` of ``model`` cut into ``num_chunks`` chunks by :func:`layer_ranges`."""
+def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1) -> list[CausalLMStage]:
+    """The stage modules ``chunk_ids`` of ``model`` cut into ``num_chunks`` chunks by :func:`layer_ranges`
+    (chunk ``i`` runs on pipeline rank ``i % pp_size``)."""
     ranges = layer_ranges(model.config.num_hidden_layers, num_chunks)
-    return [CausalLMStage(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1) for i in chunk_ids]
+    parts = []
+    for i in chunk_ids:
+        part = CausalLMStage(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1)
+        part.stage_index, part.pp_rank = i, i % pp_size
+        parts.append(part)
+    return parts
 
 
 def count_loss_tokens(labels: torch.Tensor) -> int:
@@ -197,11 +219,12 @@ class PipelineParallel:
         pp_group: the process group of this rank's pipeline.
         pp_rank: this rank's position in the pipeline.
         pp_size: number of pipeline ranks.
+        has_first_stage, has_last_stage: whether this rank embeds the tokens / computes the loss.
     """
 
     def __init__(self, model_parts: list[nn.Module], stages: list[PipelineStage], schedule: Any,
-                 pp_group: dist.ProcessGroup, tied_group: dist.ProcessGroup | None,
-                 tied_names: list[str]) -> None:
+                 pp_group: dist.ProcessGroup, tied_group: dist.ProcessGroup | None = None,
+                 tied_names: Sequence[str] = (), vocab_parallel_loss: bool = False) -> None:
         self.model_parts = model_parts
         self.stages = stages
         self.schedule = schedule
@@ -211,7 +234,8 @@ class PipelineParallel:
         self.has_first_stage = any(stage.is_first for stage in stages)
         self.has_last_stage = any(stage.is_last for stage in stages)
         self._tied_group = tied_group
-        self._tied_names = tied_names
+        self._tied_names = list(tied_names)
+        self._vocab_parallel_loss = vocab_parallel_loss
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Trainable parameters of every model part on this rank."""
@@ -255,14 +279,30 @@ class PipelineParallel:
         args = (input_ids,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                           loss_kwargs={"num_items_in_batch": num_items_in_batch}, **kwargs)
+        # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
+        context = loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext()
+        with context:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                               loss_kwargs={"num_items_in_batch": num_items_in_batch}, **kwargs)
         self._sync_tied_grads()
         device = self.stages[0].device
-        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses \
+        total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
             else torch.zeros((), device=device)
         # The loss is known on the last rank only; the caller logs it on every rank.
         dist.broadcast(total, group_src=self.pp_size - 1, group=self.pp_group)
+        return total
+
+    def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
+                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`step` over each gradient-accumulation batch (``input_ids``, ``labels``, optional
+        ``attention_mask``) of one optimizer step; returns the summed loss. ``num_items_in_batch`` is the loss-token
+        count of the whole step, so the sum is the step's loss; by default it is counted from ``micro_batches``."""
+        if num_items_in_batch is None:
+            num_items_in_batch = max(sum(count_loss_tokens(b["labels"]) for b in micro_batches), 1)
+        total = None
+        for batch in micro_batches:
+            loss = self.step(batch["input_ids"], batch["labels"], batch.get("attention_mask"), num_items_in_batch)
+            total = loss if total is None else total + loss
         return total
 
     def _sync_tied_grads(self) -> None:
@@ -280,40 +320,56 @@ class PipelineParallel:
 
 def _tied_weight_names(model: nn.Module) -> list[str]:
     """Names of the weights the first and last stage would both hold (tied input/output embeddings)."""
-    tied = getattr(model, "_tied_weights_keys", None) or {}
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
-    names = list(tied) + list(tied.values()) if isinstance(tied, Mapping) else list(tied)
-    return names
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return [*tied, *tied.values()] if isinstance(tied, Mapping) else list(tied)
 
 
-def _pp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup:
+def _pp_group(mesh: Any) -> dist.ProcessGroup:
+    """The pipeline process group of ``mesh``: a :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"``
+    dimension, a 1-D pipeline ``DeviceMesh``, or None (the whole world)."""
     if mesh is None:
         return dist.group.WORLD
-    if mesh.mesh_dim_names and "pp" in mesh.mesh_dim_names and mesh.ndim > 1:
+    if hasattr(mesh, "pp_mesh"):
+        return mesh.pp_mesh.get_group()
+    if isinstance(mesh, DeviceMesh) and mesh.ndim > 1:
         return mesh["pp"].get_group()
     return mesh.get_group()
+
+
+def _tied_group(group: dist.ProcessGroup, pp_rank: int, pp_size: int) -> dist.ProcessGroup | None:
+    """The group of this pipeline's first and last rank, which both hold the tied embedding (None elsewhere)."""
+    if pp_size == 2:
+        return group
+    if pp_rank not in (0, pp_size - 1):
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    # Only the two members take part in creating the group; the middle ranks hold no tied weight.
+    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
 
 
 def build_pipeline(
     model: nn.Module,
     parallel_config: ParallelConfig,
-    mesh: DeviceMesh | None = None,
+    mesh: Any = None,
     device: torch.device | str | None = None,
-    parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
+    parallelize: Callable[[CausalLMStage], nn.Module | None] | None = None,
 ) -> PipelineParallel:
     """Cut ``model`` into pipeline stages, keep this rank's, wrap them in ``PipelineStage`` and build the schedule.
 
     Args:
-        model: a causal LM declaring ``base_model_pp_plan`` (e.g. ``GPTForCausalLM``), with the same weights on
-            every rank (same seed or same checkpoint). Its submodules are shared by the stage modules; drop the
-            other references to it afterwards so the layers of other stages are freed.
-        parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num`` and
-            ``pipeline_schedule``.
-        mesh: a mesh with a ``"pp"`` dimension (or a 1-D pipeline mesh); None uses the whole world.
-        device: where the stage modules run (default: CPU for gloo, else the current CUDA device).
+        model: a causal LM declaring a pipeline plan (e.g. ``GPTForCausalLM``), with the same weights on every
+            rank (same seed or same checkpoint). Its submodules are shared by the stage modules; drop the other
+            references to it afterwards so the layers of other stages are freed.
+        parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
+            ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
+        mesh: the run's :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
+            pipeline mesh; None uses the whole world as the pipeline.
+        device: where the stage modules run (default: the current CUDA device with NCCL, else CPU).
         parallelize: applied to each stage module after the cut (tensor parallel, recompute, data parallel /
-            ZeRO, in torchtitan's order); it may wrap and return a new module or modify in place (None).
+            ZeRO, in torchtitan's order; ``part.pp_rank`` gives the stage for per-stage settings); it may return
+            a wrapping module or modify the part in place and return None.
     """
     pp, vpp = parallel_config.pp, parallel_config.vpp
     group = _pp_group(mesh)
@@ -323,32 +379,27 @@ def build_pipeline(
         )
     pp_rank = dist.get_rank(group)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-            else torch.device("cpu")
+        on_gpu = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     device = torch.device(device)
     num_chunks = pp * vpp
     chunk_ids = stage_ids_for_rank(pp_rank, pp, vpp)
     parts: list[nn.Module] = []
-    for part in split_model(model, num_chunks, chunk_ids):
+    for part in split_model(model, num_chunks, chunk_ids, pp):
+        part.sequence_shards = parallel_config.tp if parallel_config.sequence_parallel else 1
         part.to(device)
         if parallelize is not None:
             part = parallelize(part) or part
         parts.append(part)
     stages = [PipelineStage(part, chunk, num_chunks, device, group=group) for part, chunk in zip(parts, chunk_ids)]
     schedule_cls = get_schedule_class(parallel_config.torch_schedule_name)
+    # Each micro-batch loss is already divided by the whole batch's tokens: no further scaling by the schedule.
     common = dict(n_microbatches=parallel_config.micro_batches, loss_fn=_pipeline_loss, scale_grads=False)
     if issubclass(schedule_cls, PipelineScheduleSingle):
         schedule = schedule_cls(stages[0], **common)
     else:
         schedule = schedule_cls(stages, **common)
-    tied_names = _tied_weight_names(model)
-    tied_group = None
-    if tied_names and pp > 1:
-        ranks = dist.get_process_group_ranks(group)
-        pair = [ranks[0], ranks[-1]]
-        if pp == 2:
-            tied_group = group
-        elif pp_rank in (0, pp - 1):
-            # Only the two members create the group; the middle stages hold no tied weight.
-            tied_group = dist.new_group(pair, use_local_synchronization=True)
-    return PipelineParallel(parts, stages, schedule, group, tied_group, tied_names)
+    tied_names = _tied_weight_names(model) if pp > 1 else []
+    tied_group = _tied_group(group, pp_rank, pp) if tied_names else None
+    return PipelineParallel(parts, stages, schedule, group, tied_group, tied_names,
+                            vocab_parallel_loss=parallel_config.vocab_parallel)
