@@ -87,7 +87,7 @@ class JsonlLoggerCallback(TrainerCallback):
 
 class TensorBoardCallback(TrainerCallback):
     """Writes numeric logs to TensorBoard (``torch.utils.tensorboard``) under ``args.tensorboard_dir``:
-    ``eval_*`` values as ``eval/*``, the rest as ``train/*``; the arguments go to the text tab. A resumed run
+    ``eval_*`` / ``test_*`` values as ``eval/*`` / ``test/*``, the rest as ``train/*`` (HF's tags); the arguments go to the text tab. A resumed run
     purges the events written after its checkpoint's step."""
 
     def __init__(self) -> None:
@@ -115,7 +115,8 @@ class TensorBoardCallback(TrainerCallback):
             self._open(args, state)
         for key, value in logs.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key.removeprefix('train_')}"
+                split, _, name = key.partition("_")
+                tag = f"{split}/{name}" if split in ("eval", "test") and name else f"train/{key}"
                 self.writer.add_scalar(tag, value, state.global_step)
         self.writer.flush()
 
