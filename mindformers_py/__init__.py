@@ -11,11 +11,14 @@ from .auto import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeque
 from .convert import convert_checkpoint
 from .errors import CheckpointError, ConfigError, MindFormersError
 from .models.gpt import GPTConfig, GPTForCausalLM, GPTForSequenceClassification, GPTModel
+from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
+from .trainer import Trainer, TrainingArguments
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
     "convert_checkpoint", "GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification",
-    "MindFormersError", "ConfigError", "CheckpointError",
+    "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
+    "Trainer", "TrainingArguments",
 ]

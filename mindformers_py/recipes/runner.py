@@ -108,16 +108,19 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, data_s, name_or_pat
     if _is_main():
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
-    metrics: dict[str, Any] = {}
     if run_mode == "train":
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    elif run_mode == "finetune":
-        trainer.finetune(finetune_checkpoint=name_or_path, resume_from_checkpoint=args.resume_from_checkpoint)
+    elif run_mode == "finetune":  # the model was loaded from name_or_path already
+        trainer.finetune(resume_from_checkpoint=args.resume_from_checkpoint)
     if run_mode in ("train", "finetune"):
         trainer.save_model()
-    if val is not None:
-        metrics = trainer.evaluate()
-    return metrics
+    if val is None:
+        return {}
+    # Reuse the evaluation the training loop ran at its last step rather than evaluating twice.
+    last = [h for h in trainer.state.log_history if "eval_loss" in h]
+    if run_mode != "eval" and last and last[-1].get("step") == trainer.state.global_step:
+        return {k: v for k, v in last[-1].items() if k.startswith("eval_")}
+    return trainer.evaluate()
 
 
 def generate_samples(model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[str]:

@@ -1,0 +1,22 @@
+"""Every notebook runs top to bottom (small settings) in a fresh kernel."""
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINDFORMERS_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("MINDFORMERS_PY_CACHE", str(tmp_path / "cache"))
+    nb = nbformat.read(path, as_version=4)
+    # Run from a scratch copy of the notebooks folder so ../runs lands in tmp_path, not in the repository.
+    workdir = tmp_path / "notebooks"
+    workdir.mkdir()
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    assert any(o.get("text", "").startswith("validation perplexity") for c in nb.cells for o in c.get("outputs", []))
