@@ -42,25 +42,37 @@ def _family_of(model_type: str | None, where: str) -> Family:
 
 
 def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[PretrainedConfig, Family, bool]:
-    """(our config, its family, whether the source is an HF checkpoint) for a preset name or a folder."""
+    """(our config, its family, whether the source is an HF checkpoint) for a preset name or a folder.
+
+    ``overrides`` are config fields; for a preset they take part in deriving the other sizes (``hidden_size``
+    changes ``head_dim``), for a checkpoint they replace stored values (dropout, labels, ...).
+    """
     path = Path(name_or_path)
     if path.is_dir():
         raw = _read_config_json(path)
         family = _family_of(raw.get("model_type"), str(path / "config.json"))
+        _check_fields(family.config_class, overrides)
         from_hf = raw.get("model_type") != family.config_class.model_type
-        config = family.converter.config_from_hf(raw) if from_hf else family.config_class.from_dict(raw)
-    else:
-        family = registry.family_for_preset(str(name_or_path))
-        if family is None:
-            raise ConfigError(
-                f"{str(name_or_path)!r} is neither a checkpoint folder nor a preset; presets: {', '.join(registry.all_presets())}"
-            )
-        config, from_hf = family.config_class(**family.presets[str(name_or_path)]), False
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise ConfigError(f"unknown config field {key!r} for {type(config).__name__}")
-        setattr(config, key, value)
-    return config, family, from_hf
+        if from_hf:
+            config = family.converter.config_from_hf(raw)
+            for key, value in overrides.items():
+                setattr(config, key, value)
+        else:
+            config = family.config_class.from_dict({**raw, **overrides})
+        return config, family, from_hf
+    family = registry.family_for_preset(str(name_or_path))
+    if family is None:
+        raise ConfigError(f"{str(name_or_path)!r} is neither a checkpoint folder nor a preset; presets: {', '.join(registry.all_presets())}")
+    _check_fields(family.config_class, overrides)
+    return family.config_class(**{**family.presets[str(name_or_path)], **overrides}), family, False
+
+
+def _check_fields(config_class: type[PretrainedConfig], overrides: dict[str, Any]) -> None:
+    probe = config_class()
+    for key in overrides:
+        if not hasattr(probe, key):
+            fields = [f for f in getattr(config_class, "__dataclass_fields__", {}) if not f.startswith("_")]
+            raise ConfigError(f"unknown config field {key!r} for {config_class.__name__}; valid: {', '.join(fields)}")
 
 
 class AutoConfig:

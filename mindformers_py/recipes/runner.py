@@ -43,12 +43,15 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else parallel.required_world_size()
     if parallel.parallel_mode != "auto_parallel":
         parallel.validate_for(world, config, per_device_batch=args.per_device_train_batch_size)
+    if data_s.block_size > config.max_position_embeddings:
+        raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
+                          f"max_position_embeddings={config.max_position_embeddings}; lower data.block_size")
     if world > 1 and not under_torchrun():
         return _relaunch(recipe, args.output_dir, world)
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
 
-    tokenizer = _load_tokenizer(tok_s, name_or_path)
+    tokenizer = _load_tokenizer(tok_s, data_s, name_or_path)
     if not Path(name_or_path).is_dir():  # a preset: size the vocabulary and special tokens to the tokenizer
         model_s.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -71,16 +74,20 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _load_tokenizer(tok_s: TokenizerSection, name_or_path: str):
+def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: str):
+    """The recipe's tokenizer, the checkpoint's own, or a byte-level BPE trained on the recipe's training text."""
     from transformers import AutoTokenizer
 
-    from ..data import default_tokenizer
+    from ..data import default_tokenizer, load_text_files, train_bpe_tokenizer
 
     if tok_s.name_or_path:
         return AutoTokenizer.from_pretrained(tok_s.name_or_path)
     if Path(name_or_path, "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(name_or_path)
-    return default_tokenizer(vocab_size=tok_s.vocab_size)
+    if data_s.source == "stdlib":  # trained once per (vocab, file list), then cached
+        return default_tokenizer(vocab_size=tok_s.vocab_size, max_files=data_s.max_files)
+    texts = load_text_files(data_s.train_files, format=data_s.format)[data_s.text_column]
+    return train_bpe_tokenizer(texts, tok_s.vocab_size)
 
 
 def _datasets(data_s: DataSection, tokenizer):
@@ -89,10 +96,11 @@ def _datasets(data_s: DataSection, tokenizer):
     if data_s.source == "stdlib":
         train, val = default_pretraining_data(tokenizer, data_s.block_size, max_files=data_s.max_files)
     else:
-        train = pack_dataset(load_text_files(data_s.train_files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
-        val = None
-        if data_s.validation_files:
-            val = pack_dataset(load_text_files(data_s.validation_files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
+        def packed(files):
+            return pack_dataset(load_text_files(files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
+
+        train = packed(data_s.train_files)
+        val = packed(data_s.validation_files) if data_s.validation_files else None
     if val is not None and data_s.max_eval_samples is not None:
         val = val.select(range(min(len(val), data_s.max_eval_samples)))
     return train, val

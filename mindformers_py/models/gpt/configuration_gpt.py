@@ -123,6 +123,9 @@ class GPTConfig(PretrainedConfig):
     goes back to it. None means: pick from the flavour."""
 
     def __post_init__(self, **kwargs: Any) -> None:
+        # MindFormers aliases arrive as extra kwargs; apply them before deriving head_dim & co. from them.
+        for alias in [k for k in kwargs if k in self.attribute_map]:
+            setattr(self, alias, kwargs.pop(alias))
         check_choice("flavour", self.flavour, FLAVOURS)
         for name, value in FLAVOURS[self.flavour].items():
             if getattr(self, name) is None:
