@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -56,6 +61,15 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _dcp_io(fn: Any, state: dict[str, Any], folder: Path, no_dist: bool | None = None) -> None:
+    """``dcp.save`` / ``dcp.load`` of ``state`` at ``folder``; without a process group (or with ``no_dist``) in
+    this process alone."""
+    no_dist = not dist.is_initialized() if no_dist is None else no_dist
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # no_dist is deliberate here
+        fn(state, checkpoint_id=str(folder), no_dist=no_dist)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -114,7 +128,7 @@ def _write_config(model: nn.Module, folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _shared_atomic_folder(final: Path) -> Iterator[Path]:
+def shared_atomic_folder(final: Path) -> Iterator[Path]:
     """A temporary folder shared by all ranks (made by rank 0) that becomes ``final`` once every rank is done."""
     with contextlib.ExitStack() as stack:
         tmp = [str(stack.enter_context(atomic_folder(final))) if _is_rank0() else None]
@@ -138,8 +152,8 @@ def save_checkpoint(
     """
     final = Path(folder)
     state = training_state(model, optimizer)
-    with _shared_atomic_folder(final) as tmp:
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with shared_atomic_folder(final) as tmp:
+        _dcp_io(dcp.save, state, tmp)
         if _is_rank0():
             _write_config(_as_list(model)[0], tmp)
             (tmp / EXTRA_NAME).write_text(json.dumps(dict(extra or {}), indent=2))
@@ -164,33 +178,124 @@ def load_checkpoint(
     parts, optims = _as_list(model), _as_list(optimizer)
     state = training_state(parts, optims or None)
     try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+        _dcp_io(dcp.load, state, folder)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder} does not match the model/optimizer: {str(e).splitlines()[0]}") from None
     for i, part in enumerate(parts):
         if optims:
             set_state_dict(part, _local_optimizer(optims[i]), model_state_dict=state[MODEL_KEY],
                            optim_state_dict=state[OPTIM_KEY], options=_OPTIONS)
+            if isinstance(optims[i], ZeroRedundancyOptimizer):
+                # ZeRO-1 copies its own param groups (lr, ...) into the inner optimizer at every step: give them the
+                # loaded hyper-parameters, or the next step would run with the ones it was built with.
+                _copy_hyper_parameters(optims[i].optim.param_groups, optims[i].param_groups)
         else:
             set_model_state_dict(part, state[MODEL_KEY], options=_OPTIONS)
     extra_path = folder / EXTRA_NAME
     return json.loads(extra_path.read_text()) if extra_path.is_file() else {}
 
 
-def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
-    """Turn a sharded checkpoint (any layout) into one safetensors checkpoint that
-    ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads; runs in a single process (rank 0 of a job,
-    or offline). The output appears under its final name only when complete."""
-    src, dst = Path(checkpoint_dir), Path(output_dir)
+def _copy_hyper_parameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for source, target in zip(src, dst):
+        if source["params"]:  # an empty local group loaded nothing
+            target.update({k: v for k, v in source.items() if k != "params"})
+
+
+def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
+    """A fresh single-process model holding the weights of a sharded checkpoint written under any layout (its
+    class from the checkpoint's ``config.json``); runs in one process without collectives."""
+    src = Path(checkpoint_dir)
     _check_folder(src)
     if not (src / CONFIG_NAME).is_file():
         raise CheckpointError(f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config")
     config = resolve_config(src)[0]
-    auto = _AUTO_BY_TASK[_task_of(getattr(config, "architectures", None))]
-    model = auto.from_config(config)
+    model = _AUTO_BY_TASK[_task_of(getattr(config, "architectures", None))].from_config(config)
     state = {MODEL_KEY: model.state_dict()}
-    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])
-    with atomic_folder(dst) as tmp:
+    return model
+
+
+def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+    """Turn a sharded checkpoint (any layout) into one safetensors checkpoint that
+    ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads and ``convert_checkpoint(..., to="hf")``
+    exports; runs in a single process (offline, or rank 0 of a job). ``output_dir`` is replaced, and appears
+    under its final name only when complete."""
+    model = consolidated_model(checkpoint_dir)
+    with atomic_folder(output_dir) as tmp:
         model.save_pretrained(tmp)
-    return dst
+    return Path(output_dir)
+
+
+def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
+                      processing_class: Any = None) -> None:
+    """Write whole weights (``save_pretrained`` format: safetensors + config) of a model trained under any layout
+    into ``folder``, beside whatever it already holds; collective.
+
+    The ranks write a sharded checkpoint of the weights into a temporary folder and rank 0 consolidates it, so
+    pipeline stages on other ranks are included too.
+    """
+    folder = Path(folder)
+    holder = [tempfile.mkdtemp(prefix=".consolidate-", dir=_existing_parent(folder)) if _is_rank0() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=0)
+    tmp = Path(holder[0])
+    try:
+        _dcp_io(dcp.save, training_state(model), tmp)
+        if _is_rank0():
+            _write_config(_as_list(model)[0], tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            consolidated_model(tmp).save_pretrained(folder)
+            if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(folder)
+        _barrier()
+    finally:
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _existing_parent(folder: Path) -> Path:
+    parent = folder.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return parent
+
+
+# -- whole optimizer state in torch's own (index-keyed) format, for checkpoints any engine can resume ----------
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The whole optimizer state as ``torch.optim.Optimizer.state_dict()`` of an unsharded run would give it
+    (parameters numbered in param-group order), on rank 0 (None elsewhere); collective."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if _is_rank0() else None
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not _is_rank0():
+        return None
+    index: dict[str, int] = {}
+    groups = []
+    for group in full["param_groups"]:
+        ids = [index.setdefault(fqn, len(index)) for fqn in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[fqn]: value for fqn, value in full["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a whole, index-keyed optimizer state (:func:`full_optimizer_state`, or a stand-alone run's
+    ``optimizer.state_dict()``) into an optimizer of any layout; collective, every rank passes the same state."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.load_state_dict(dict(state))
+        return
+    names = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    if len(names) != len(state["param_groups"]):
+        raise CheckpointError(f"optimizer state has {len(state['param_groups'])} parameter groups; this run has {len(names)}")
+    fqn_of: dict[int, str] = {}
+    groups = []
+    for mine, saved in zip(names, state["param_groups"]):
+        if len(mine["params"]) != len(saved["params"]):
+            raise CheckpointError("optimizer state does not match the model: a parameter group has "
+                                  f"{len(saved['params'])} parameters in the checkpoint, {len(mine['params'])} here")
+        fqn_of.update(zip(saved["params"], mine["params"]))
+        groups.append({**saved, "params": list(mine["params"])})
+    full = {"state": {fqn_of[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

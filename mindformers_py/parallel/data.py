@@ -39,9 +39,10 @@ bf16 compute, fp32 gradient reduction.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from ..errors import ConfigError
 from .config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -155,33 +157,24 @@ def apply_data_parallel(
     return model
 
 
-def build_optimizer(
-    params: Iterable[Any],
-    mesh: ParallelMesh,
-    config: ParallelConfig,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-    **defaults: Any,
-) -> torch.optim.Optimizer:
-    """The optimizer for a model prepared by :func:`apply_data_parallel`.
+def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh, config: ParallelConfig) -> torch.optim.Optimizer:
+    """The optimizer to train a model prepared by :func:`apply_data_parallel` with.
 
-    ``params`` are parameters or param-group dicts, as for any torch optimizer. Under ZeRO-1 on DDP it is a
-    ``ZeroRedundancyOptimizer`` over the data-parallel group wrapping ``optimizer_class``; otherwise a plain
-    ``optimizer_class`` (FSDP2's sharded parameters already make its state 1/N).
+    Under ZeRO-1 on DDP, ``optimizer`` (built as usual over the model's parameter groups, its state still empty)
+    is replaced by a ``ZeroRedundancyOptimizer`` over the data-parallel group running the same optimizer class
+    with the same groups and hyper-parameters on this rank's share of the parameters. Otherwise ``optimizer`` is
+    returned as it is: FSDP2's sharded parameters already make its state 1/N.
     """
     if data_parallel_engine(config) != DDP_ZERO1:
-        return optimizer_class(params, **defaults)
-    params = list(params)
-    if any(isinstance(p, DTensor) for p in _flat_params(params)):
-        raise TypeError("ZeroRedundancyOptimizer needs plain tensors; DTensor parameters belong to the FSDP path")
-    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                   process_group=mesh.dp_mesh.get_group(), **defaults)
-
-
-def _flat_params(params: list[Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for item in params:
-        out.extend(item["params"] if isinstance(item, dict) else [item])
-    return out
+        return optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(isinstance(p, DTensor) for p in params):
+        raise ConfigError("optimizer_shard=1 on DDP needs ordinary tensors; DTensor parameters take the FSDP2 path")
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.dp_mesh.get_group(),
+                                   **defaults)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

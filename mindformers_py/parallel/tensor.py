@@ -12,8 +12,9 @@ plan string                torch style
 ``embedding_rowwise``      ``RowwiseParallel(input_layouts=Replicate())``: vocabulary rows split, looked-up
                            vectors all-reduced. Only with ``vocab_emb_dp=False``.
 ``colwise_gather_output``  ``ColwiseParallel(output_layouts=Replicate())``: vocabulary split, logits gathered.
-                           Only with ``vocab_emb_dp=False``, where the logits are instead kept sharded
-                           (``Shard(-1)``) for ``loss_parallel`` unless full logits are asked for.
+                           Only with ``vocab_emb_dp=False``, where in training the logits are instead kept
+                           sharded (``Shard(-1)`` DTensor) for ``loss_parallel``; in eval mode (evaluation,
+                           generation) they are gathered into an ordinary full tensor.
 =========================  =================================================================================
 
 With ``vocab_emb_dp=True`` (MindFormers' default) the embedding and the LM head stay whole on every
@@ -158,10 +159,11 @@ def apply_tensor_parallel(
         model: an HF-style model (or a pipeline stage of one) whose layers compute with local sizes.
         tp_mesh: the tensor-parallel mesh (``ParallelMesh.tp_mesh``).
         sequence_parallel: split the residual stream along the sequence between sublayers.
-        vocab_parallel: shard the embedding and LM head by vocabulary (``vocab_emb_dp=False``); the logits come
-            out as a ``DTensor`` sharded on the vocabulary, for ``loss_parallel``.
-        gather_logits: with ``vocab_parallel``, gather the logits into an ordinary full tensor instead (the
-            plan's literal ``colwise_gather_output``: inference, or a loss computed outside ``loss_parallel``).
+        vocab_parallel: shard the embedding and LM head by vocabulary (``vocab_emb_dp=False``); in training mode
+            the logits come out as a ``DTensor`` sharded on the vocabulary, for ``loss_parallel``, in eval mode
+            as an ordinary full tensor.
+        gather_logits: with ``vocab_parallel``, always gather the logits into an ordinary full tensor (the plan's
+            literal ``colwise_gather_output``, for a loss computed outside ``loss_parallel``).
         plan: module-name pattern -> plan string; default :func:`tp_plan_of` ``(model)``. Patterns that match no
             module are skipped, so one plan serves every pipeline stage.
     """
@@ -177,7 +179,19 @@ def apply_tensor_parallel(
     tied = _tied_pairs(model)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
+    if vocab_parallel and not gather_logits:
+        for key, kind in plan.items():
+            if kind == "colwise_gather_output":
+                for name in _matching(model, key):
+                    model.get_submodule(name).register_forward_hook(_full_logits_outside_training)
     return model
+
+
+def _full_logits_outside_training(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a vocabulary-parallel head: whole logits in eval mode, where no ``loss_parallel`` runs."""
+    if not module.training and isinstance(output, DTensor):
+        return output.full_tensor()
+    return output
 
 
 def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
@@ -208,8 +222,3 @@ def _retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
             raise ConfigError(f"tied weights {owner} and {alias} are sharded differently by the tp_plan")
         module_name, _, pname = alias.rpartition(".")
         setattr(model.get_submodule(module_name), pname, owner_param)
-
-
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """An ordinary tensor with the full value of ``tensor`` (gathering a ``DTensor``; others unchanged)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,331 @@
+"""The distributed training engine: the :class:`~.engine.Engine` seam on torch.distributed.
+
+Serves ``parallel_mode="data_parallel"`` and ``"semi_auto_parallel"`` (registered on import). It joins the process
+group (torchrun's environment), builds the :class:`~.mesh.ParallelMesh`, applies the layout with
+:func:`~.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
+what a layout changes in a step:
+
+* **Loss normalisation.** The Trainer hands over the label-token count of the whole global batch (summed over
+  the data-parallel ranks with :meth:`all_reduce_sum`), so every micro-batch loss is (its token-summed loss) /
+  (tokens of the global batch). DDP and FSDP average gradients over the ``dp`` ranks, so the loss is multiplied
+  by ``dp`` before backward: the resulting gradients are exactly those of one stand-alone step over the global
+  batch. ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is
+  the global step loss (the convention of HF's Trainer).
+* **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
+  cross-entropy runs under ``loss_parallel()`` (forward and backward).
+* **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
+  plain tensors: one norm per (mesh, placements) group, combined exactly.
+* **Checkpoints.** A checkpoint folder holds a sharded DCP checkpoint (``dcp/``: model and optimizer, resharded
+  on load under any layout) and, with :attr:`portable_checkpoints`, also the whole weights (``save_pretrained``
+  files) and the whole optimizer state in the stand-alone format, so the stand-alone engine (or any layout)
+  resumes it and ``from_pretrained`` loads it. Resuming prefers ``dcp/`` and falls back to the whole files, so a
+  stand-alone checkpoint resumes under a distributed layout too.
+
+Pipeline parallelism (``pipeline_stage > 1``) is served by the pipeline engine, which builds on this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from ..errors import CheckpointError, ConfigError, MindFormersError
+from ..utils.safetensors_io import load_state_dict
+from . import checkpoint as dcp_checkpoint
+from .config import ParallelConfig
+from .data import FSDP, REPLICATE, data_parallel_engine, set_gradient_sync, shard_optimizer
+from .engine import (
+    OPTIMIZER_NAME,
+    RNG_NAME,
+    SCHEDULER_NAME,
+    Engine,
+    LossFn,
+    _load_into,
+    _torch_load,
+    capture_rng_state,
+    register_engine,
+    restore_rng_state,
+)
+from .mesh import ParallelMesh, build_mesh, init_distributed
+from .parallelize import parallelize
+
+if TYPE_CHECKING:
+    from ..trainer.arguments import TrainingArguments
+
+DCP_DIR = "dcp"
+RANK_RNG_NAME = "rng_state_{rank}.pth"
+
+
+class DistributedEngine(Engine):
+    """Data, tensor, sequence and vocabulary parallelism, ZeRO 1/2/3, HSDP and recompute on torch.distributed.
+
+    Attributes (beyond :class:`Engine`'s):
+        mesh: the run's :class:`ParallelMesh` (after :meth:`setup`).
+        portable_checkpoints: also write whole weights and optimizer state beside the sharded checkpoint (rank 0
+            gathers them), so stand-alone runs resume it; turn off when the whole state does not fit one host.
+    """
+
+    supports_fused_loss = False  # FSDP/replicate hooks live on the root module: the model must be called whole
+    portable_checkpoints: bool = True
+
+    def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
+        super().__init__(parallel_config, args)
+        self.mesh: ParallelMesh | None = None
+        self._owns_process_group = False
+        self._fsdp_mixed_precision = False
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this process is the first on its machine (``LOCAL_RANK`` 0)."""
+        return int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Join the process group, check the layout against it and build the mesh."""
+        if self.args.fp16:
+            raise ConfigError(f"fp16=True is not supported with parallel_mode={self.parallel_config.parallel_mode!r} "
+                              "(FSDP2/DTensor have no float16 loss scaling here); use bf16=True")
+        use_cuda = torch.cuda.is_available() and not self.args.use_cpu
+        self._owns_process_group = not dist.is_initialized()
+        init_distributed(backend=None if use_cuda else "gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.parallel_config.validate_for(self.world_size)
+        if self.parallel_config.pp > 1:
+            raise ConfigError(f"pipeline_stage={self.parallel_config.pp} needs the pipeline engine; "
+                              f"{type(self).__name__} runs layouts without pipeline stages")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.mesh = build_mesh(self.parallel_config, device_type=self.device.type)
+        self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+
+    def teardown(self) -> None:
+        """Leave the process group if :meth:`setup` joined it."""
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        dist.barrier()
+
+    # -- model and optimizer --------------------------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Check the model against the layout, move it to the device and parallelize it in place (its parameter
+        names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
+        self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
+                                          per_device_batch=self.args.per_device_train_batch_size)
+        model.to(self.device)
+        fsdp_family = data_parallel_engine(self.parallel_config) in (FSDP, REPLICATE)
+        self._fsdp_mixed_precision = bool(self.args.bf16 and fsdp_family)
+        parallelize(model, self.parallel_config, self.mesh,
+                    param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
+                    compile_layers=bool(self.args.torch_compile))
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),
+        or its ZeRO-1 wrapper (:func:`~.data.shard_optimizer`)."""
+        optimizer = super().build_optimizer(model)
+        _fit_multi_tensor_kernels(optimizer)
+        return shard_optimizer(optimizer, self.mesh, self.parallel_config)
+
+    # -- one optimizer step ---------------------------------------------------------------------------------------
+
+    def autocast(self) -> ContextManager[Any]:
+        """Nothing when FSDP2's mixed-precision policy already computes in bf16; else the stand-alone autocast."""
+        return contextlib.nullcontext() if self._fsdp_mixed_precision else super().autocast()
+
+    def loss_context(self) -> ContextManager[Any]:
+        """``loss_parallel()`` when the vocabulary is sharded (the cross-entropy of sharded logits), else nothing."""
+        return loss_parallel() if self.parallel_config.vocab_parallel else contextlib.nullcontext()
+
+    def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches; gradients are reduced over the data-parallel ranks
+        after the last one. ``num_items_in_batch`` is the label-token count of the whole global batch (all ranks,
+        all micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
+        # With a global token count the ranks' losses are shares of one global loss: undo DDP/FSDP's averaging.
+        scale = float(self.dp_size) if num_items_in_batch is not None else 1.0
+        total = None
+        last = len(micro_batches) - 1
+        for i, batch in enumerate(micro_batches):
+            set_gradient_sync(model, i == last)
+            with self.loss_context():
+                with self.autocast():
+                    loss = loss_fn(model, self.to_device(batch), num_items_in_batch)
+                loss = loss * scale if scale != 1.0 else loss
+                loss.backward()
+            value = loss.detach()
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            total = value if total is None else total + value
+        return total
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm over every rank's shards to ``max_norm``; returns the norm before
+        clipping (identical on every rank)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = global_grad_norm(grads, self.mesh, self.device)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for grad in grads:
+                    grad.mul_(coef)
+        return total
+
+    # -- data and metrics -----------------------------------------------------------------------------------------
+
+    def shard_indices(self, indices: Sequence[int]) -> list[int]:
+        """This data-parallel rank's contiguous share of a global batch's sample indices; tensor-parallel ranks
+        of one replica get the same share."""
+        indices = list(indices)
+        if len(indices) % self.dp_size:
+            raise MindFormersError(f"a global batch of {len(indices)} samples cannot be split evenly over "
+                                   f"data_parallel={self.dp_size} ranks")
+        size = len(indices) // self.dp_size
+        return indices[self.dp_rank * size:(self.dp_rank + 1) * size]
+
+    def _dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.dp_mesh.get_group()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over the data-parallel ranks (a new tensor on the engine's device)."""
+        out = tensor.detach().to(self.device).clone()
+        if self.dp_size > 1:
+            dist.all_reduce(out, group=self._dp_group())
+        return out
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of ``tensor`` over the data-parallel ranks."""
+        out = self.all_reduce_sum(tensor)
+        return out / self.dp_size if out.is_floating_point() else out.float() / self.dp_size
+
+    def gather_for_metrics(self, value: Any) -> list[Any]:
+        """Every data-parallel rank's ``value`` (any picklable object), in rank order."""
+        if self.dp_size == 1:
+            return [value]
+        out: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(out, value, group=self._dp_group())
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, model: nn.Module, folder: str | Path, processing_class: Any = None) -> None:
+        """Whole weights and config in ``save_pretrained`` format (consolidated from every rank's shards by rank
+        0), and the tokenizer/processor; collective."""
+        dcp_checkpoint.save_consolidated(model, folder, processing_class)
+
+    def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Load whole safetensors weights (every rank reads them; each keeps its shards). Tied parameters may be
+        absent from the file."""
+        state = load_state_dict(folder) if state is None else state
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        tied = _tied_names(model)
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            first = (missing or result.unexpected_keys)[0]
+            raise CheckpointError(f"weights in {folder} do not match the model: "
+                                  f"{'missing' if missing else 'unexpected'} {first}")
+
+    def save_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None) -> None:
+        """Write a complete training checkpoint atomically (see the module docstring for its contents);
+        collective."""
+        with dcp_checkpoint.shared_atomic_folder(Path(folder)) as tmp:
+            dcp_checkpoint.save_checkpoint(tmp / DCP_DIR, model, optimizer)
+            full_optimizer = None
+            if self.portable_checkpoints:
+                dcp_checkpoint.save_consolidated(model, tmp, processing_class)
+                full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
+            torch.save(capture_rng_state(), tmp / RANK_RNG_NAME.format(rank=self.rank))
+            if self.is_main_process:
+                if full_optimizer is not None:
+                    torch.save(full_optimizer, tmp / OPTIMIZER_NAME)
+                elif processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                    processing_class.save_pretrained(tmp)
+                torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
+                torch.save(capture_rng_state(), tmp / RNG_NAME)
+                for name, text in files.items():
+                    (tmp / name).write_text(text, encoding="utf-8")
+
+    def load_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        lr_scheduler: Any) -> None:
+        """Restore weights, optimizer and scheduler from a checkpoint of any layout: the sharded ``dcp/`` part
+        when present (resharded onto this layout), else the whole files of a stand-alone checkpoint."""
+        folder = Path(folder)
+        if (folder / DCP_DIR / dcp_checkpoint.METADATA_NAME).is_file():
+            dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer)
+        else:
+            self.load_weights(model, folder)
+            state = _torch_load(folder / OPTIMIZER_NAME, "optimizer")
+            dcp_checkpoint.load_full_optimizer_state(model, optimizer, state)
+        _fit_multi_tensor_kernels(optimizer)  # the loaded param groups carry the saving run's kernel choice
+        _load_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
+
+    def checkpoint_files(self) -> list[str]:
+        """Files (besides weights) every checkpoint this engine resumes must hold; the optimizer state is either
+        ``dcp/`` or ``optimizer.pt`` (checked when loading)."""
+        return [SCHEDULER_NAME, RNG_NAME]
+
+    def load_rng_state(self, folder: str | Path) -> None:
+        """Restore this rank's random states (rank 0's, or a stand-alone run's, when the checkpoint has none for
+        this rank)."""
+        folder = Path(folder)
+        own = folder / RANK_RNG_NAME.format(rank=self.rank)
+        restore_rng_state(_torch_load(own if own.is_file() else folder / RNG_NAME, "RNG state"))
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], mesh: ParallelMesh | None, device: torch.device) -> torch.Tensor:
+    """The 2-norm of all gradients of the model over every rank, identical on every rank.
+
+    DTensor gradients (tensor-parallel, FSDP-sharded, or both) are grouped by mesh and placements; each group's
+    norm is reduced over its mesh (``full_tensor`` of a scalar). Plain gradients are replicated (DDP) and counted
+    locally. Pipeline stages hold disjoint parameters, so squares are summed over the pipeline ranks too.
+    """
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
+        groups[key].append(grad)
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for key, members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total_sq = total_sq + norm.float().to(device) ** 2
+    if mesh is not None and mesh.pp > 1:
+        dist.all_reduce(total_sq, group=mesh.pp_mesh.get_group())
+    return total_sq.sqrt()
+
+
+def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Turn off the multi-tensor (foreach/fused) kernels in param groups that mix plain tensors and DTensors, or
+    DTensors of different meshes, which those kernels refuse. Tensor parallelism without FSDP leaves replicated
+    layers (norms, a whole embedding) as plain tensors beside the sharded DTensors."""
+    for group in optimizer.param_groups:
+        kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in group["params"]}
+        if len(kinds) > 1:
+            group.update(foreach=False, fused=False)
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Parameter names that share their tensor with an earlier parameter (absent from saved weights)."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name.replace("_checkpoint_wrapped_module.", ""))
+        seen.add(id(param))
+    return tied
+
+
+register_engine("data_parallel", DistributedEngine)
+register_engine("semi_auto_parallel", DistributedEngine)

@@ -1,0 +1,53 @@
+"""``parallelize``: apply a :class:`ParallelConfig` to a model in torchtitan's fixed order.
+
+1. tensor parallelism (and sequence / vocabulary parallelism) from the model's declared plans (:mod:`.tensor`);
+2. activation recomputation around whole layers or parts of them (:mod:`.recompute`);
+3. optionally ``torch.compile`` of each transformer layer;
+4. data parallelism: DDP, ZeRO-1, FSDP2 or HSDP over the data-parallel ranks (:mod:`.data`).
+
+The order matters: FSDP2 must see the final (DTensor, checkpoint-wrapped) parameters so it shards what tensor
+parallelism left on each rank and gathers around the recomputed regions. Pipeline parallelism cuts the model
+first and calls :func:`parallelize` on each stage module (``stage`` its index, for per-stage recompute counts).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ParallelConfig
+from .data import apply_data_parallel, layer_modules
+from .mesh import ParallelMesh
+from .recompute import apply_recompute
+from .tensor import apply_tensor_parallel
+
+
+def parallelize(
+    model: nn.Module,
+    parallel_config: ParallelConfig,
+    mesh: ParallelMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    compile_layers: bool = False,
+    stage: int = 0,
+) -> nn.Module:
+    """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
+
+    Args:
+        model: the model, already on this rank's device, built identically on every rank (same seed or same
+            checkpoint), so replicated parts agree everywhere.
+        parallel_config: the layout.
+        mesh: the run's mesh (:func:`~.mesh.build_mesh`).
+        param_dtype: compute dtype for FSDP2's mixed precision (``torch.bfloat16`` for bf16 training).
+        compile_layers: ``torch.compile`` each transformer layer (before data parallelism, as torchtitan does).
+        stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
+    """
+    if mesh.tp > 1:
+        apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
+                              vocab_parallel=parallel_config.vocab_parallel)
+    apply_recompute(model, parallel_config.recompute, stage)
+    if compile_layers:
+        for layer in layer_modules(model):
+            layer.compile()
+    apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
+    return model

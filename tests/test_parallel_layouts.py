@@ -1,0 +1,332 @@
+"""Distributed layouts against stand-alone on CPU with gloo: per-step losses of several AdamW steps (fp32) through
+the distributed engine match stand-alone for dp2, ZeRO 1/2/3, tp2 (both flavours), sequence and vocabulary
+parallel, recompute, dp2×tp2 and HSDP; checkpoints resume across layouts and consolidate to ``from_pretrained``.
+
+Each spawned job runs several layouts one after the other, so the whole file starts only three process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import mindformers_py as mf
+from dist_utils import run_workers
+from mindformers_py.parallel import ParallelConfig, RecomputeConfig
+from mindformers_py.parallel.engine import Engine
+from mindformers_py.trainer.arguments import TrainingArguments
+from mindformers_py.trainer.batching import count_label_tokens
+from mindformers_py.trainer.optim import create_scheduler
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 128, 32, 4, 4, 2
+RTOL = 1e-4
+MICRO_BATCHES = 2  # gradient accumulation inside each step: exercises the no-sync micro-steps
+
+
+def tiny_model(flavour: str) -> mf.GPTForCausalLM:
+    """The same tiny GPT on every rank (same seed): 2 layers, hidden 64, 4 heads (2 KV heads for llama)."""
+    extra = {"num_key_value_heads": 2} if flavour == "llama" else {}
+    config = mf.GPTConfig(flavour=flavour, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=SEQ, **extra)
+    torch.manual_seed(0)
+    return mf.GPTForCausalLM(config).train()
+
+
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches; a left-padded row per batch makes the ranks' label-token counts unequal."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, :7] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def training_args(parallel: ParallelConfig, folder: str = "unused") -> TrainingArguments:
+    return TrainingArguments(output_dir=folder, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
+                             learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, optim="adamw_torch",
+                             use_cpu=True, parallel_config=parallel, report_to=[])
+
+
+def _loss_fn(model, batch, num_items):
+    return model(**batch, num_items_in_batch=num_items).loss
+
+
+class Run:
+    """A model, optimizer and scheduler driven by an engine the way the Trainer drives them."""
+
+    def __init__(self, engine: Engine, flavour: str) -> None:
+        self.engine = engine
+        self.model = engine.prepare_model(tiny_model(flavour))
+        self.optimizer = engine.build_optimizer(self.model)
+        self.scheduler = create_scheduler(self.optimizer, engine.args, STEPS)
+
+    def train(self, start: int, stop: int, save_to: str | None = None) -> list[float]:
+        losses = []
+        batches = global_batches()
+        for step in range(start, stop):
+            rows = self.engine.shard_indices(range(GLOBAL_BATCH))
+            local = {k: v[rows] for k, v in batches[step].items()}
+            micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
+            n_items = self.engine.all_reduce_sum(torch.tensor(sum(count_label_tokens(mb, shifted=True) for mb in micro)))
+            loss = self.engine.forward_backward(self.model, micro, n_items, _loss_fn)
+            self.engine.clip_grad_norm(self.model, self.optimizer, self.engine.args.max_grad_norm)
+            self.engine.optimizer_step(self.optimizer)
+            self.scheduler.step()
+            self.engine.zero_grad(self.optimizer)
+            losses.append(self.engine.all_reduce_mean(loss).item())
+            if save_to is not None and step + 1 == SAVE_AT:
+                self.engine.save_checkpoint(save_to, self.model, self.optimizer, self.scheduler,
+                                            {"step.txt": str(step + 1)})
+        return losses
+
+
+def run_layout(parallel: ParallelConfig, flavour: str, start: int = 0, save_to: str | None = None,
+               resume_from: str | None = None) -> list[float]:
+    """Losses of steps ``start``.. under ``parallel`` (the engine its mode registers), optionally saving after
+    step SAVE_AT or resuming from a checkpoint first."""
+    from mindformers_py.parallel.engine import build_engine
+
+    args = training_args(parallel)
+    engine = build_engine(parallel, args)
+    engine.setup()
+    run = Run(engine, flavour)
+    if resume_from is not None:
+        engine.load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler)
+        engine.load_rng_state(resume_from)
+    losses = run.train(start, STEPS, save_to)
+    engine.teardown()
+    return losses
+
+
+_REFERENCE: dict[str, list[float]] = {}
+
+
+def reference(flavour: str) -> list[float]:
+    """Stand-alone losses (computed once per flavour)."""
+    if flavour not in _REFERENCE:
+        _REFERENCE[flavour] = run_layout(ParallelConfig(), flavour)
+    return _REFERENCE[flavour]
+
+
+def semi(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="semi_auto_parallel", **fields)
+
+
+def dp(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="data_parallel", data_parallel=2, **fields)
+
+
+# name -> (flavour, layout) for the 2-process job
+LAYOUTS_2 = {
+    "dp2": ("llama", dp()),
+    "zero1": ("llama", dp(optimizer_shard=1)),
+    "zero2": ("gpt2", dp(optimizer_shard=2)),
+    "zero3": ("llama", dp(optimizer_shard=3)),
+    "tp2_gpt2": ("gpt2", semi(model_parallel=2)),
+    "tp2_llama": ("llama", semi(model_parallel=2)),
+    "tp2_seq_parallel": ("llama", semi(model_parallel=2, use_seq_parallel=True)),
+    "tp2_vocab_parallel_tied": ("gpt2", semi(model_parallel=2, vocab_emb_dp=False)),
+    "tp2_seq_vocab_parallel": ("llama", semi(model_parallel=2, use_seq_parallel=True, vocab_emb_dp=False)),
+    "dp2_recompute_full": ("gpt2", dp(recompute="full")),
+    "dp2_recompute_selective": ("llama", dp(recompute="selective")),
+    "zero3_recompute_first_layer": ("llama", dp(optimizer_shard=3, recompute=RecomputeConfig(recompute=1))),
+}
+# name -> (flavour, layout) for the 4-process job
+LAYOUTS_4 = {
+    "dp2xtp2": ("llama", semi(data_parallel=2, model_parallel=2)),
+    "dp2xtp2_zero3_seq_vocab": ("gpt2", semi(data_parallel=2, model_parallel=2, optimizer_shard=3,
+                                             use_seq_parallel=True, vocab_emb_dp=False)),
+    "dp2xtp2_zero1_recompute": ("llama", semi(data_parallel=2, model_parallel=2, optimizer_shard=1,
+                                              recompute="full")),
+}
+
+
+def _layouts_worker(rank, world_size, layouts):
+    return {name: run_layout(layout, flavour) for name, (flavour, layout) in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def two_process_losses():
+    return run_workers(_layouts_worker, 2, LAYOUTS_2)
+
+
+@pytest.fixture(scope="module")
+def four_process_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hsdp")
+    return run_workers(_four_worker, 4, LAYOUTS_4, str(folder))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_two_process_layout_matches_stand_alone(two_process_losses, name):
+    flavour = LAYOUTS_2[name][0]
+    expected = reference(flavour)
+    for rank, results in enumerate(two_process_losses):
+        assert results[name] == pytest.approx(expected, rel=RTOL), (name, rank, results[name], expected)
+    assert abs(expected[0] - expected[-1]) > 1e-3  # the steps really changed the weights
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_four_process_layout_matches_stand_alone(four_process_results, name):
+    expected = reference(LAYOUTS_4[name][0])
+    for rank, results in enumerate(four_process_results):
+        assert results[name] == pytest.approx(expected, rel=RTOL), (name, rank, results[name], expected)
+
+
+def test_recompute_stand_alone_matches_and_keeps_state_dict_names():
+    for mode in ("full", "selective"):
+        layout = ParallelConfig(recompute=mode)
+        assert run_layout(layout, "llama") == pytest.approx(reference("llama"), rel=RTOL), mode
+    engine = Engine(ParallelConfig(recompute="full"), training_args(ParallelConfig()))
+    engine.setup()
+    model = engine.prepare_model(tiny_model("llama"))
+    assert set(model.state_dict()) == set(tiny_model("llama").state_dict())
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+
+
+# -- HSDP and what a layout does to the parameters (4 processes) ---------------------------------------------------
+
+
+def _four_worker(rank, world_size, layouts, folder):
+    from mindformers_py.parallel import build_mesh, parallelize
+
+    results = _layouts_worker(rank, world_size, layouts)
+    # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
+    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3)
+    mesh = build_mesh(hsdp, shard_size=2)
+    model = parallelize(tiny_model("llama"), hsdp, mesh)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    results["hsdp_placements"] = (tuple(weight.device_mesh.mesh_dim_names), [weight.placements[0].is_replicate(), weight.placements[1].is_shard(0)],
+                                  tuple(weight.to_local().shape))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for batch in global_batches():  # one sample per rank; the loss is normalised by the global token count
+        local = {k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}
+        share = model(**local, num_items_in_batch=torch.tensor(count_label_tokens(batch, shifted=True))).loss
+        (share * world_size).backward()  # FSDP averages gradients over the 4 ranks
+        optimizer.step()
+        optimizer.zero_grad()
+        total = share.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item())
+    results["hsdp_losses"] = losses
+    return results
+
+
+def test_hsdp_shards_within_groups_and_matches_plain_adamw(four_process_results):
+    names, placements, local_shape = four_process_results[0]["hsdp_placements"]
+    assert names == ("dp_replicate", "dp_shard")
+    assert placements == [True, True] and local_shape == (32, 64)  # q_proj (64, 64) halved within a pair
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    expected = []
+    for batch in global_batches():
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for results in four_process_results:
+        assert results["hsdp_losses"] == pytest.approx(expected, rel=RTOL)
+
+
+# -- checkpoints across layouts (2 processes) ----------------------------------------------------------------------
+
+RESUME_CASES = [  # (saved under, resumed under); stand-alone resumes run in the test process
+    ("zero3", "tp2_llama"),
+    ("tp2_llama", "zero1"),
+    ("dp2", "tp2_seq_vocab_parallel"),
+]
+
+
+def _checkpoint_worker(rank, world_size, folder):
+    out = {}
+    for saved, resumed in RESUME_CASES:
+        ckpt = str(Path(folder) / f"{saved}-to-{resumed}")
+        first = run_layout(LAYOUTS_2[saved][1], "llama", save_to=ckpt)
+        out[(saved, resumed)] = first[:SAVE_AT] + run_layout(LAYOUTS_2[resumed][1], "llama", start=SAVE_AT,
+                                                             resume_from=ckpt)
+    # A stand-alone (single-process) checkpoint resumed under ZeRO-3 (whole files -> shards).
+    out["from_stand_alone"] = run_layout(LAYOUTS_2["zero3"][1], "llama", start=SAVE_AT,
+                                         resume_from=str(Path(folder) / "stand_alone"))
+    # Logits of the distributed model saved under tp2 with a sharded vocabulary, for consolidation.
+    from mindformers_py.parallel.engine import build_engine
+
+    layout = LAYOUTS_2["tp2_seq_vocab_parallel"][1]
+    engine = build_engine(layout, training_args(layout))
+    engine.setup()
+    run = Run(engine, "llama")
+    run.train(0, 1)
+    engine.save_pretrained(run.model, str(Path(folder) / "consolidated"))
+    engine.save_checkpoint(str(Path(folder) / "tp2-sharded"), run.model, run.optimizer, run.scheduler, {})
+    run.model.eval()  # eval mode: the vocabulary-parallel head gathers whole logits, the loss needs no loss_parallel
+    with torch.no_grad():
+        ids = global_batches()[0]["input_ids"]
+        output = run.model(ids, labels=ids)
+    out["logits"], out["eval_loss"] = output.logits, output.loss.item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    run_layout(ParallelConfig(), "llama", save_to=str(folder / "stand_alone"))
+    return folder, run_workers(_checkpoint_worker, 2, str(folder))
+
+
+@pytest.mark.parametrize("case", RESUME_CASES, ids=[f"{a}-to-{b}" for a, b in RESUME_CASES])
+def test_resume_across_layouts_continues_the_loss_curve(checkpoint_results, case):
+    _, results = checkpoint_results
+    for rank_results in results:
+        assert rank_results[case] == pytest.approx(reference("llama"), rel=RTOL), case
+
+
+def test_stand_alone_checkpoint_resumes_under_zero3(checkpoint_results):
+    _, results = checkpoint_results
+    assert results[0]["from_stand_alone"] == pytest.approx(reference("llama")[SAVE_AT:], rel=RTOL)
+
+
+def test_distributed_checkpoint_resumes_stand_alone(checkpoint_results):
+    """The plain stand-alone engine resumes a checkpoint written by dp2, and the sharded part loads alone too."""
+    from mindformers_py.parallel.checkpoint import load_checkpoint
+
+    folder, _ = checkpoint_results
+    ckpt = str(folder / "zero3-to-tp2_llama")
+    assert run_layout(ParallelConfig(), "llama", start=SAVE_AT, resume_from=ckpt) == \
+        pytest.approx(reference("llama")[SAVE_AT:], rel=RTOL)
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters())
+    load_checkpoint(Path(ckpt) / "dcp", model, optimizer)
+    whole = mf.AutoModelForCausalLM.from_pretrained(ckpt)
+    for (name, a), b in zip(model.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert len(optimizer.state) == len(list(model.parameters()))
+
+
+def test_consolidated_checkpoint_gives_the_same_logits(checkpoint_results, tmp_path):
+    from mindformers_py.parallel.checkpoint import consolidate_checkpoint
+
+    folder, results = checkpoint_results
+    ids = global_batches()[0]["input_ids"]
+    expected = results[0]["logits"]
+    assert type(expected) is torch.Tensor and expected.shape == (GLOBAL_BATCH, SEQ, VOCAB)
+    assert torch.equal(results[0]["logits"], results[1]["logits"])
+    consolidate_checkpoint(folder / "tp2-sharded" / "dcp", tmp_path / "offline")
+    for path in (folder / "consolidated", tmp_path / "offline", folder / "tp2-sharded"):
+        model = mf.AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            output = model(ids, labels=ids)
+        assert (output.logits - expected).abs().max().item() < 1e-4, path
+        assert output.loss.item() == pytest.approx(results[0]["eval_loss"], rel=1e-5)
+    hf_dir = mf.convert_checkpoint(folder / "consolidated", tmp_path / "hf", to="hf")
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    with torch.no_grad():
+        assert (hf(ids).logits - expected).abs().max().item() < 1e-4
+    assert math.isfinite(expected.sum().item())
