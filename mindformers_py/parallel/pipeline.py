@@ -195,9 +195,12 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def _pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
-    """Loss of one micro-batch: token-summed cross-entropy over the whole batch's token count."""
-    return causal_lm_loss(logits, labels, num_items_in_batch)
+def _pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None,
+                   loss_scale: float = 1.0) -> torch.Tensor:
+    """Loss of one micro-batch: token-summed cross-entropy over the whole batch's token count, times
+    ``loss_scale`` (a data-parallel engine that averages gradients over N ranks passes N)."""
+    loss = causal_lm_loss(logits, labels, num_items_in_batch)
+    return loss * loss_scale if loss_scale != 1.0 else loss
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -262,14 +265,14 @@ class PipelineParallel:
         return self
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+             num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one per-rank batch, split into the configured micro-batches.
 
         Every rank of the pipeline passes the same batch (the first stage reads ``input_ids``, the last
         ``labels``). ``num_items_in_batch`` normalises the summed token loss (HF's meaning); by default it is
-        this batch's loss-token count, which makes the loss the token mean. Gradients accumulate into the
-        parameters (tied embeddings are summed between the first and last stage). Returns the batch loss
-        (detached) on every rank of the pipeline.
+        this batch's loss-token count, which makes the loss the token mean. ``loss_scale`` multiplies the loss
+        before backward. Gradients accumulate into the parameters (tied embeddings are summed between the first
+        and last stage). Returns the backpropagated batch loss (detached) on every rank of the pipeline.
         """
         if num_items_in_batch is None:
             num_items_in_batch = max(count_loss_tokens(labels), 1)
@@ -283,7 +286,8 @@ class PipelineParallel:
         context = loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext()
         with context:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                               loss_kwargs={"num_items_in_batch": num_items_in_batch}, **kwargs)
+                               loss_kwargs={"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale},
+                               **kwargs)
         self._sync_tied_grads()
         device = self.stages[0].device
         total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
@@ -293,7 +297,7 @@ class PipelineParallel:
         return total
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                         num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
         """:meth:`step` over each gradient-accumulation batch (``input_ids``, ``labels``, optional
         ``attention_mask``) of one optimizer step; returns the summed loss. ``num_items_in_batch`` is the loss-token
         count of the whole step, so the sum is the step's loss; by default it is counted from ``micro_batches``."""
@@ -301,7 +305,8 @@ class PipelineParallel:
             num_items_in_batch = max(sum(count_loss_tokens(b["labels"]) for b in micro_batches), 1)
         total = None
         for batch in micro_batches:
-            loss = self.step(batch["input_ids"], batch["labels"], batch.get("attention_mask"), num_items_in_batch)
+            loss = self.step(batch["input_ids"], batch["labels"], batch.get("attention_mask"), num_items_in_batch,
+                             loss_scale)
             total = loss if total is None else total + loss
         return total
 
