@@ -330,3 +330,36 @@ def test_consolidated_checkpoint_gives_the_same_logits(checkpoint_results, tmp_p
     with torch.no_grad():
         assert (hf(ids).logits - expected).abs().max().item() < 1e-4
     assert math.isfinite(expected.sum().item())
+
+
+# -- the Trainer, one flag apart ------------------------------------------------------------------------------------
+
+
+def _trainer_run(parallel: ParallelConfig, output_dir: str, resume: str | None = None) -> list[float]:
+    """Train the tiny GPT with the Trainer for STEPS steps (checkpoint every SAVE_AT); the logged losses."""
+    from datasets import Dataset
+
+    ids = torch.randint(0, VOCAB, (4 * GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1)).tolist()
+    args = TrainingArguments(
+        output_dir=output_dir, overwrite_output_dir=resume is None, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
+        learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1, save_strategy="steps",
+        save_steps=SAVE_AT, use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True,
+    )
+    trainer = mf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=Dataset.from_dict({"input_ids": ids}))
+    trainer.train(resume_from_checkpoint=resume)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _trainer_worker(rank, world_size, output_dir):
+    return _trainer_run(semi(data_parallel=2, optimizer_shard=3), output_dir)
+
+
+def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alone(tmp_path):
+    expected = _trainer_run(ParallelConfig(), str(tmp_path / "stand_alone"))
+    distributed = run_workers(_trainer_worker, 2, str(tmp_path / "zero3"))
+    assert distributed[0] == pytest.approx(expected, rel=RTOL) and len(expected) == STEPS
+    checkpoint = tmp_path / "zero3" / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / "dcp" / ".metadata").is_file() and (checkpoint / "model.safetensors").is_file()
+    resumed = _trainer_run(ParallelConfig(), str(tmp_path / "zero3"), resume=str(checkpoint))
+    assert len(resumed) == STEPS  # the checkpoint's logged steps, then the ones run after resuming
+    assert resumed[SAVE_AT:] == pytest.approx(expected[SAVE_AT:], rel=RTOL)

@@ -1,0 +1,226 @@
+"""Memory per rank of the parallel layouts, counted exactly (not sampled from an allocator).
+
+For one AdamW training step of the same GPT (Llama flavour by default) under each layout, every rank reports:
+
+* ``params``: bytes of the parameters it holds between steps (its shards for FSDP / tensor parallelism);
+* ``params in bwd``: bytes of the parameters it holds when backward starts (ZeRO-2 keeps the gathered
+  parameters from forward to backward, ZeRO-3 re-gathers them layer by layer);
+* ``grads``: bytes of the gradients after backward (sharded under ZeRO-2/3);
+* ``optim``: bytes of the optimizer state after the step (AdamW's two moments and step counters);
+* ``activations``: bytes of the tensors autograd saved for backward during forward, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (each storage once; parameters excluded). Under recompute only
+  what the checkpointed regions keep is counted, which is exactly what stays alive until backward.
+
+Every rank's data-parallel batch is ``--batch`` sequences (HF's per-device meaning), so activations of data-parallel
+layouts equal stand-alone's, while tensor parallelism splits them. A ``ratio`` column divides the rank's total by
+stand-alone's. Layouts of two processes run in one job started with :func:`mindformers_py.parallel.launch.launch`.
+
+    python benchmarks/bench_parallel.py              # defaults: 4 layers, hidden 256, seq 256, batch 4
+    python benchmarks/bench_parallel.py --layers 2 --hidden 128 --seq 128
+
+Adding a layout: append a row to ``LAYOUTS``. Layouts whose model is not one module on each rank (pipeline
+parallelism) plug in through ``BUILDERS``: a function of (model, config, mesh) that returns a :class:`Training`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+import mindformers_py as mf
+from mindformers_py.parallel import ParallelConfig, ParallelMesh, build_mesh, parallelize
+from mindformers_py.parallel.data import shard_optimizer
+
+MIB = 2**20
+
+# name -> (processes, ParallelConfig fields)
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "stand_alone": (1, {}),
+    "recompute full": (1, {"recompute": "full"}),
+    "recompute selective": (1, {"recompute": "selective"}),
+    "dp2": (2, {"parallel_mode": "data_parallel", "data_parallel": 2}),
+    "ZeRO-1 dp2": (2, {"parallel_mode": "data_parallel", "data_parallel": 2, "optimizer_shard": 1}),
+    "ZeRO-2 dp2": (2, {"parallel_mode": "data_parallel", "data_parallel": 2, "optimizer_shard": 2}),
+    "ZeRO-3 dp2": (2, {"parallel_mode": "data_parallel", "data_parallel": 2, "optimizer_shard": 3}),
+    "tp2": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2}),
+    "tp2 + seq parallel": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "use_seq_parallel": True}),
+    "tp2 + vocab parallel": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "vocab_emb_dp": False}),
+}
+
+
+@dataclass
+class Training:
+    """What one layout trains: the module(s) this rank runs, its optimizer and one step over a batch."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    """Batch of token ids -> this rank's loss (forward only)."""
+    backward: Callable[[torch.Tensor], None] = field(default=lambda loss: loss.backward())
+
+
+def build_plain(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> Training:
+    """A model that is one module on every rank: ``parallelize`` it, AdamW (ZeRO-1 wrapped when asked)."""
+    parallelize(model, config, mesh)
+    optimizer = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), mesh, config)
+    context = loss_parallel if config.vocab_parallel else contextlib.nullcontext
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        with context():
+            return model(ids, labels=ids).loss
+
+    def backward(loss: torch.Tensor) -> None:
+        with context():
+            loss.backward()
+
+    return Training([model], optimizer, forward, backward)
+
+
+# (predicate on the config, builder): the first whose predicate holds builds the layout.
+BUILDERS: list[tuple[Callable[[ParallelConfig], bool], Callable[..., Training]]] = [
+    (lambda config: config.pp == 1, build_plain),
+]
+
+
+def _local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward (each storage once), leaving out parameter storages."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        params = {_storage(p)[0] for m in self.modules for p in m.parameters()}
+        ptr, nbytes = _storage(tensor)
+        if ptr not in params and nbytes:
+            self.storages[ptr] = max(nbytes, self.storages.get(ptr, 0))
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def model_config(args: argparse.Namespace) -> mf.GPTConfig:
+    return mf.GPTConfig(flavour="llama", vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                        num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
+                        max_position_embeddings=args.seq)
+
+
+def measure(name: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[str, int]:
+    """One training step of layout ``name`` on this rank; returns the byte counts of the module docstring."""
+    config = ParallelConfig(**fields)
+    mesh = build_mesh(config)
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(model_config(args)).train()
+    builder = next(build for applies, build in BUILDERS if applies(config))
+    training = builder(model, config, mesh)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    counter = SavedActivations(training.modules)
+    with counter.hooks():
+        loss = training.forward(ids)
+    params_in_backward = sum(_local_bytes(p) for m in training.modules for p in m.parameters())
+    training.backward(loss)
+    grads = sum(_local_bytes(p.grad) for m in training.modules for p in m.parameters())
+    training.optimizer.step()
+    local_optimizer = getattr(training.optimizer, "optim", training.optimizer)  # ZeRO-1: this rank's share
+    optim = sum(_local_bytes(v) for state in local_optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor))
+    params = sum(_local_bytes(p) for m in training.modules for p in m.parameters())
+    return {"params": params, "params in bwd": params_in_backward, "grads": grads, "optim": optim,
+            "activations": counter.bytes}
+
+
+def _job(layouts: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Every layout of one process count, one after the other, in this worker (or this process)."""
+    torch.set_num_threads(1)
+    return {name: measure(name, fields, args) for name, fields in layouts.items()}
+
+
+def run_all(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
+    """Per-rank byte counts of every layout: {name: [rank 0, rank 1, ...]}."""
+    from mindformers_py.parallel.launch import launch
+
+    results: dict[str, list[dict[str, int]]] = {}
+    by_world: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, (world, fields) in LAYOUTS.items():
+        by_world.setdefault(world, {})[name] = fields
+    for world, layouts in sorted(by_world.items()):
+        if world == 1:
+            per_rank = {0: _job(layouts, args)}
+        else:
+            per_rank = launch(_job, world, layouts, args)
+        for name in layouts:
+            results[name] = [per_rank[rank][name] for rank in sorted(per_rank)]
+    return {name: results[name] for name in LAYOUTS}
+
+
+COLUMNS = ("params", "params in bwd", "grads", "optim", "activations")
+
+
+def table(results: dict[str, list[dict[str, int]]]) -> str:
+    """Rank 0's numbers in MiB, with its total (params + grads + optim + activations) against stand-alone's."""
+    def total(row: dict[str, int]) -> int:
+        return row["params"] + row["grads"] + row["optim"] + row["activations"]
+
+    base = total(results["stand_alone"][0])
+    head = f"{'layout (rank 0)':<22}" + "".join(f"{c:>15}" for c in COLUMNS) + f"{'total':>11}{'ratio':>8}"
+    lines = [head, "-" * len(head)]
+    for name, ranks in results.items():
+        row = ranks[0]
+        cells = "".join(f"{row[c] / MIB:>15.2f}" for c in COLUMNS)
+        lines.append(f"{name:<22}{cells}{total(row) / MIB:>11.2f}{total(row) / base:>8.2f}")
+    lines.append("(MiB per rank; params/grads/optim exact, activations = tensors saved for backward by one step)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = run_all(args)
+    print(table(results))
+    stand, zero3 = results["stand_alone"][0], results["ZeRO-3 dp2"][0]
+    state = ("params", "grads", "optim")
+    print(f"ZeRO-3 dp2 state (params+grads+optim) / stand-alone: "
+          f"{sum(zero3[k] for k in state) / sum(stand[k] for k in state):.3f} (ideal 1/2)")
+    print(f"full recompute saved activations / stand-alone: "
+          f"{results['recompute full'][0]['activations'] / stand['activations']:.3f}; selective: "
+          f"{results['recompute selective'][0]['activations'] / stand['activations']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
