@@ -45,7 +45,14 @@ def batches(padded=True):
     return out
 
 
-def stand_alone_losses(flavour, layers, padded=True):
+def eval_batch():
+    """An evaluation batch of another shape than training's: 3 rows (not a multiple of the micro-batches), 12 long."""
+    ids = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
+    return ids, ids.clone()
+
+
+def stand_alone_run(flavour, layers, padded=True):
+    """Per-step training losses, then the evaluation loss and logits of :func:`eval_batch`."""
     model = tiny_model(flavour, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -55,7 +62,13 @@ def stand_alone_losses(flavour, layers, padded=True):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    with torch.no_grad():
+        out = model(*eval_batch()[:1], labels=eval_batch()[1])
+    return losses, out.loss.item(), out.logits
+
+
+def stand_alone_losses(flavour, layers, padded=True):
+    return stand_alone_run(flavour, layers, padded)[0]
 
 
 def train_pipeline(pipe, padded=True, rank_batch=None, dp_group=None):
@@ -146,9 +159,16 @@ def _pp2_worker(rank, world_size, cases):
     for schedule, flavour, layers, micro, virtual in cases:
         config = ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=micro,
                                 pipeline_schedule=schedule, virtual_pipeline_stages=virtual)
-        pipe = build_pipeline(tiny_model(flavour, layers), config, build_mesh(config))
+        model = tiny_model(flavour, layers)
+        pipe = build_pipeline(model, config, build_mesh(config))
         held = [list(part.layer_ids) for part in pipe.model_parts]
-        results[schedule] = (train_pipeline(pipe), held)
+        losses = train_pipeline(pipe)
+        ids, labels = eval_batch()
+        out = pipe.eval()(ids, labels=labels, use_cache=False)
+        pipe.keep_local_stages(model)
+        local = {name: p for name, p in model.named_parameters()}
+        same = local == {name: p for name, p in pipe.named_parameters()}
+        results[schedule] = (losses, held, out.loss.item(), out.logits, sorted(local), same)
     return results
 
 
@@ -160,14 +180,26 @@ def pp2_results():
 @pytest.mark.parametrize("case", PP_CASES, ids=[c[0] for c in PP_CASES])
 def test_pp2_losses_match_stand_alone(pp2_results, case):
     schedule, flavour, layers, _, virtual = case
-    expected = stand_alone_losses(flavour, layers)
+    expected, eval_loss, eval_logits = stand_alone_run(flavour, layers)
     for rank, results in enumerate(pp2_results):
-        losses, held = results[schedule]
+        losses, held, rank_eval_loss, rank_logits, _, _ = results[schedule]
         assert losses == pytest.approx(expected, rel=RTOL), (rank, losses, expected)
         assert len(held) == virtual
+        # Forward-only evaluation on a batch of another shape: same loss and logits on every pipeline rank.
+        assert rank_eval_loss == pytest.approx(eval_loss, rel=RTOL)
+        torch.testing.assert_close(rank_logits, eval_logits, rtol=1e-4, atol=1e-4)
     chunks = layer_ranges(layers, 2 * virtual)
     assert pp2_results[0][schedule][1] == [list(chunks[i]) for i in stage_ids_for_rank(0, 2, virtual)]
     assert expected[0] != expected[-1]  # the steps really changed the weights
+
+
+def test_the_model_cut_to_a_ranks_stages_holds_exactly_its_parameters(pp2_results):
+    first, last = (results["1f1b"] for results in pp2_results)
+    assert first[5] and last[5]  # the cut model's parameters are the pipeline parts' parameters
+    assert "model.embed_tokens.weight" in first[4] and "lm_head.weight" not in first[4]
+    assert "lm_head.weight" in last[4] and "model.norm.weight" in last[4] and "model.embed_tokens.weight" not in last[4]
+    assert any(n.startswith("model.layers.2.") for n in first[4]) and any(n.startswith("model.layers.3.") for n in last[4])
+    assert not set(first[4]) & set(last[4])
 
 
 # -- composed with tensor and data parallelism (4 processes) ----------------------------------------------------

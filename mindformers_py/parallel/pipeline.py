@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import ConfigError
 from ..layers import IGNORE_INDEX, build_attention_mask, causal_lm_loss
@@ -208,37 +209,53 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+# Schedules kept per input shape (torch fixes a stage's activation shapes when it first runs): training and
+# evaluation batches, and a few sequence lengths of dynamically padded data, each keep theirs.
+MAX_CACHED_SCHEDULES = 8
+
+
 class PipelineParallel:
-    """This rank's share of a pipelined causal LM and the schedule that trains it.
+    """This rank's share of a pipelined causal LM and the schedules that run it.
 
     Build it with :func:`build_pipeline`. ``model_parts`` are the stage modules this rank holds (one, or
     ``virtual_pipeline_stages`` for interleaved 1F1B); give their parameters to the optimizer. :meth:`step`
-    runs forward and backward of a whole per-rank batch and returns the batch loss on every pipeline rank.
+    runs forward and backward of a whole per-rank batch and returns the batch loss on every pipeline rank;
+    calling the object runs forward only (evaluation) and returns loss and logits on every pipeline rank.
+
+    torch's ``PipelineStage`` infers the shapes of the activations it sends on its first run and keeps them, so
+    a schedule is built per batch shape (a different sequence length or batch size gets its own).
 
     Attributes:
         model_parts: this rank's stage modules, in stage order.
-        stages: the ``PipelineStage`` wrapping each model part.
-        schedule: the torch pipeline schedule.
+        stage_ids: the pipeline stage index of each model part.
         pp_group: the process group of this rank's pipeline.
         pp_rank: this rank's position in the pipeline.
         pp_size: number of pipeline ranks.
+        micro_batches: micro-batches each batch is split into.
         has_first_stage, has_last_stage: whether this rank embeds the tokens / computes the loss.
     """
 
-    def __init__(self, model_parts: list[nn.Module], stages: list[PipelineStage], schedule: Any,
-                 pp_group: dist.ProcessGroup, tied_group: dist.ProcessGroup | None = None,
-                 tied_names: Sequence[str] = (), vocab_parallel_loss: bool = False) -> None:
+    def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], num_stages: int,
+                 parallel_config: ParallelConfig, pp_group: dist.ProcessGroup, device: torch.device,
+                 tied_group: dist.ProcessGroup | None = None, tied_names: Sequence[str] = ()) -> None:
         self.model_parts = model_parts
-        self.stages = stages
-        self.schedule = schedule
+        self.stage_ids = stage_ids
+        self.num_stages = num_stages
         self.pp_group = pp_group
+        self.device = device
         self.pp_rank = dist.get_rank(pp_group)
         self.pp_size = dist.get_world_size(pp_group)
-        self.has_first_stage = any(stage.is_first for stage in stages)
-        self.has_last_stage = any(stage.is_last for stage in stages)
+        self.micro_batches = parallel_config.micro_batches
+        self.has_first_stage = 0 in stage_ids
+        self.has_last_stage = num_stages - 1 in stage_ids
+        self.training = True
+        self._schedule_cls = get_schedule_class(parallel_config.torch_schedule_name)
+        self._vocab_parallel_loss = parallel_config.vocab_parallel
         self._tied_group = tied_group
         self._tied_names = list(tied_names)
-        self._vocab_parallel_loss = vocab_parallel_loss
+        self._schedules: dict[tuple[int, ...], Any] = {}
+
+    # -- parameters and modes ---------------------------------------------------------------------------------
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Trainable parameters of every model part on this rank."""
@@ -260,9 +277,63 @@ class PipelineParallel:
 
     def train(self, mode: bool = True) -> PipelineParallel:
         """Set training mode on every model part."""
+        self.training = mode
         for part in self.model_parts:
             part.train(mode)
         return self
+
+    def eval(self) -> PipelineParallel:
+        """Set evaluation mode on every model part."""
+        return self.train(False)
+
+    @property
+    def tied_copy_names(self) -> list[str]:
+        """Names of this rank's parameters that duplicate another rank's (the last stage's copy of a tied
+        embedding); a global gradient norm must count them once."""
+        if self._tied_group is None or self.has_first_stage:
+            return []
+        return [name for name, _ in self.named_parameters() if name in self._tied_names]
+
+    # -- running --------------------------------------------------------------------------------------------------
+
+    def _schedule_for(self, shape: tuple[int, ...]) -> Any:
+        schedule = self._schedules.pop(shape, None)
+        if schedule is None:
+            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
+            stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
+                      for part, i in zip(self.model_parts, self.stage_ids)]
+            # Each micro-batch loss is already divided by the whole batch's tokens: no scaling by the schedule.
+            common = dict(n_microbatches=self.micro_batches, loss_fn=_pipeline_loss, scale_grads=False)
+            if issubclass(self._schedule_cls, PipelineScheduleSingle):
+                schedule = self._schedule_cls(stages[0], **common)
+            else:
+                schedule = self._schedule_cls(stages, **common)
+        self._schedules[shape] = schedule  # most recently used last
+        return schedule
+
+    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+             num_items_in_batch: Any, loss_scale: float, backward: bool) -> tuple[torch.Tensor, Any]:
+        """One schedule run; returns the summed micro-batch losses (on every rank) and the last stage's output."""
+        kwargs = {}
+        if attention_mask is not None and not bool(attention_mask.all()):
+            kwargs["attention_mask"] = attention_mask
+        args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        losses: list[torch.Tensor] = []
+        schedule = self._schedule_for(tuple(input_ids.shape))
+        loss_kwargs = {"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale}
+        # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
+        context = loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext()
+        with context:
+            run = schedule.step if backward else schedule.eval
+            output = run(*args, target=target, losses=losses, return_outputs=not backward, loss_kwargs=loss_kwargs,
+                         **kwargs)
+        total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
+            else torch.zeros((), device=self.device)
+        # The loss is known on the last rank only; the caller logs it on every rank.
+        dist.broadcast(total, group_src=self.pp_size - 1, group=self.pp_group)
+        return total, output
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
              num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
@@ -276,24 +347,8 @@ class PipelineParallel:
         """
         if num_items_in_batch is None:
             num_items_in_batch = max(count_loss_tokens(labels), 1)
-        kwargs = {}
-        if attention_mask is not None and not bool(attention_mask.all()):
-            kwargs["attention_mask"] = attention_mask
-        args = (input_ids,) if self.has_first_stage else ()
-        target = labels if self.has_last_stage else None
-        losses: list[torch.Tensor] = []
-        # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
-        context = loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext()
-        with context:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                               loss_kwargs={"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale},
-                               **kwargs)
+        total, _ = self._run(input_ids, labels, attention_mask, num_items_in_batch, loss_scale, backward=True)
         self._sync_tied_grads()
-        device = self.stages[0].device
-        total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
-            else torch.zeros((), device=device)
-        # The loss is known on the last rank only; the caller logs it on every rank.
-        dist.broadcast(total, group_src=self.pp_size - 1, group=self.pp_group)
         return total
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
@@ -310,6 +365,42 @@ class PipelineParallel:
             total = loss if total is None else total + loss
         return total
 
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+                 **unused: Any) -> CausalLMOutputWithPast:
+        """Forward only (evaluation), like calling the whole model: returns the loss (with ``labels``) and the
+        logits on every pipeline rank. A batch whose size the micro-batches do not divide is padded with
+        ignored rows. Other model arguments (``use_cache``, ...) are accepted and ignored."""
+        rows = input_ids.shape[0]
+        extra = -rows % self.micro_batches
+        if extra:
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
+            if labels is not None:
+                labels = torch.cat([labels, torch.full_like(labels[:1], IGNORE_INDEX).expand(extra, -1)])
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(extra, -1)])
+        # The schedules always compute a loss; without labels it is over no token and not reported.
+        targets = labels if labels is not None else torch.full_like(input_ids, IGNORE_INDEX)
+        if num_items_in_batch is None:
+            num_items_in_batch = max(count_loss_tokens(targets), 1)
+        loss, output = self._run(input_ids, targets, attention_mask, num_items_in_batch, 1.0, backward=False)
+        logits = self._broadcast_logits(output, tuple(input_ids.shape))
+        return CausalLMOutputWithPast(loss=loss if labels is not None else None, logits=logits[:rows])
+
+    def _broadcast_logits(self, output: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        """The last stage's logits on every pipeline rank."""
+        if self.has_last_stage:
+            logits = output.full_tensor() if hasattr(output, "full_tensor") else output
+            meta = [tuple(logits.shape), logits.dtype]
+        else:
+            meta = [None, None]
+        dist.broadcast_object_list(meta, group_src=self.pp_size - 1, group=self.pp_group)
+        if not self.has_last_stage:
+            logits = torch.empty(meta[0], dtype=meta[1], device=self.device)
+        dist.broadcast(logits.contiguous(), group_src=self.pp_size - 1, group=self.pp_group)
+        return logits
+
     def _sync_tied_grads(self) -> None:
         """Sum the gradients of weights shared by the first and last stage (tied input/output embeddings):
         each stage holds its own copy, and both copies must take the same update."""
@@ -321,6 +412,31 @@ class PipelineParallel:
                 param = params.get(name)
                 if param is not None and param.grad is not None:
                     dist.all_reduce(_local(param.grad), group=self._tied_group)
+
+    # -- the original model ---------------------------------------------------------------------------------------
+
+    def keep_local_stages(self, model: nn.Module) -> nn.Module:
+        """Cut ``model`` (the model the stages were made from) down to what this rank holds, in place: the
+        layers of its stages (under their original indices), and the embeddings / final norm and head only on
+        the first / last stage. Its parameters are then exactly this rank's, under the full model's names, so
+        optimizers, gradient norms and sharded checkpoints can use it as "the model". Returns ``model``."""
+        parts = [part for part in self.model_parts if isinstance(part, CausalLMStage)]
+        if len(parts) != len(self.model_parts):
+            raise TypeError("keep_local_stages needs the CausalLMStage parts built by build_pipeline")
+        before, after, head = _plan_names(model)
+        base = getattr(model, model.base_model_prefix)
+        layers = {str(i): base.layers[i] for part in parts for i in part.layer_ids}
+        base.layers = LayerSlice(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+        for name in before:
+            if not self.has_first_stage and getattr(base, name, None) is not None:
+                setattr(base, name, None)
+        for name in after:
+            if not self.has_last_stage and getattr(base, name, None) is not None:
+                setattr(base, name, None)
+        for name in head:
+            if not self.has_last_stage and getattr(model, name, None) is not None:
+                setattr(model, name, None)
+        return model
 
 
 def _tied_weight_names(model: nn.Module) -> list[str]:
@@ -361,12 +477,13 @@ def build_pipeline(
     device: torch.device | str | None = None,
     parallelize: Callable[[CausalLMStage], nn.Module | None] | None = None,
 ) -> PipelineParallel:
-    """Cut ``model`` into pipeline stages, keep this rank's, wrap them in ``PipelineStage`` and build the schedule.
+    """Cut ``model`` into pipeline stages and keep this rank's, ready to run with torch's schedules.
 
     Args:
         model: a causal LM declaring a pipeline plan (e.g. ``GPTForCausalLM``), with the same weights on every
-            rank (same seed or same checkpoint). Its submodules are shared by the stage modules; drop the other
-            references to it afterwards so the layers of other stages are freed.
+            rank (same seed or same checkpoint). Its submodules are shared by the stage modules; either drop the
+            other references to it, or cut it down with :meth:`PipelineParallel.keep_local_stages`, so the layers
+            of other stages are freed.
         parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
             ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
         mesh: the run's :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
@@ -396,15 +513,6 @@ def build_pipeline(
         if parallelize is not None:
             part = parallelize(part) or part
         parts.append(part)
-    stages = [PipelineStage(part, chunk, num_chunks, device, group=group) for part, chunk in zip(parts, chunk_ids)]
-    schedule_cls = get_schedule_class(parallel_config.torch_schedule_name)
-    # Each micro-batch loss is already divided by the whole batch's tokens: no further scaling by the schedule.
-    common = dict(n_microbatches=parallel_config.micro_batches, loss_fn=_pipeline_loss, scale_grads=False)
-    if issubclass(schedule_cls, PipelineScheduleSingle):
-        schedule = schedule_cls(stages[0], **common)
-    else:
-        schedule = schedule_cls(stages, **common)
     tied_names = _tied_weight_names(model) if pp > 1 else []
     tied_group = _tied_group(group, pp_rank, pp) if tied_names else None
-    return PipelineParallel(parts, stages, schedule, group, tied_group, tied_names,
-                            vocab_parallel_loss=parallel_config.vocab_parallel)
+    return PipelineParallel(parts, chunk_ids, num_chunks, parallel_config, group, device, tied_group, tied_names)
