@@ -117,3 +117,21 @@ def test_python_dash_m_entry_point(tmp_path):
 def test_shipped_recipes_parse():
     for path in (ROOT / "tasks").rglob("*.yaml"):
         load_recipe(path)
+
+
+def _losses(outdir: Path) -> list[float]:
+    history = json.loads((outdir / "trainer_state.json").read_text())["log_history"]
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def test_one_flag_switches_to_distributed_with_the_same_losses(recipe, tmp_path, capsys, monkeypatch):
+    """The same recipe, stand_alone vs --parallel_mode semi_auto_parallel (dp2 x tp2, 4 processes launched by the CLI)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    base = [recipe, "--generate.prompts", "[]", "--max_steps", "3"]
+    assert run_cli(*base, "--output_dir", tmp_path / "sa", capsys=capsys)[0] == 0
+    code, out = run_cli(*base, "--output_dir", tmp_path / "dist", "--parallel_mode", "semi_auto_parallel",
+                        "--data_parallel", "2", "--model_parallel", "2", "--per_device_train_batch_size", "2", capsys=capsys)
+    assert code == 0, out.err
+    single, dist = _losses(tmp_path / "sa"), _losses(tmp_path / "dist")
+    assert len(single) == len(dist) == 3
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, dist)), (single, dist)

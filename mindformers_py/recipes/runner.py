@@ -56,8 +56,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         model_s.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             model_s.setdefault(name, getattr(tokenizer, name))
+    from transformers import set_seed
+
     from ..auto import AutoModelForCausalLM
 
+    set_seed(args.seed)  # the same initial weights on every rank and in every layout
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_s)
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}; set model.vocab_size")
