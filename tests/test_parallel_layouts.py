@@ -47,10 +47,10 @@ def global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def training_args(parallel: ParallelConfig, folder: str = "unused") -> TrainingArguments:
+def training_args(parallel: ParallelConfig, folder: str = "unused", bf16: bool = False) -> TrainingArguments:
     return TrainingArguments(output_dir=folder, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
                              learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, optim="adamw_torch",
-                             use_cpu=True, parallel_config=parallel, report_to=[])
+                             use_cpu=True, parallel_config=parallel, report_to=[], bf16=bf16)
 
 
 def _loss_fn(model, batch, num_items):
@@ -87,12 +87,12 @@ class Run:
 
 
 def run_layout(parallel: ParallelConfig, flavour: str, start: int = 0, save_to: str | None = None,
-               resume_from: str | None = None) -> list[float]:
+               resume_from: str | None = None, bf16: bool = False) -> list[float]:
     """Losses of steps ``start``.. under ``parallel`` (the engine its mode registers), optionally saving after
     step SAVE_AT or resuming from a checkpoint first."""
     from mindformers_py.parallel.engine import build_engine
 
-    args = training_args(parallel)
+    args = training_args(parallel, bf16=bf16)
     engine = build_engine(parallel, args)
     engine.setup()
     run = Run(engine, flavour)
@@ -137,6 +137,12 @@ LAYOUTS_2 = {
     "dp2_recompute_selective": ("llama", dp(recompute="selective")),
     "zero3_recompute_first_layer": ("llama", dp(optimizer_shard=3, recompute=RecomputeConfig(recompute=1))),
 }
+# bf16 runs (FSDP2's MixedPrecisionPolicy, or autocast without FSDP) against stand-alone bf16 autocast
+BF16_LAYOUTS_2 = {
+    "zero3_bf16": ("llama", dp(optimizer_shard=3)),
+    "tp2_seq_vocab_parallel_bf16": ("llama", semi(model_parallel=2, use_seq_parallel=True, vocab_emb_dp=False)),
+}
+BF16_RTOL = 2e-3  # bf16 products rounded in a different order
 # name -> (flavour, layout) for the 4-process job
 LAYOUTS_4 = {
     "dp2xtp2": ("llama", semi(data_parallel=2, model_parallel=2)),
@@ -147,13 +153,15 @@ LAYOUTS_4 = {
 }
 
 
-def _layouts_worker(rank, world_size, layouts):
-    return {name: run_layout(layout, flavour) for name, (flavour, layout) in layouts.items()}
+def _layouts_worker(rank, world_size, layouts, bf16_layouts=None):
+    out = {name: run_layout(layout, flavour) for name, (flavour, layout) in layouts.items()}
+    out.update({name: run_layout(layout, flavour, bf16=True) for name, (flavour, layout) in (bf16_layouts or {}).items()})
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_process_losses():
-    return run_workers(_layouts_worker, 2, LAYOUTS_2)
+    return run_workers(_layouts_worker, 2, LAYOUTS_2, BF16_LAYOUTS_2)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +177,16 @@ def test_two_process_layout_matches_stand_alone(two_process_losses, name):
     for rank, results in enumerate(two_process_losses):
         assert results[name] == pytest.approx(expected, rel=RTOL), (name, rank, results[name], expected)
     assert abs(expected[0] - expected[-1]) > 1e-3  # the steps really changed the weights
+
+
+@pytest.mark.parametrize("name", list(BF16_LAYOUTS_2))
+def test_bf16_layout_matches_stand_alone_bf16(two_process_losses, name):
+    flavour = BF16_LAYOUTS_2[name][0]
+    expected = run_layout(ParallelConfig(), flavour, bf16=True)
+    assert expected != pytest.approx(reference(flavour), rel=1e-6)  # bf16 really changed the numerics
+    for results in two_process_losses:
+        assert results[name] == pytest.approx(expected, rel=BF16_RTOL), (name, results[name], expected)
+        assert results[name] != pytest.approx(reference(flavour), rel=1e-5)  # computed in bf16, not fp32
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
