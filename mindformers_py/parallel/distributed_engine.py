@@ -73,10 +73,15 @@ class DistributedEngine(Engine):
         mesh: the run's :class:`ParallelMesh` (after :meth:`setup`).
         portable_checkpoints: also write whole weights and optimizer state beside the sharded checkpoint (rank 0
             gathers them), so stand-alone runs resume it; turn off when the whole state does not fit one host.
+        portable_optimizer: with ``portable_checkpoints``, write the whole optimizer state too (off for engines whose
+            ranks hold different parameters, as pipeline stages do: only the weights are consolidated then).
     """
 
     supports_fused_loss = False  # FSDP/replicate hooks live on the root module: the model must be called whole
     portable_checkpoints: bool = True
+    portable_optimizer: bool = True
+    runs_pipelines: bool = False
+    """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline_engine.PipelineEngine` does)."""
 
     def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
         super().__init__(parallel_config, args)
@@ -101,7 +106,7 @@ class DistributedEngine(Engine):
         init_distributed(backend=None if use_cuda else "gloo")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_config.validate_for(self.world_size)
-        if self.parallel_config.pp > 1:
+        if self.parallel_config.pp > 1 and not self.runs_pipelines:
             raise ConfigError(f"pipeline_stage={self.parallel_config.pp} needs the pipeline engine; "
                               f"{type(self).__name__} runs layouts without pipeline stages")
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -130,7 +135,7 @@ class DistributedEngine(Engine):
         self._fsdp_mixed_precision = bool(self.args.bf16 and fsdp_family)
         parallelize(model, self.parallel_config, self.mesh,
                     param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
-                    compile_layers=bool(self.args.torch_compile))
+                    compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode)
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -246,7 +251,8 @@ class DistributedEngine(Engine):
             full_optimizer = None
             if self.portable_checkpoints:
                 dcp_checkpoint.save_consolidated(model, tmp, processing_class)
-                full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
+                if self.portable_optimizer:
+                    full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
             torch.save(capture_rng_state(), tmp / RANK_RNG_NAME.format(rank=self.rank))
             if self.is_main_process:
                 if full_optimizer is not None:

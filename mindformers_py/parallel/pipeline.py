@@ -336,19 +336,23 @@ class PipelineParallel:
         return total, output
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+             num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0,
+             sync_tied: bool = True) -> torch.Tensor:
         """Forward and backward of one per-rank batch, split into the configured micro-batches.
 
         Every rank of the pipeline passes the same batch (the first stage reads ``input_ids``, the last
         ``labels``). ``num_items_in_batch`` normalises the summed token loss (HF's meaning); by default it is
         this batch's loss-token count, which makes the loss the token mean. ``loss_scale`` multiplies the loss
-        before backward. Gradients accumulate into the parameters (tied embeddings are summed between the first
-        and last stage). Returns the backpropagated batch loss (detached) on every rank of the pipeline.
+        before backward. Gradients accumulate into the parameters. ``sync_tied`` then sums the gradients of a tied
+        embedding between the first and last stage: pass False for all but the last batch of an accumulation
+        (a sum of already-summed gradients would count the earlier batches twice). Returns the backpropagated
+        batch loss (detached) on every rank of the pipeline.
         """
         if num_items_in_batch is None:
             num_items_in_batch = max(count_loss_tokens(labels), 1)
         total, _ = self._run(input_ids, labels, attention_mask, num_items_in_batch, loss_scale, backward=True)
-        self._sync_tied_grads()
+        if sync_tied:
+            self._sync_tied_grads()
         return total
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
@@ -359,9 +363,10 @@ class PipelineParallel:
         if num_items_in_batch is None:
             num_items_in_batch = max(sum(count_loss_tokens(b["labels"]) for b in micro_batches), 1)
         total = None
-        for batch in micro_batches:
+        last = len(micro_batches) - 1
+        for i, batch in enumerate(micro_batches):
             loss = self.step(batch["input_ids"], batch["labels"], batch.get("attention_mask"), num_items_in_batch,
-                             loss_scale)
+                             loss_scale, sync_tied=i == last)
             total = loss if total is None else total + loss
         return total
 
