@@ -203,3 +203,18 @@ def test_device_detection_and_budgets(tmp_path):
     spec = DeviceSpec.detect("cpu", memory_budget="2GiB", world_size=4)
     assert spec.memory_bytes == 2 * GIB and spec.devices_per_node == 4 and spec.usable_bytes < 2 * GIB
     assert DeviceSpec.detect("cpu", world_size=2).memory_bytes > 0
+
+
+def _plan_on_ranks(rank, world_size):
+    # Rank 1 sees far less memory; the job must still run rank 0's layout everywhere.
+    device = DeviceSpec(memory_bytes=GIB if rank == 0 else 1024, devices_per_node=2)
+    config = auto_parallel(ParallelConfig(parallel_mode="auto_parallel"), tiny(), world_size, 4, 64, device=device)
+    return config.to_dict()
+
+
+def test_ranks_of_a_job_run_rank_zeros_plan():
+    from dist_utils import run_workers
+
+    first, second = run_workers(_plan_on_ranks, 2)
+    assert first == second and first["parallel_mode"] == "semi_auto_parallel"
+    assert first["data_parallel"] * first["model_parallel"] * first["pipeline_stage"] == 2

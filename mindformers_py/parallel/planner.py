@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ConfigError
 from .config import ParallelConfig, RecomputeConfig
@@ -743,18 +744,30 @@ def auto_parallel(
     returned unchanged.
 
     ``memory_budget`` (bytes or ``"6GiB"``) overrides the detected memory per rank; ``device`` overrides all
-    device assumptions.
+    device assumptions. When a process group is already running, rank 0 plans (free memory differs a little
+    between devices, and every rank must run the same layout) and the others receive its answer.
     """
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
-    if device is None:
-        device = DeviceSpec.detect(memory_budget=memory_budget, world_size=world_size)
-    elif memory_budget is not None:
-        device = dataclasses.replace(device, memory_bytes=parse_bytes(memory_budget))
-    result = plan(model_config, world_size, per_device_batch, seq_length, device=device, base=parallel_config,
-                  act_bytes=act_bytes)
-    (log or logger).info("%s", result.table())
-    return result.config
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    answer: list[Any] = [None]
+    if not shared or dist.get_rank() == 0:
+        if device is None:
+            device = DeviceSpec.detect(memory_budget=memory_budget, world_size=world_size)
+        elif memory_budget is not None:
+            device = dataclasses.replace(device, memory_bytes=parse_bytes(memory_budget))
+        try:
+            result = plan(model_config, world_size, per_device_batch, seq_length, device=device, base=parallel_config,
+                          act_bytes=act_bytes)
+            (log or logger).info("%s", result.table())
+            answer = [result.config.to_dict()]
+        except ConfigError as err:
+            answer = [err]
+    if shared:
+        dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], ConfigError):
+        raise answer[0]
+    return ParallelConfig.from_dict(answer[0])
 
 
 def default_world_size(parallel_config: ParallelConfig, device_type: str | None = None) -> int:
