@@ -10,12 +10,13 @@ import math
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, SequenceClassifierOutputWithPast
 
 from ...errors import MindFormersError
+from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, causal_lm_loss
 from .configuration_gpt import GPTConfig
 
@@ -109,8 +110,9 @@ class GPTModel(GPTPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values if use_cache else None)
 
 
-class GPTForCausalLM(GPTPreTrainedModel, GenerationMixin):
-    """GPT with a language-modelling head; ``generate`` comes from transformers' ``GenerationMixin``."""
+class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
+    """GPT with a language-modelling head; ``generate`` is transformers' ``GenerationMixin.generate`` with a lean
+    static-cache loop for greedy/sampling requests (:class:`~mindformers_py.generation.FastGenerationMixin`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}

@@ -1,0 +1,303 @@
+"""A lean decode loop behind transformers' ``generate`` API, token-identical to ``GenerationMixin``'s.
+
+``FastGenerationMixin.generate`` resolves its arguments exactly as ``GenerationMixin.generate`` does (same
+generation config merging, special tokens, attention-mask inference, lengths, logits processors and stopping
+criteria, all built by transformers' own helpers). When the request is one the lean loop supports -- greedy or
+multinomial sampling with any config-driven processors (temperature, top-k, top-p, repetition penalty, ...),
+eos/pad handling, left-padded batches, ``num_return_sequences``, a streamer, and a plain sequences tensor as the
+result -- it decodes with a preallocated :class:`~mindformers_py.generation.StaticKVCache` and a handful of tensor
+ops per step. Anything else (beam search, assisted decoding, ``return_dict_in_generate``, custom
+``logits_processor``/``stopping_criteria`` lists, a cache passed in, ``inputs_embeds``, ...) goes to
+``GenerationMixin.generate`` unchanged.
+
+Where the time goes in ``GenerationMixin`` for a small model on CPU: per step it concatenates the cache, the
+attention mask and the position ids, re-slices inputs in ``prepare_inputs_for_generation``, runs every logits
+processor through ``inspect.signature`` and every stopping criterion through a list. The lean loop keeps the
+tokens, positions and decode mask in buffers sized once, so a step is one model forward plus the token choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import GenerationMixin
+from transformers.generation import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
+from transformers.utils import logging
+
+from ..errors import MindFormersError
+from .skinny_linear import skinny_linear_kernels
+from .static_cache import StaticKVCache
+
+logger = logging.get_logger(__name__)
+
+_LEAN_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Model inputs the lean loop builds itself; any other model kwarg (a cache, embeddings, position ids, output
+# flags, ...) means the caller wants something only GenerationMixin handles.
+_LEAN_MODEL_KWARGS = frozenset({"input_ids", "attention_mask", "use_cache"})
+# Keyword arguments GenerationMixin.generate takes out of **kwargs before building the generation config.
+_GENERATION_MODE_KWARGS = ("tokenizer", "assistant_tokenizer", "trust_remote_code")
+
+
+def check_context_length(prompt_length: int, max_length: int, context_length: int | None, max_new_tokens: int | None = None) -> None:
+    """Raise a one-line :class:`MindFormersError` when ``prompt_length`` or ``max_length`` exceeds the context.
+
+    Args:
+        prompt_length: tokens in the prompt.
+        max_length: prompt plus new tokens, as the generation will run.
+        context_length: the model's ``max_position_embeddings`` (``None``: no limit).
+        max_new_tokens: the requested number of new tokens, named in the message when given.
+    """
+    if context_length is None or max_length <= context_length:
+        return
+    new = max_new_tokens if max_new_tokens is not None else max_length - prompt_length
+    if prompt_length >= context_length:
+        raise MindFormersError(
+            f"the prompt has {prompt_length} tokens, which does not fit the model's context length of {context_length} "
+            f"tokens (max_position_embeddings) with max_new_tokens={new}; shorten the prompt"
+        )
+    raise MindFormersError(
+        f"prompt of {prompt_length} tokens + max_new_tokens={new} = {prompt_length + new} tokens exceeds the model's "
+        f"context length of {context_length} tokens (max_position_embeddings); shorten the prompt or lower max_new_tokens "
+        f"to at most {context_length - prompt_length}"
+    )
+
+
+class FastGenerationMixin(GenerationMixin):
+    """``GenerationMixin`` whose ``generate`` runs a lean static-cache loop when it can, with identical results.
+
+    Set ``model.fast_generate = False`` (or pass ``fast_generate=False`` to ``generate``) to force transformers'
+    own decoding path, e.g. to compare the two.
+    """
+
+    fast_generate: bool = True
+    """Use the lean decode loop for the requests it supports (otherwise always ``GenerationMixin``'s loop)."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        prefix_allowed_tokens_fn=None,
+        synced_gpus: bool | None = None,
+        assistant_model=None,
+        streamer=None,
+        negative_prompt_ids: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        custom_generate=None,
+        fast_generate: bool | None = None,
+        **kwargs: Any,
+    ):
+        """transformers' ``generate`` (same arguments and results), plus ``fast_generate`` to choose the loop.
+
+        Before decoding, a prompt that with ``max_new_tokens`` would run past ``max_position_embeddings`` raises a
+        :class:`MindFormersError` naming the prompt length, ``max_new_tokens`` and the context length.
+        """
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        lean_args = (
+            not logits_processor and not stopping_criteria and prefix_allowed_tokens_fn is None and not synced_gpus
+            and assistant_model is None and negative_prompt_ids is None and negative_prompt_attention_mask is None
+            and custom_generate is None and (inputs is None or "input_ids" not in kwargs)
+        )
+        lean = None
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+            lean = self._resolve_lean_request(input_ids, generation_config, kwargs)
+        if lean is not None and lean_args and (self.fast_generate if fast_generate is None else fast_generate):
+            config, model_kwargs, has_default_max_length = lean
+            if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
+                return self._lean_generate(
+                    input_ids, model_kwargs.get("attention_mask"), config, has_default_max_length, streamer, kwargs.get("tokenizer")
+                )
+        return super().generate(
+            inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
+            assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
+        )
+
+    def _resolve_lean_request(
+        self, input_ids: torch.Tensor, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+    ) -> tuple[GenerationConfig, dict[str, Any], bool]:
+        """The generation config exactly as ``GenerationMixin.generate`` builds it (lengths included), the model
+        kwargs, and whether ``max_length`` is the default; checks the context length on the way."""
+        has_default_max_length = (
+            kwargs.get("max_length") is None
+            and (generation_config is None or generation_config.max_length is None)
+            and self.generation_config.max_length is None
+        )
+        has_default_min_length = (
+            kwargs.get("min_length") is None
+            and (generation_config is None or generation_config.min_length is None)
+            and self.generation_config.min_length is None
+        )
+        config_kwargs = {k: v for k, v in kwargs.items() if k not in _GENERATION_MODE_KWARGS}
+        config, model_kwargs = self._prepare_generation_config(generation_config, **config_kwargs)
+        prompt_length = input_ids.shape[1]
+        config = self._prepare_generated_length(
+            config, has_default_max_length, has_default_min_length, "input_ids", prompt_length, input_ids
+        )
+        check_context_length(
+            prompt_length, config.max_length, getattr(self.config, "max_position_embeddings", None), config.max_new_tokens
+        )
+        return config, model_kwargs, has_default_max_length
+
+    def _lean_generate(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        config: GenerationConfig,
+        has_default_max_length: bool,
+        streamer,
+        tokenizer,
+    ) -> torch.LongTensor:
+        """Greedy/sampling decode with a preallocated cache; returns prompt + generated tokens like ``generate``."""
+        device = input_ids.device
+        batch, prompt_length = input_ids.shape
+        self._prepare_special_tokens(config, attention_mask is not None, device=device, batch_size=batch)
+        pad = config._pad_token_tensor
+        if batch > 1 and pad is not None:
+            right_padded = attention_mask[:, -1] == 0 if attention_mask is not None else input_ids[:, -1] == pad
+            if bool(right_padded.any()):
+                logger.warning(
+                    "A decoder-only architecture is being used, but right-padding was detected! For correct generation "
+                    "results, please set `padding_side='left'` when initializing the tokenizer."
+                )
+        if attention_mask is None:
+            attention_mask = self._prepare_attention_mask_for_generation(input_ids, config, {})
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        padded = not bool((attention_mask == 1).all())
+        prompt = input_ids
+        expand = max(config.num_beams or 1, config.num_return_sequences or 1)
+        if expand > 1:
+            input_ids, attention_mask, position_ids = (t.repeat_interleave(expand, dim=0) for t in (input_ids, attention_mask, position_ids))
+            batch *= expand
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        self._validate_generated_length(config, prompt_length, has_default_max_length)
+        processors = self._get_logits_processor(
+            generation_config=config, input_ids_seq_length=prompt_length, encoder_input_ids=prompt,
+            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=device,
+            model_kwargs={"attention_mask": attention_mask if padded else None},
+        )
+        criteria = self._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=tokenizer)
+        return _decode(
+            self, input_ids, attention_mask if padded else None, position_ids, config.max_length, processors, criteria,
+            config.do_sample, pad, streamer,
+        )
+
+
+def _lean_supports(model: torch.nn.Module, config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> bool:
+    """Whether the lean loop reproduces ``GenerationMixin`` for this request (else it falls back)."""
+    mask = model_kwargs.get("attention_mask")
+    return (
+        config.get_generation_mode() in _LEAN_MODES
+        and not config.return_dict_in_generate
+        and config.use_cache
+        and config.cache_implementation is None
+        and config.prefill_chunk_size is None
+        and not config.token_healing
+        and config.guidance_scale in (None, 1)
+        and not config.is_assistant
+        and not model.config.is_encoder_decoder
+        and input_ids.device == model.device
+        and (mask is None or (mask.shape == input_ids.shape and mask.device == input_ids.device))
+    )
+
+
+def _processor_steps(processors: LogitsProcessorList) -> list:
+    """The processors to call per step: each one directly when they all take only ``(input_ids, scores)``
+    (``LogitsProcessorList.__call__`` inspects every signature at every step), else the list itself."""
+    if all(len(inspect.signature(p.__call__).parameters) <= 2 for p in processors):
+        return list(processors)
+    return [processors]
+
+
+def _decode(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor,
+    max_length: int,
+    processors: LogitsProcessorList,
+    criteria: StoppingCriteriaList,
+    do_sample: bool,
+    pad: torch.Tensor | None,
+    streamer,
+) -> torch.LongTensor:
+    """The decode loop: the same token choice, eos/pad handling and stopping rule as ``GenerationMixin._sample``.
+
+    ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
+    """
+    device = input_ids.device
+    batch, prompt_length = input_ids.shape
+    tokens = input_ids.new_empty(batch, max_length)  # (B, L): prompt, then each chosen token
+    tokens[:, :prompt_length] = input_ids
+    new_positions = torch.arange(1, max_length - prompt_length + 1, device=device)
+    positions = torch.cat([position_ids, position_ids[:, -1:] + new_positions], dim=1)  # (B, L)
+    decode_mask = None
+    if attention_mask is not None:
+        if getattr(model.config, "sliding_window", None) is None:
+            # A one-query step attends to every real key before it: the padding mask alone is the whole mask, so it is
+            # kept as a ready (B, 1, 1, L) boolean mask and sliced per step instead of rebuilt from the 2D mask.
+            decode_mask = torch.ones(batch, 1, 1, max_length, dtype=torch.bool, device=device)
+            decode_mask[:, 0, 0, :prompt_length] = attention_mask.bool()
+        else:  # the model must add the window to the mask itself
+            decode_mask = torch.ones(batch, max_length, dtype=attention_mask.dtype, device=device)
+            decode_mask[:, :prompt_length] = attention_mask
+
+    eos_criteria = [c for c in criteria if isinstance(c, EosTokenCriteria)]
+    other_criteria = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+    eos = eos_criteria[0].eos_token_id if eos_criteria else None
+    single_eos = set(eos.tolist()) if eos is not None and batch == 1 and not other_criteria else None
+    track_unfinished = (eos is not None or bool(other_criteria)) and single_eos is None
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    steps = _processor_steps(processors)
+    cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, max_length)
+
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions[:, :prompt_length],
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )
+    length = prompt_length
+    with skinny_linear_kernels(model, batch):
+        while True:
+            scores = out.logits[:, -1].float()  # (B, V)
+            for step in steps:
+                scores = step(tokens[:, :length], scores)
+            if do_sample:
+                next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = scores.argmax(dim=-1)
+            if track_unfinished and eos is not None:
+                next_tokens = torch.where(unfinished, next_tokens, pad)  # finished rows are padded, as GenerationMixin does
+            tokens[:, length] = next_tokens
+            length += 1
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            if length >= max_length:
+                break
+            if single_eos is not None:
+                if next_tokens.item() in single_eos:
+                    break
+            elif track_unfinished:
+                if eos is not None:
+                    unfinished &= ~torch.isin(next_tokens, eos)
+                for criterion in other_criteria:
+                    unfinished &= ~criterion(tokens[:, :length], None)
+                if not bool(unfinished.any()):
+                    break
+            if decode_mask is None:
+                mask = None
+            elif decode_mask.dim() == 4:
+                mask = decode_mask[..., :length]
+            else:
+                mask = decode_mask[:, :length]
+            out = model(
+                input_ids=tokens[:, length - 1 : length], attention_mask=mask, position_ids=positions[:, length - 1 : length],
+                past_key_values=cache, use_cache=True,
+            )
+    if streamer is not None:
+        streamer.end()
+    return tokens if length == max_length else tokens[:, :length].contiguous()

@@ -1,0 +1,111 @@
+"""A KV cache that preallocates its tensors once and fills them by slicing.
+
+transformers' ``DynamicCache`` concatenates at every step (a copy of the whole cache per token) and its
+``StaticCache`` writes with ``index_copy_`` and hands the layers the *full* preallocated buffer, so every step
+needs a mask hiding the unwritten slots and a tensor-to-int sync for the cache length. Here the filled length is
+a Python int, writes are slice assignments, and ``update`` returns views of only the filled part: an unpadded
+decode step needs no mask at all (SDPA sees exactly the past and the new keys).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import MindFormersError
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers of shape (B, n_kv_heads, max_cache_len, head_dim).
+
+    The buffers are allocated at the first ``update`` (so batch size, heads, dtype and device come from the model,
+    whatever tensor-parallel sharding it has).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, max_cache_len: int) -> None:
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the buffers with the batch size, heads, dtype and device of the first keys/values."""
+        b, h, _, dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty(b, h, self.max_cache_len, dk)
+        self.values = value_states.new_empty(b, h, self.max_cache_len, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new (B, nkv, T, hs) keys/values after the cached ones; return views of everything cached."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.length
+        end = start + key_states.shape[-2]
+        if end > self.max_cache_len:
+            raise MindFormersError(
+                f"the KV cache holds max_cache_len={self.max_cache_len} tokens but {end} were written; "
+                "allocate it with a larger max_cache_len"
+            )
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Keys seen by the next forward: the cached ones plus the new ones, starting at position 0."""
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Number of cached tokens (a Python int: reading it never waits on the device)."""
+        return self.length
+
+    def get_max_length(self) -> int:
+        """Capacity of the buffers in tokens."""
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are kept for reuse)."""
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise MindFormersError(f"crop(tokens_to_remove={tokens_to_remove}) must be given a negative count of tokens to drop")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch rows (beam search)."""
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times."""
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices``."""
+        if self.is_initialized:
+            self.keys = self.keys[indices]
+            self.values = self.values[indices]
+
+
+class StaticKVCache(Cache):
+    """A transformers ``Cache`` of :class:`PreallocatedLayer`, one per decoder layer.
+
+    Usable wherever a ``Cache`` is: ``model(ids, past_key_values=StaticKVCache(n_layers, 128))`` or
+    ``model.generate(ids, past_key_values=StaticKVCache(n_layers, max_length))``.
+
+    Args:
+        num_layers: number of decoder layers of the model.
+        max_cache_len: most tokens (prompt + generated) the cache will hold.
+    """
+
+    def __init__(self, num_layers: int, max_cache_len: int) -> None:
+        super().__init__(layers=[PreallocatedLayer(max_cache_len) for _ in range(num_layers)])
