@@ -122,8 +122,8 @@ def _write_config(model: nn.Module, folder: Path) -> None:
         return
     data = json.loads(config.to_json_string(use_diff=False))
     arch = _architecture(model)
-    if not data.get("architectures") and arch and arch.endswith(("ForCausalLM", "Model", "ForSequenceClassification")):
-        data["architectures"] = [arch]
+    if arch and arch.endswith(("ForCausalLM", "Model", "ForSequenceClassification")):
+        data["architectures"] = [arch]  # the model's own class, whatever a wrapped save_pretrained wrote before
     (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True))
 
 

@@ -29,6 +29,7 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
     compile_layers: bool = False,
+    compile_mode: str | None = None,
     stage: int = 0,
 ) -> nn.Module:
     """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
@@ -40,6 +41,7 @@ def parallelize(
         mesh: the run's mesh (:func:`~.mesh.build_mesh`).
         param_dtype: compute dtype for FSDP2's mixed precision (``torch.bfloat16`` for bf16 training).
         compile_layers: ``torch.compile`` each transformer layer (before data parallelism, as torchtitan does).
+        compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
     """
     if mesh.tp > 1:
@@ -48,6 +50,6 @@ def parallelize(
     apply_recompute(model, parallel_config.recompute, stage)
     if compile_layers:
         for layer in layer_modules(model):
-            layer.compile()
+            layer.compile(mode=compile_mode)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model
