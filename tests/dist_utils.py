@@ -3,8 +3,8 @@
 ``run_workers(fn, world_size, *args)`` starts ``world_size`` processes (forkserver: torch and our package are
 imported once, then each worker is forked from that server), sets the torchrun environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free local port), joins a gloo process
-group with a short timeout, calls ``fn(rank, world_size, *args, **kwargs)`` and returns every rank's return value, indexed
-by rank. A worker's exception fails the call with that worker's traceback.
+group with a short timeout, calls ``fn(rank, world_size, *args, **kwargs)`` and returns every rank's return value,
+indexed by rank. A worker's exception fails the call with that worker's traceback.
 """
 
 from __future__ import annotations

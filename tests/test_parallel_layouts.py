@@ -73,7 +73,8 @@ class Run:
             rows = self.engine.shard_indices(range(GLOBAL_BATCH))
             local = {k: v[rows] for k, v in batches[step].items()}
             micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
-            n_items = self.engine.all_reduce_sum(torch.tensor(sum(count_label_tokens(mb, shifted=True) for mb in micro)))
+            local_items = sum(count_label_tokens(mb, shifted=True) for mb in micro)
+            n_items = self.engine.all_reduce_sum(torch.tensor(local_items))  # as the Trainer does
             loss = self.engine.forward_backward(self.model, micro, n_items, _loss_fn)
             self.engine.clip_grad_norm(self.model, self.optimizer, self.engine.args.max_grad_norm)
             self.engine.optimizer_step(self.optimizer)
@@ -155,7 +156,8 @@ LAYOUTS_4 = {
 
 def _layouts_worker(rank, world_size, layouts, bf16_layouts=None):
     out = {name: run_layout(layout, flavour) for name, (flavour, layout) in layouts.items()}
-    out.update({name: run_layout(layout, flavour, bf16=True) for name, (flavour, layout) in (bf16_layouts or {}).items()})
+    for name, (flavour, layout) in (bf16_layouts or {}).items():
+        out[name] = run_layout(layout, flavour, bf16=True)
     return out
 
 
@@ -219,7 +221,8 @@ def _four_worker(rank, world_size, layouts, folder):
     mesh = build_mesh(hsdp, shard_size=2)
     model = parallelize(tiny_model("llama"), hsdp, mesh)
     weight = model.model.layers[0].self_attn.q_proj.weight
-    results["hsdp_placements"] = (tuple(weight.device_mesh.mesh_dim_names), [weight.placements[0].is_replicate(), weight.placements[1].is_shard(0)],
+    results["hsdp_placements"] = (tuple(weight.device_mesh.mesh_dim_names),
+                                  [weight.placements[0].is_replicate(), weight.placements[1].is_shard(0)],
                                   tuple(weight.to_local().shape))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
@@ -359,7 +362,8 @@ def _trainer_run(parallel: ParallelConfig, output_dir: str, resume: str | None =
 
     ids = torch.randint(0, VOCAB, (4 * GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1)).tolist()
     args = TrainingArguments(
-        output_dir=output_dir, overwrite_output_dir=resume is None, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
+        output_dir=output_dir, overwrite_output_dir=resume is None,
+        per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
         learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1, save_strategy="steps",
         save_steps=SAVE_AT, use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True,
     )
@@ -381,3 +385,20 @@ def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alon
     resumed = _trainer_run(ParallelConfig(), str(tmp_path / "zero3"), resume=str(checkpoint))
     assert len(resumed) == STEPS  # the checkpoint's logged steps, then the ones run after resuming
     assert resumed[SAVE_AT:] == pytest.approx(expected[SAVE_AT:], rel=RTOL)
+
+
+def test_checkpoint_errors_name_the_folder(tmp_path):
+    from mindformers_py.errors import CheckpointError
+    from mindformers_py.parallel.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
+
+    model = tiny_model("llama")
+    with pytest.raises(CheckpointError, match="missing.*does not exist"):
+        load_checkpoint(tmp_path / "missing", model)
+    save_checkpoint(tmp_path / "llama", model)
+    other = mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, max_position_embeddings=SEQ))
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_checkpoint(tmp_path / "llama", other)
+    with pytest.raises(CheckpointError, match="not a DCP checkpoint"):
+        consolidate_checkpoint(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -85,7 +86,8 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def training_state(
-    model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``{"model": ..., "optimizer": ...}`` for DCP: flat, layout-independent names, local shards as DTensors.
 
@@ -179,8 +181,9 @@ def load_checkpoint(
     state = training_state(parts, optims or None)
     try:
         _dcp_io(dcp.load, state, folder)
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {folder} does not match the model/optimizer: {str(e).splitlines()[0]}") from None
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()))[0]  # the exception of the first failing rank
+        raise CheckpointError(f"checkpoint {folder} does not match the model/optimizer: {first}") from None
     for i, part in enumerate(parts):
         if optims:
             set_state_dict(part, _local_optimizer(optims[i]), model_state_dict=state[MODEL_KEY],
@@ -207,7 +210,9 @@ def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
     src = Path(checkpoint_dir)
     _check_folder(src)
     if not (src / CONFIG_NAME).is_file():
-        raise CheckpointError(f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config")
+        raise CheckpointError(
+            f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
+        )
     config = resolve_config(src)[0]
     model = _AUTO_BY_TASK[_task_of(getattr(config, "architectures", None))].from_config(config)
     state = {MODEL_KEY: model.state_dict()}
@@ -288,7 +293,9 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         return
     names = get_optimizer_state_dict(model, optimizer)["param_groups"]
     if len(names) != len(state["param_groups"]):
-        raise CheckpointError(f"optimizer state has {len(state['param_groups'])} parameter groups; this run has {len(names)}")
+        raise CheckpointError(
+            f"optimizer state has {len(state['param_groups'])} parameter groups; this run has {len(names)}"
+        )
     fqn_of: dict[int, str] = {}
     groups = []
     for mine, saved in zip(names, state["param_groups"]):

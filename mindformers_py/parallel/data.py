@@ -157,7 +157,8 @@ def apply_data_parallel(
     return model
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh, config: ParallelConfig) -> torch.optim.Optimizer:
+def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
+                    config: ParallelConfig) -> torch.optim.Optimizer:
     """The optimizer to train a model prepared by :func:`apply_data_parallel` with.
 
     Under ZeRO-1 on DDP, ``optimizer`` (built as usual over the model's parameter groups, its state still empty)

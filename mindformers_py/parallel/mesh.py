@@ -52,7 +52,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     device_type = default_device_type()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MINDFORMERS_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MINDFORMERS_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     dist.init_process_group(
         backend=backend or ("nccl" if device_type == "cuda" else "gloo"),
         timeout=datetime.timedelta(seconds=timeout_s),
