@@ -12,6 +12,7 @@ from .convert import convert_checkpoint
 from .errors import CheckpointError, ConfigError, MindFormersError
 from .models.gpt import GPTConfig, GPTForCausalLM, GPTForSequenceClassification, GPTModel
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
+from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
 
 __version__ = "0.1.0"
@@ -20,5 +21,5 @@ __all__ = [
     "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
     "convert_checkpoint", "GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
-    "Trainer", "TrainingArguments",
+    "Trainer", "TrainingArguments", "pipeline",
 ]

@@ -1,0 +1,45 @@
+"""Task pipelines: ``mindformers_py.pipeline(task, model=..., tokenizer=...)``, transformers' pipelines on our models.
+
+Tasks live in :data:`~mindformers_py.pipelines.base.TASKS`; adding one is one :func:`register_task` entry below.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import Pipeline, PreTrainedModel
+
+from ..auto import AutoModelForCausalLM
+from .base import TASKS, PipelineTask, get_task, load_model, load_preprocessor, register_task
+from .text_generation import TextGenerationPipeline
+
+register_task(PipelineTask("text-generation", TextGenerationPipeline, AutoModelForCausalLM, aliases=("text_generation",)))
+
+
+def pipeline(
+    task: str,
+    model: PreTrainedModel | str | os.PathLike | None = None,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> Pipeline:
+    """A ready pipeline for ``task`` (``"text-generation"``, or MindFormers' ``"text_generation"``, ...).
+
+    Args:
+        task: a task name or alias; an unknown one raises an error listing the valid tasks.
+        model: a model object, a checkpoint folder (ours, or an HF checkpoint of a supported architecture, converted
+            on load) or a preset name (random weights).
+        tokenizer: a tokenizer object or folder; None loads the one saved in the model's checkpoint folder (a preset
+            name needs one given).
+        **kwargs: passed to the pipeline class as with ``transformers.pipeline`` (``device``, ``batch_size``,
+            generation parameters such as ``max_new_tokens``, ...); ``dtype``/``torch_dtype`` apply when the model is
+            loaded here.
+    """
+    entry = get_task(task)
+    load_kwargs = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype") if kwargs.get(key) is not None}
+    model, folder = load_model(entry, model, **load_kwargs)
+    preprocessor = load_preprocessor(entry, tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None), folder, model)
+    return entry.pipeline_class(model=model, task=entry.name, **{entry.preprocessor: preprocessor}, **{**entry.defaults, **kwargs})
+
+
+__all__ = ["pipeline", "PipelineTask", "register_task", "get_task", "TASKS", "TextGenerationPipeline"]

@@ -1,0 +1,93 @@
+"""The task table behind :func:`mindformers_py.pipeline` and the loading of a pipeline's model and preprocessor.
+
+A task is one :class:`PipelineTask` entry in :data:`TASKS`: its transformers-style name, MindFormers-style aliases,
+the pipeline class (a transformers ``Pipeline`` subclass, so pre- and post-processing are transformers' own), the
+Auto class that loads its model from a preset or a checkpoint folder, and the preprocessor it needs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
+
+from ..errors import CheckpointError, MindFormersError, invalid_choice
+from ..models import registry
+
+PREPROCESSOR_LOADERS: dict[str, Any] = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor}
+"""Preprocessor argument of a pipeline -> the transformers Auto class that loads it from a folder."""
+
+
+@dataclass(frozen=True)
+class PipelineTask:
+    """One task of :func:`mindformers_py.pipeline`."""
+
+    name: str
+    """Task name as transformers spells it (``"text-generation"``)."""
+    pipeline_class: type[Pipeline]
+    """The transformers ``Pipeline`` (sub)class that runs the task."""
+    auto_model: type
+    """The ``mindformers_py`` Auto class loading the task's model from a preset or a checkpoint folder."""
+    aliases: tuple[str, ...] = ()
+    """Other accepted names (MindFormers' ``"text_generation"``)."""
+    preprocessor: str = "tokenizer"
+    """Which preprocessor the pipeline takes: a key of :data:`PREPROCESSOR_LOADERS`."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments given to the pipeline class unless the caller passes them."""
+
+
+TASKS: dict[str, PipelineTask] = {}
+"""Task name or alias -> its entry."""
+
+
+def register_task(task: PipelineTask) -> None:
+    """Make ``task`` available to :func:`mindformers_py.pipeline` under its name and aliases."""
+    for name in (task.name, *task.aliases):
+        TASKS[name] = task
+
+
+def get_task(name: str) -> PipelineTask:
+    """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` listing the valid tasks."""
+    if name not in TASKS:
+        raise invalid_choice("task", name, sorted(TASKS))
+    return TASKS[name]
+
+
+def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:
+    """The task's model from a model object, a checkpoint folder (ours or HF) or a preset name, and the folder
+    it came from (None for objects and presets)."""
+    if isinstance(model, PreTrainedModel):
+        return model, None
+    if isinstance(model, (str, os.PathLike)):
+        folder = Path(model)
+        loaded = task.auto_model.from_pretrained(model, **load_kwargs)
+        return loaded, folder if folder.is_dir() else None
+    if model is None:
+        what = "a model object, a checkpoint folder or a preset (" + ", ".join(registry.all_presets()) + ")"
+        raise MindFormersError(f"pipeline({task.name!r}) needs model=...: {what}")
+    raise MindFormersError(f"model={type(model).__name__} is not a model, a checkpoint folder or a preset name")
+
+
+def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model: PreTrainedModel) -> Any:
+    """The preprocessor given (an object or a folder), else the one saved with the model's checkpoint."""
+    loader = PREPROCESSOR_LOADERS[task.preprocessor]
+    if given is not None and not isinstance(given, (str, os.PathLike)):
+        return given
+    source = given if given is not None else folder
+    if source is None and getattr(model, "name_or_path", "") and Path(model.name_or_path).is_dir():
+        source = model.name_or_path  # a model object loaded by transformers from a folder
+    if source is None:
+        raise MindFormersError(
+            f"pipeline({task.name!r}) needs {task.preprocessor}=... when the model is a preset name or a model object "
+            "without a checkpoint folder"
+        )
+    try:
+        return loader.from_pretrained(os.fspath(source))
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(
+            f"no {task.preprocessor} could be loaded from {source} ({str(err).splitlines()[0]}); "
+            f"save one there or pass {task.preprocessor}=..."
+        ) from None
