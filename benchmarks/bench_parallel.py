@@ -100,8 +100,11 @@ def _local_bytes(tensor: torch.Tensor | None) -> int:
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory behind ``tensor``: its storage, or for a wrapper subclass without one (a
+    collective's result not yet waited for) the wrapped tensor."""
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
+    tensor = getattr(tensor, "elem", tensor)  # AsyncCollectiveTensor wraps the collective's output
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 

@@ -33,6 +33,7 @@ half the heads simply sees half the heads.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Mapping
@@ -179,12 +180,24 @@ def apply_tensor_parallel(
     tied = _tied_pairs(model)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
-    if vocab_parallel and not gather_logits:
+    if vocab_parallel:
         for key, kind in plan.items():
-            if kind == "colwise_gather_output":
-                for name in _matching(model, key):
-                    model.get_submodule(name).register_forward_hook(_full_logits_outside_training)
+            for name in _matching(model, key):
+                module = model.get_submodule(name)
+                if kind == "embedding_rowwise":
+                    # DTensor's embedding backward yields a whole (Replicate) gradient for a vocabulary-sharded
+                    # table; keep only this rank's rows at once instead of holding the full gradient.
+                    for param in module.parameters(recurse=False):
+                        param.register_hook(functools.partial(_to_placements, placements=param.placements))
+                elif kind == "colwise_gather_output" and not gather_logits:
+                    module.register_forward_hook(_full_logits_outside_training)
     return model
+
+
+def _to_placements(grad: torch.Tensor, placements: tuple) -> torch.Tensor:
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
 
 
 def _full_logits_outside_training(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
