@@ -7,13 +7,17 @@ For one AdamW training step of the same GPT (Llama flavour by default) under eac
   parameters from forward to backward, ZeRO-3 re-gathers them layer by layer);
 * ``grads``: bytes of the gradients after backward (sharded under ZeRO-2/3);
 * ``optim``: bytes of the optimizer state after the step (AdamW's two moments and step counters);
-* ``activations``: bytes of the tensors autograd saved for backward during forward, counted with
-  ``torch.autograd.graph.saved_tensors_hooks`` (each storage once; parameters excluded). Under recompute only
-  what the checkpointed regions keep is counted, which is exactly what stays alive until backward.
+* ``activations``: the peak bytes of the tensors autograd keeps saved for backward, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (each storage once, from when it is saved until backward releases
+  it; parameters excluded). Under recompute only what the checkpointed regions keep is counted, which is exactly
+  what stays alive until backward; under pipeline schedules, the micro-batches a schedule keeps in flight.
 
 Every rank's data-parallel batch is ``--batch`` sequences (HF's per-device meaning), so activations of data-parallel
 layouts equal stand-alone's, while tensor parallelism splits them. A ``ratio`` column divides the rank's total by
 stand-alone's. Layouts of two processes run in one job started with :func:`mindformers_py.parallel.launch.launch`.
+The last columns put the ``auto_parallel`` planner's estimate for the layout's busiest rank
+(:func:`mindformers_py.parallel.planner.estimate_memory`, without full recompute's transient re-materialised layer)
+next to the busiest rank's measured peak (params in bwd + grads + optim + activations).
 
     python benchmarks/bench_parallel.py              # defaults: 4 layers, hidden 256, seq 256, batch 4
     python benchmarks/bench_parallel.py --layers 2 --hidden 128 --seq 128
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +44,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 import mindformers_py as mf
 from mindformers_py.parallel import ParallelConfig, ParallelMesh, build_mesh, parallelize
 from mindformers_py.parallel.data import shard_optimizer
+from mindformers_py.parallel.pipeline import build_pipeline
+from mindformers_py.parallel.planner import estimate_memory
 
 MIB = 2**20
 
@@ -54,6 +61,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2}),
     "tp2 + seq parallel": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "use_seq_parallel": True}),
     "tp2 + vocab parallel": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "vocab_emb_dp": False}),
+    "pp2 1f1b": (2, {"parallel_mode": "semi_auto_parallel", "pipeline_stage": 2, "micro_batch_num": 4}),
+    "pp2 gpipe": (2, {"parallel_mode": "semi_auto_parallel", "pipeline_stage": 2, "micro_batch_num": 4,
+                      "pipeline_schedule": "gpipe"}),
+    "pp2 interleaved": (2, {"parallel_mode": "semi_auto_parallel", "pipeline_stage": 2, "micro_batch_num": 4,
+                            "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_stages": 2}),
 }
 
 
@@ -66,6 +78,8 @@ class Training:
     forward: Callable[[torch.Tensor], torch.Tensor]
     """Batch of token ids -> this rank's loss (forward only)."""
     backward: Callable[[torch.Tensor], None] = field(default=lambda loss: loss.backward())
+    warmup: Callable[[torch.Tensor], None] | None = None
+    """Run once before the measured step (not counted): one-time work such as pipeline shape inference."""
 
 
 def build_plain(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> Training:
@@ -85,9 +99,26 @@ def build_plain(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) ->
     return Training([model], optimizer, forward, backward)
 
 
+def build_pipelined(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> Training:
+    """This rank's pipeline stages, each parallelized like a model; one schedule step runs forward and backward of
+    every micro-batch, so ``forward`` does both (and the counter sees the schedule's in-flight peak)."""
+    pipe = build_pipeline(model, config, mesh,
+                          parallelize=lambda part: parallelize(part, config, mesh, stage=part.pp_rank))
+    optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=1e-4, foreach=False)
+
+    def warmup(ids: torch.Tensor) -> None:
+        # torch infers the stages' activation shapes with an extra forward on the first step; measure a later one.
+        pipe.step(ids, ids)
+        optimizer.zero_grad(set_to_none=True)
+
+    return Training(pipe.model_parts, optimizer, lambda ids: pipe.step(ids, ids), backward=lambda loss: None,
+                    warmup=warmup)
+
+
 # (predicate on the config, builder): the first whose predicate holds builds the layout.
 BUILDERS: list[tuple[Callable[[ParallelConfig], bool], Callable[..., Training]]] = [
     (lambda config: config.pp == 1, build_plain),
+    (lambda config: config.pp > 1, build_pipelined),
 ]
 
 
@@ -109,26 +140,52 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+class _Saved:
+    """What autograd keeps for one saved tensor: dies when backward releases it, which ends its count."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 class SavedActivations:
-    """Counts the bytes autograd saves for backward (each storage once), leaving out parameter storages."""
+    """The peak bytes autograd keeps saved for backward (each storage once, while any tensor saved from it is
+    held), leaving out parameter storages."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
-        self.storages: dict[int, int] = {}
+        self.holders: dict[int, int] = {}  # storage -> saved tensors holding it
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> Any:
         params = {_storage(p)[0] for m in self.modules for p in m.parameters()}
         ptr, nbytes = _storage(tensor)
-        if ptr not in params and nbytes:
-            self.storages[ptr] = max(nbytes, self.storages.get(ptr, 0))
-        return tensor
+        if ptr in params or not nbytes:
+            return tensor
+        if not self.holders.get(ptr):
+            self.sizes[ptr] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.holders[ptr] = self.holders.get(ptr, 0) + 1
+        saved = _Saved(tensor)
+        weakref.finalize(saved, self._release, ptr)
+        return saved
+
+    def _release(self, ptr: int) -> None:
+        self.holders[ptr] -= 1
+        if not self.holders[ptr]:
+            self.live -= self.sizes[ptr]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        return torch.autograd.graph.saved_tensors_hooks(
+            self._pack, lambda saved: saved.tensor if isinstance(saved, _Saved) else saved)
 
     @property
     def bytes(self) -> int:
-        return sum(self.storages.values())
+        return self.peak
 
 
 def model_config(args: argparse.Namespace) -> mf.GPTConfig:
@@ -146,6 +203,8 @@ def measure(name: str, fields: dict[str, Any], args: argparse.Namespace) -> dict
     builder = next(build for applies, build in BUILDERS if applies(config))
     training = builder(model, config, mesh)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    if training.warmup is not None:
+        training.warmup(ids)
     counter = SavedActivations(training.modules)
     with counter.hooks():
         loss = training.forward(ids)
@@ -188,19 +247,35 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
 COLUMNS = ("params", "params in bwd", "grads", "optim", "activations")
 
 
-def table(results: dict[str, list[dict[str, int]]]) -> str:
-    """Rank 0's numbers in MiB, with its total (params + grads + optim + activations) against stand-alone's."""
+def planner_estimate(name: str, args: argparse.Namespace) -> int:
+    """The planner's peak bytes for layout ``name``'s busiest rank, less full recompute's transient layer (which
+    the saved-tensor count does not see)."""
+    estimate = estimate_memory(model_config(args), ParallelConfig(**LAYOUTS[name][1]), args.batch, args.seq)
+    return estimate.total - estimate.recompute
+
+
+def table(results: dict[str, list[dict[str, int]]], args: argparse.Namespace) -> str:
+    """Rank 0's numbers in MiB, with its total (params + grads + optim + activations) against stand-alone's, and
+    the planner's estimate against the busiest rank's measured peak."""
     def total(row: dict[str, int]) -> int:
         return row["params"] + row["grads"] + row["optim"] + row["activations"]
 
+    def peak(row: dict[str, int]) -> int:
+        return row["params in bwd"] + row["grads"] + row["optim"] + row["activations"]
+
     base = total(results["stand_alone"][0])
-    head = f"{'layout (rank 0)':<22}" + "".join(f"{c:>15}" for c in COLUMNS) + f"{'total':>11}{'ratio':>8}"
+    head = (f"{'layout (rank 0)':<22}" + "".join(f"{c:>15}" for c in COLUMNS) + f"{'total':>11}{'ratio':>8}"
+            f"{'peak (max)':>12}{'planner est':>13}{'est/meas':>10}")
     lines = [head, "-" * len(head)]
     for name, ranks in results.items():
         row = ranks[0]
         cells = "".join(f"{row[c] / MIB:>15.2f}" for c in COLUMNS)
-        lines.append(f"{name:<22}{cells}{total(row) / MIB:>11.2f}{total(row) / base:>8.2f}")
-    lines.append("(MiB per rank; params/grads/optim exact, activations = tensors saved for backward by one step)")
+        measured = max(peak(r) for r in ranks)
+        estimated = planner_estimate(name, args)
+        lines.append(f"{name:<22}{cells}{total(row) / MIB:>11.2f}{total(row) / base:>8.2f}"
+                     f"{measured / MIB:>12.2f}{estimated / MIB:>13.2f}{estimated / measured:>10.2f}")
+    lines.append("(MiB per rank; params/grads/optim exact, activations = peak of the tensors saved for backward in one "
+                 "step; peak (max) = the busiest rank's params in bwd + grads + optim + activations)")
     return "\n".join(lines)
 
 
@@ -215,7 +290,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_all(args)
-    print(table(results))
+    print(table(results, args))
     stand, zero3 = results["stand_alone"][0], results["ZeRO-3 dp2"][0]
     state = ("params", "grads", "optim")
     print(f"ZeRO-3 dp2 state (params+grads+optim) / stand-alone: "
