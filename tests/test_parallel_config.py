@@ -427,3 +427,11 @@ def test_with_overrides():
     config_error(lambda: base.with_overrides({"pipeline": 2}), "pipeline is not a ParallelConfig field")
     config_error(lambda: base.with_overrides({"recompute.select_recompute": "norm"}),
                  "recompute.select_recompute='norm'")
+
+
+def test_optimizer_weight_shard_size_selects_hsdp():
+    assert ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3).shard_size is None
+    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3, optimizer_weight_shard_size=2)
+    assert hsdp.shard_size == 2
+    with pytest.raises(ConfigError, match="optimizer_weight_shard_size=3 .* 1, 2, 4"):
+        ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_weight_shard_size=3)

@@ -217,8 +217,8 @@ def _four_worker(rank, world_size, layouts, folder):
 
     results = _layouts_worker(rank, world_size, layouts)
     # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
-    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3)
-    mesh = build_mesh(hsdp, shard_size=2)
+    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3, optimizer_weight_shard_size=2)
+    mesh = build_mesh(hsdp, shard_size=hsdp.shard_size)
     model = parallelize(tiny_model("llama"), hsdp, mesh)
     weight = model.model.layers[0].self_attn.q_proj.weight
     results["hsdp_placements"] = (tuple(weight.device_mesh.mesh_dim_names),

@@ -485,6 +485,9 @@ class ParallelConfig(_Section):
     optimizer_shard: bool | int | str = 0
     """ZeRO stage over the data-parallel ranks: 0/False none, 1 optimizer state, 2 + gradients, 3 + parameters
     (FSDP2); True means 1, as in MindFormers."""
+    optimizer_weight_shard_size: int = -1
+    """Data-parallel ranks each FSDP shard group spans (ZeRO 2/3); -1 means all of them. A divisor of
+    ``data_parallel`` below it gives HSDP: shards within groups of this size, replicas across the groups."""
     use_seq_parallel: bool = False
     """Sequence parallelism: norms and dropout run on sequence shards across the model-parallel ranks."""
     vocab_emb_dp: bool = True
@@ -521,6 +524,7 @@ class ParallelConfig(_Section):
                 f"optimizer_shard={self.optimizer_shard!r} is not valid; choose one of: False, True (=1), 0, 1, 2, 3"
             )
         self.optimizer_shard = shard
+        self.optimizer_weight_shard_size = _to_int("optimizer_weight_shard_size", self.optimizer_weight_shard_size, minimum=-1)
         self.use_seq_parallel = _to_bool("use_seq_parallel", self.use_seq_parallel)
         self.vocab_emb_dp = _to_bool("vocab_emb_dp", self.vocab_emb_dp)
         if isinstance(self.recompute, (RecomputeConfig, Mapping)) or self.recompute is None:
@@ -541,6 +545,10 @@ class ParallelConfig(_Section):
             raise invalid_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         if type(self.optimizer_shard) is not int or self.optimizer_shard not in ZERO_STAGES:
             raise invalid_choice("optimizer_shard", self.optimizer_shard, ZERO_STAGES)
+        shard = self.optimizer_weight_shard_size
+        if shard == 0 or (shard > 0 and self.is_distributed and self.data_parallel % shard):
+            raise ConfigError(f"optimizer_weight_shard_size={shard} is not valid; use -1 (all data-parallel ranks) or a "
+                              f"divisor of data_parallel={self.data_parallel}: {', '.join(map(str, _divisors(self.data_parallel)))}")
         for name in ("use_seq_parallel", "vocab_emb_dp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; expected true or false")
@@ -755,6 +763,12 @@ class ParallelConfig(_Section):
     def micro_batches(self) -> int:
         """Pipeline micro-batches per step applied (1 without pipeline parallelism)."""
         return self.micro_batch_num if self.pp > 1 else 1
+
+    @property
+    def shard_size(self) -> int | None:
+        """FSDP shard-group size for ZeRO 2/3 (None: all data-parallel ranks); below ``dp`` it means HSDP."""
+        size = self.optimizer_weight_shard_size
+        return None if size == -1 or size >= self.dp else size
 
     @property
     def zero_stage(self) -> int:

@@ -110,7 +110,7 @@ class DistributedEngine(Engine):
             raise ConfigError(f"pipeline_stage={self.parallel_config.pp} needs the pipeline engine; "
                               f"{type(self).__name__} runs layouts without pipeline stages")
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        self.mesh = build_mesh(self.parallel_config, device_type=self.device.type)
+        self.mesh = build_mesh(self.parallel_config, shard_size=self.parallel_config.shard_size, device_type=self.device.type)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
 
     def teardown(self) -> None:
