@@ -205,7 +205,7 @@ def test_the_model_cut_to_a_ranks_stages_holds_exactly_its_parameters(pp2_result
 # -- composed with tensor and data parallelism (4 processes) ----------------------------------------------------
 
 
-def _composed_worker(rank, world_size, dp, tp, extra):
+def _composed_layout(dp, tp, extra):
     from mindformers_py.parallel.data import apply_data_parallel
     from mindformers_py.parallel.mesh import build_mesh
     from mindformers_py.parallel.pipeline import build_pipeline
@@ -231,6 +231,10 @@ def _composed_worker(rank, world_size, dp, tp, extra):
     return train_pipeline(pipe, padded=False, rank_batch=rank_batch, dp_group=mesh.dp_mesh.get_group())
 
 
+def _composed_worker(rank, world_size, cases):
+    return {name: _composed_layout(*case) for name, case in cases.items()}
+
+
 # name: (data_parallel, model_parallel, other ParallelConfig fields), all with pipeline_stage=2 and 1F1B.
 COMPOSED_CASES = {
     "tp2xpp2": (1, 2, {}),
@@ -240,12 +244,16 @@ COMPOSED_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def composed_results():
+    return run_workers(_composed_worker, 4, COMPOSED_CASES)
+
+
 @pytest.mark.parametrize("case", list(COMPOSED_CASES))
-def test_composed_layouts_match_stand_alone(case):
-    dp, tp, extra = COMPOSED_CASES[case]
+def test_composed_layouts_match_stand_alone(composed_results, case):
     expected = stand_alone_losses("llama", 4, padded=False)
-    for rank, losses in enumerate(run_workers(_composed_worker, 4, dp, tp, extra)):
-        assert losses == pytest.approx(expected, rel=RTOL), (rank, losses, expected)
+    for rank, results in enumerate(composed_results):
+        assert results[case] == pytest.approx(expected, rel=RTOL), (rank, results[case], expected)
 
 
 # -- through the Trainer: one flag apart from stand-alone -----------------------------------------------------------
