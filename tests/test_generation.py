@@ -200,8 +200,10 @@ def test_unsupported_requests_fall_back_to_generation_mixin(models, lean_calls):
 @pytest.mark.parametrize("extra", [{}, {"num_beams": 2}])
 def test_prompt_too_long_for_the_context_is_a_clear_error(models, extra):
     _, ours = models  # max_position_embeddings = 64
-    with pytest.raises(mf.MindFormersError, match=r"70 tokens.*context length of 64"):
+    with pytest.raises(mf.MindFormersError, match=r"the prompt has 70 tokens, which leaves no room in the model.s context length of 64"):
         ours.generate(torch.randint(3, VOCAB, (1, 70)), max_new_tokens=5, **extra)
+    with pytest.raises(mf.MindFormersError, match=r"the prompt has 64 tokens, which leaves no room"):
+        ours.generate(torch.randint(3, VOCAB, (1, 64)), **extra)  # default max_length
     with pytest.raises(mf.MindFormersError, match=r"prompt of 60 tokens \+ max_new_tokens=10 = 70 .*context length of 64.*at most 4"):
         ours.generate(torch.randint(3, VOCAB, (1, 60)), max_new_tokens=10, **extra)
 

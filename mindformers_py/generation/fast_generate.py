@@ -42,7 +42,7 @@ _GENERATION_MODE_KWARGS = ("tokenizer", "assistant_tokenizer", "trust_remote_cod
 
 
 def check_context_length(prompt_length: int, max_length: int, context_length: int | None, max_new_tokens: int | None = None) -> None:
-    """Raise a one-line :class:`MindFormersError` when ``prompt_length`` or ``max_length`` exceeds the context.
+    """Raise a one-line :class:`MindFormersError` when the prompt, or the prompt and its new tokens, exceed the context.
 
     Args:
         prompt_length: tokens in the prompt.
@@ -50,19 +50,20 @@ def check_context_length(prompt_length: int, max_length: int, context_length: in
         context_length: the model's ``max_position_embeddings`` (``None``: no limit).
         max_new_tokens: the requested number of new tokens, named in the message when given.
     """
-    if context_length is None or max_length <= context_length:
+    if context_length is None:
         return
     new = max_new_tokens if max_new_tokens is not None else max_length - prompt_length
     if prompt_length >= context_length:
         raise MindFormersError(
-            f"the prompt has {prompt_length} tokens, which does not fit the model's context length of {context_length} "
-            f"tokens (max_position_embeddings) with max_new_tokens={new}; shorten the prompt"
+            f"the prompt has {prompt_length} tokens, which leaves no room in the model's context length of {context_length} "
+            f"tokens (max_position_embeddings) for max_new_tokens={new}; shorten the prompt"
         )
-    raise MindFormersError(
-        f"prompt of {prompt_length} tokens + max_new_tokens={new} = {prompt_length + new} tokens exceeds the model's "
-        f"context length of {context_length} tokens (max_position_embeddings); shorten the prompt or lower max_new_tokens "
-        f"to at most {context_length - prompt_length}"
-    )
+    if max_length > context_length:
+        raise MindFormersError(
+            f"prompt of {prompt_length} tokens + max_new_tokens={new} = {prompt_length + new} tokens exceeds the model's "
+            f"context length of {context_length} tokens (max_position_embeddings); shorten the prompt or lower "
+            f"max_new_tokens to at most {context_length - prompt_length}"
+        )
 
 
 class FastGenerationMixin(GenerationMixin):
@@ -214,6 +215,73 @@ def _processor_steps(processors: LogitsProcessorList) -> list:
     return [processors]
 
 
+class _DecodeInputs:
+    """Token, position and mask buffers sized once for the whole generation; each step reads slices of them.
+
+    ``tokens`` (B, L) holds the prompt, then each chosen token; ``positions`` (B, L) the position ids (left-padded
+    rows count from their first real token, as ``GenerationMixin`` does); the decode mask exists only for padded rows.
+    """
+
+    def __init__(self, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, position_ids: torch.LongTensor, max_length: int) -> None:
+        batch, prompt_length = input_ids.shape
+        device = input_ids.device
+        self.tokens = input_ids.new_empty(batch, max_length)
+        self.tokens[:, :prompt_length] = input_ids
+        new_positions = torch.arange(1, max_length - prompt_length + 1, device=device)
+        self.positions = torch.cat([position_ids, position_ids[:, -1:] + new_positions], dim=1)
+        self.mask = None
+        if attention_mask is not None and getattr(model.config, "sliding_window", None) is None:
+            # A one-token step may attend to every real key before it, so the padding mask alone is its whole mask:
+            # kept as a ready (B, 1, 1, L) boolean mask and sliced, instead of being rebuilt from a 2D mask each step.
+            self.mask = torch.ones(batch, 1, 1, max_length, dtype=torch.bool, device=device)
+            self.mask[:, 0, 0, :prompt_length] = attention_mask.bool()
+        elif attention_mask is not None:  # the model adds the window to the 2D mask itself
+            self.mask = torch.ones(batch, max_length, dtype=attention_mask.dtype, device=device)
+            self.mask[:, :prompt_length] = attention_mask
+
+    def step(self, length: int) -> dict[str, torch.Tensor | None]:
+        """Model inputs for feeding the token at ``length - 1`` (the last one chosen)."""
+        mask = None if self.mask is None else self.mask[..., :length]
+        return {
+            "input_ids": self.tokens[:, length - 1 : length],
+            "attention_mask": mask,
+            "position_ids": self.positions[:, length - 1 : length],
+        }
+
+
+class _StopRule:
+    """``GenerationMixin``'s end-of-sequence handling: finished rows are padded, and decoding stops when every row
+    has produced eos or met another stopping criterion (the length limit is the loop's own bound)."""
+
+    def __init__(self, criteria: StoppingCriteriaList, pad: torch.Tensor | None, batch: int, device: torch.device) -> None:
+        eos_criteria = [c for c in criteria if isinstance(c, EosTokenCriteria)]
+        self.eos = eos_criteria[0].eos_token_id if eos_criteria else None
+        self.others = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+        self.pad = pad
+        # One row and eos only: the row is never padded (decoding stops at its eos), and a Python set lookup suffices.
+        self.single_row_eos = set(self.eos.tolist()) if self.eos is not None and batch == 1 and not self.others else None
+        self.tracks_rows = (self.eos is not None or bool(self.others)) and self.single_row_eos is None
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+
+    def pad_finished(self, next_tokens: torch.Tensor) -> torch.Tensor:
+        """``next_tokens`` with the rows that already finished replaced by the pad token."""
+        if self.tracks_rows and self.eos is not None:
+            return torch.where(self.unfinished, next_tokens, self.pad)
+        return next_tokens
+
+    def done(self, next_tokens: torch.Tensor, tokens: torch.Tensor) -> bool:
+        """Update the finished rows with the tokens just chosen (``tokens`` ends with them); True when all finished."""
+        if self.single_row_eos is not None:
+            return next_tokens.item() in self.single_row_eos
+        if not self.tracks_rows:
+            return False
+        if self.eos is not None:
+            self.unfinished &= ~torch.isin(next_tokens, self.eos)
+        for criterion in self.others:
+            self.unfinished &= ~criterion(tokens, None)
+        return not bool(self.unfinished.any())
+
+
 def _decode(
     model: torch.nn.Module,
     input_ids: torch.LongTensor,
@@ -230,37 +298,16 @@ def _decode(
 
     ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
     """
-    device = input_ids.device
     batch, prompt_length = input_ids.shape
-    tokens = input_ids.new_empty(batch, max_length)  # (B, L): prompt, then each chosen token
-    tokens[:, :prompt_length] = input_ids
-    new_positions = torch.arange(1, max_length - prompt_length + 1, device=device)
-    positions = torch.cat([position_ids, position_ids[:, -1:] + new_positions], dim=1)  # (B, L)
-    decode_mask = None
-    if attention_mask is not None:
-        if getattr(model.config, "sliding_window", None) is None:
-            # A one-query step attends to every real key before it: the padding mask alone is the whole mask, so it is
-            # kept as a ready (B, 1, 1, L) boolean mask and sliced per step instead of rebuilt from the 2D mask.
-            decode_mask = torch.ones(batch, 1, 1, max_length, dtype=torch.bool, device=device)
-            decode_mask[:, 0, 0, :prompt_length] = attention_mask.bool()
-        else:  # the model must add the window to the mask itself
-            decode_mask = torch.ones(batch, max_length, dtype=attention_mask.dtype, device=device)
-            decode_mask[:, :prompt_length] = attention_mask
-
-    eos_criteria = [c for c in criteria if isinstance(c, EosTokenCriteria)]
-    other_criteria = [c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
-    eos = eos_criteria[0].eos_token_id if eos_criteria else None
-    single_eos = set(eos.tolist()) if eos is not None and batch == 1 and not other_criteria else None
-    track_unfinished = (eos is not None or bool(other_criteria)) and single_eos is None
-    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    inputs = _DecodeInputs(model, input_ids, attention_mask, position_ids, max_length)
+    stop = _StopRule(criteria, pad, batch, input_ids.device)
     steps = _processor_steps(processors)
     cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, max_length)
-
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions[:, :prompt_length],
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
         past_key_values=cache, use_cache=True, logits_to_keep=1,
     )
-    length = prompt_length
+    tokens, length = inputs.tokens, prompt_length
     with skinny_linear_kernels(model, batch):
         while True:
             scores = out.logits[:, -1].float()  # (B, V)
@@ -270,34 +317,14 @@ def _decode(
                 next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             else:
                 next_tokens = scores.argmax(dim=-1)
-            if track_unfinished and eos is not None:
-                next_tokens = torch.where(unfinished, next_tokens, pad)  # finished rows are padded, as GenerationMixin does
+            next_tokens = stop.pad_finished(next_tokens)
             tokens[:, length] = next_tokens
             length += 1
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
-            if length >= max_length:
+            if length >= max_length or stop.done(next_tokens, tokens[:, :length]):
                 break
-            if single_eos is not None:
-                if next_tokens.item() in single_eos:
-                    break
-            elif track_unfinished:
-                if eos is not None:
-                    unfinished &= ~torch.isin(next_tokens, eos)
-                for criterion in other_criteria:
-                    unfinished &= ~criterion(tokens[:, :length], None)
-                if not bool(unfinished.any()):
-                    break
-            if decode_mask is None:
-                mask = None
-            elif decode_mask.dim() == 4:
-                mask = decode_mask[..., :length]
-            else:
-                mask = decode_mask[:, :length]
-            out = model(
-                input_ids=tokens[:, length - 1 : length], attention_mask=mask, position_ids=positions[:, length - 1 : length],
-                past_key_values=cache, use_cache=True,
-            )
+            out = model(**inputs.step(length), past_key_values=cache, use_cache=True)
     if streamer is not None:
         streamer.end()
     return tokens if length == max_length else tokens[:, :length].contiguous()
