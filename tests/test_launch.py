@@ -1,17 +1,13 @@
 """Process launch: local workers via torchrun's machinery, failures end the job, two torchrun agents on loopback."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
+from launch_workers import ALL_REDUCE_SCRIPT, all_reduce_ranks, fail_on_rank_one
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel.launch import (
     LaunchError,
@@ -22,44 +18,6 @@ from mindformers_py.parallel.launch import (
     multinode_command,
     needs_launch,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# A worker script that joins the world and all-reduces its rank: proves the processes really form one group.
-ALL_REDUCE_SCRIPT = textwrap.dedent(
-    """
-    import torch, torch.distributed as dist
-    from mindformers_py.parallel.launch import distributed_env
-    env = distributed_env()
-    dist.init_process_group("gloo")
-    total = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(total)
-    print(f"rank={env.rank} world={env.world_size} local_world={env.local_world_size} sum={int(total.item())}",
-          flush=True)
-    dist.destroy_process_group()
-    """
-)
-
-
-def _all_reduce_ranks(scale):
-    """Worker: join the job's world, return (rank, world size, sum of rank+1 over the world times scale)."""
-    dist.init_process_group("gloo")
-    total = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(total)
-    out = (distributed_env().rank, dist.get_world_size(), int(total.item()) * scale)
-    dist.destroy_process_group()
-    return out
-
-
-def _fail_on_rank_one(how):
-    """Worker: rank 1 dies (killed or raising) while rank 0 waits for it in a collective."""
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 1:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError("rank one gave up")
-    dist.barrier()  # without the agent stopping it, rank 0 would wait here for the gloo timeout (30 min)
-    dist.destroy_process_group()
 
 
 def _free_port():
@@ -103,7 +61,7 @@ def test_launch_rejects_bad_arguments():
 
 
 def test_function_workers_form_one_world():
-    results = launch(_all_reduce_ranks, 2, 10)
+    results = launch(all_reduce_ranks, 2, 10)
     assert results == {0: (0, 2, 30), 1: (1, 2, 30)}
 
 
@@ -115,10 +73,16 @@ def test_command_line_workers_form_one_world(tmp_path, capfd):
     assert "rank=0 world=2 local_world=2 sum=3" in out and "rank=1 world=2 local_world=2 sum=3" in out
 
 
+def test_a_failing_command_line_worker_ends_the_job_with_its_exit_code():
+    with pytest.raises(LaunchError) as err:
+        launch(["-c", "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"], 2)
+    assert str(err.value) == "rank 1 of the job failed with exit code 3; the other ranks were stopped"
+
+
 @pytest.mark.parametrize("how, expected", [("kill", "exit code -9 (SIGKILL)"), ("raise", "RuntimeError: rank one gave up")])
 def test_a_failed_rank_ends_the_whole_job_with_an_error(how, expected):
     with pytest.raises(LaunchError, match="rank 1") as err:
-        launch(_fail_on_rank_one, 2, how)
+        launch(fail_on_rank_one, 2, how)
     assert expected in str(err.value) and "other ranks were stopped" in str(err.value)
 
 
@@ -126,7 +90,7 @@ def test_two_torchrun_agents_on_loopback(tmp_path):
     script = tmp_path / "all_reduce.py"
     script.write_text(ALL_REDUCE_SCRIPT)
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loopback",
            "--local_addr", "127.0.0.1", str(script)]

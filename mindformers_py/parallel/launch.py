@@ -104,6 +104,8 @@ def _describe_failure(err: ChildFailedError) -> str:
     message = failure.message
     if isinstance(message, dict):  # from the worker's error file: the exception it raised
         message = message.get("message", "")
+    elif not os.path.isfile(str(failure.error_file)):
+        message = ""  # torchelastic's generic hint; the worker printed its own traceback above
     # A signal is already named above; an exception's first line says what went wrong.
     detail = f": {str(message).splitlines()[0]}" if message and code >= 0 else ""
     others = len(err.failures) - 1
