@@ -14,7 +14,6 @@ from mindformers_py.parallel.launch import (
     check_world_size,
     distributed_env,
     launch,
-    launch_cli,
     multinode_command,
     needs_launch,
 )
@@ -37,11 +36,10 @@ def test_launch_decision_and_world_size_check(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     assert needs_launch(2) and not needs_launch(1)
     assert check_world_size(4) == 4
-    assert launch_cli(1) is False  # one process: run here, nothing spawned
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not needs_launch(2)  # under torchrun: use the given world
-    assert check_world_size(2) == 2 and launch_cli(2) is False
+    assert check_world_size(2) == 2
     with pytest.raises(ConfigError, match="world_size=4.*WORLD_SIZE=2"):
         check_world_size(4)
 

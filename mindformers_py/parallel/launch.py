@@ -187,26 +187,6 @@ def launch(
         raise LaunchError(_describe_failure(err)) from None
 
 
-def relaunch_command_line(argv: Sequence[str] | None = None) -> list[str]:
-    """The Python arguments that re-run this program's CLI in a worker: ``-m mindformers_py <argv>``."""
-    return ["-m", "mindformers_py", *(sys.argv[1:] if argv is None else argv)]
-
-
-def launch_cli(world_size: int, argv: Sequence[str] | None = None) -> bool:
-    """For the CLI: start ``world_size`` local workers running the same command line and wait, if needed.
-
-    Returns True when the job ran in launched workers (the calling process only supervised and should exit),
-    False when this process should run the job itself (one process, or already a torchrun worker).
-    Raises :class:`LaunchError` when a worker failed.
-    """
-    if needs_launch(world_size):
-        launch(relaunch_command_line(argv), world_size)
-        return True
-    if launched_by_torchrun():
-        check_world_size(world_size)
-    return False
-
-
 def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_args: Sequence[str],
                       run_id: str = "mindformers") -> str:
     """The torchrun command each of ``nnodes`` nodes runs for a multi-node job (printed in docs and by the CLI).
