@@ -87,6 +87,24 @@ def test_lean_loop_equals_generation_mixin(models, lean_calls, request_name):
     assert torch.equal(lean, reference)
 
 
+def test_sliding_window_model_lean_loop_equals_generation_mixin(lean_calls):
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)
+    model = mf.GPTForCausalLM(config).eval()
+    ids, mask = left_padded([3, 7])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    lean = model.generate(ids, **kwargs)
+    assert lean_calls and torch.equal(lean, model.generate(ids, fast_generate=False, **kwargs))
+    seq, seq_mask = ids, mask  # no-cache reference: full forward over the padded sequence at every step
+    with torch.no_grad():
+        for _ in range(10):
+            pos = (seq_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(seq, attention_mask=seq_mask, position_ids=pos, use_cache=False).logits[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1)[:, None]], dim=-1)
+            seq_mask = torch.cat([seq_mask, torch.ones_like(seq_mask[:, :1])], dim=-1)
+    assert torch.equal(lean, seq)
+
+
 def test_sampling_matches_hf_models_sample_path(models):
     hf, ours = models
     ids, mask = left_padded([5, 8])
