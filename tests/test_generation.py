@@ -60,6 +60,7 @@ def test_greedy_with_cache_equals_no_cache_argmax_loop(models, lean_calls):
             next_token = ours(seq, use_cache=False).logits[:, -1].argmax(-1)
             seq = torch.cat([seq, next_token[:, None]], dim=-1)
     assert lean_calls and torch.equal(out, seq)
+    assert not out.is_inference()  # usable as training input (e.g. model(out, labels=out).loss.backward())
     assert torch.equal(ours.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD, fast_generate=False), seq)
 
 
@@ -140,7 +141,7 @@ def test_eos_stops_generation(models):
     eos = int(new[0, stop])
     # Batch of one: stops right after eos.
     single = ours.generate(ids[:1], eos_token_id=eos, **kwargs)
-    assert torch.equal(single[0], free[0, : 6 + stop + 1])
+    assert torch.equal(single[0], free[0, : 6 + stop + 1]) and not single.is_inference()
     # Batch of two: the finished row is padded while the other goes on until it ends too (or reaches max_new_tokens).
     both = ours.generate(ids, eos_token_id=eos, **kwargs)
     assert torch.equal(both[0, : 6 + stop + 1], free[0, : 6 + stop + 1])

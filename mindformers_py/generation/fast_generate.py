@@ -299,32 +299,34 @@ def _decode(
     ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
     """
     batch, prompt_length = input_ids.shape
+    # Buffers handed back to the caller are made outside inference mode, so they stay ordinary tensors.
     inputs = _DecodeInputs(model, input_ids, attention_mask, position_ids, max_length)
     stop = _StopRule(criteria, pad, batch, input_ids.device)
+    tokens = inputs.tokens
     steps = _processor_steps(processors)
-    cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, max_length)
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
-    )
-    tokens, length = inputs.tokens, prompt_length
-    with skinny_linear_kernels(model, batch):
-        while True:
-            scores = out.logits[:, -1].float()  # (B, V)
-            for step in steps:
-                scores = step(tokens[:, :length], scores)
-            if do_sample:
-                next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-            else:
-                next_tokens = scores.argmax(dim=-1)
-            next_tokens = stop.pad_finished(next_tokens)
-            tokens[:, length] = next_tokens
-            length += 1
-            if streamer is not None:
-                streamer.put(next_tokens.cpu())
-            if length >= max_length or stop.done(next_tokens, tokens[:, :length]):
-                break
-            out = model(**inputs.step(length), past_key_values=cache, use_cache=True)
+    with torch.inference_mode():
+        cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, max_length)
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        length = prompt_length
+        with skinny_linear_kernels(model, batch):
+            while True:
+                scores = out.logits[:, -1].float()  # (B, V)
+                for step in steps:
+                    scores = step(tokens[:, :length], scores)
+                if do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = scores.argmax(dim=-1)
+                tokens[:, length] = stop.pad_finished(next_tokens)
+                length += 1
+                if streamer is not None:
+                    streamer.put(tokens[:, length - 1].cpu())
+                if length >= max_length or stop.done(tokens[:, length - 1], tokens[:, :length]):
+                    break
+                out = model(**inputs.step(length), past_key_values=cache, use_cache=True)
     if streamer is not None:
         streamer.end()
     return tokens if length == max_length else tokens[:, :length].contiguous()
