@@ -7,6 +7,7 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .errors import MindFormersError
@@ -62,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    # Our own INFO messages (the auto_parallel planner's table, engine choices) are part of the run's output.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[mindformers_py] %(message)s"))
+    package_logger = logging.getLogger("mindformers_py")
+    if not package_logger.handlers:
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
     try:
         return args.func(args)
     except MindFormersError as e:

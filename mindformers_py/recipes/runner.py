@@ -35,31 +35,40 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import resolve_config
+    from ..parallel.planner import auto_parallel, default_world_size
     from ..trainer.arguments import TrainingArguments
 
     training = dict(recipe.get("training") or {})
-    args = TrainingArguments(**training, parallel_config=parallel)
+    TrainingArguments(**training)  # field names and values, before anything slow
     config, _, _ = resolve_config(name_or_path, **model_s)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else parallel.required_world_size()
-    if parallel.parallel_mode != "auto_parallel":
-        parallel.validate_for(world, config, per_device_batch=args.per_device_train_batch_size)
     if data_s.block_size > config.max_position_embeddings:
         raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
                           f"max_position_embeddings={config.max_position_embeddings}; lower data.block_size")
-    if world > 1 and not under_torchrun():
-        return _relaunch(recipe, args.output_dir, world)
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
+    per_device_batch = training.get("per_device_train_batch_size", 8)
+    # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
+    parallel = auto_parallel(parallel, config, world, per_device_batch, data_s.block_size)
+    recipe["parallel"] = parallel.to_dict()
 
+    # Tokenizer and data are prepared (and cached) here, once, before any worker starts.
     tokenizer = _load_tokenizer(tok_s, data_s, name_or_path)
     if not Path(name_or_path).is_dir():  # a preset: size the vocabulary and special tokens to the tokenizer
         model_s.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             model_s.setdefault(name, getattr(tokenizer, name))
+        config, _, _ = resolve_config(name_or_path, **model_s)
+    parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    datasets = _datasets(data_s, tokenizer) if run_mode != "predict" else (None, None)
+    if world > 1 and not under_torchrun():
+        return _relaunch(recipe, TrainingArguments(**training).output_dir, world)
+
     from transformers import set_seed
 
     from ..auto import AutoModelForCausalLM
 
+    args = TrainingArguments(**training, parallel_config=parallel)
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_s)
     if model.config.vocab_size < len(tokenizer):
@@ -67,9 +76,12 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     results: dict[str, Any] = {}
     if run_mode != "predict":
-        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, data_s, name_or_path))
-    if gen_s.prompts and _is_main():
+        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_path))
+    if gen_s.prompts and world == 1:
         results["samples"] = generate_samples(model, tokenizer, gen_s, args.output_dir)
+    elif gen_s.prompts and under_torchrun() and _is_main() and run_mode != "predict":
+        # Ranks hold shards of the model; rank 0 generates from the consolidated checkpoint just saved.
+        results["samples"] = generate_samples(AutoModelForCausalLM.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
     return results
 
 
@@ -109,11 +121,11 @@ def _datasets(data_s: DataSection, tokenizer):
     return train, val
 
 
-def _train_or_eval(run_mode, recipe, args, model, tokenizer, data_s, name_or_path) -> dict[str, Any]:
+def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_path) -> dict[str, Any]:
     from ..data import DataCollatorForCausalLM
     from ..trainer import Trainer
 
-    train, val = _datasets(data_s, tokenizer)
+    train, val = datasets
     trainer = Trainer(model=model, args=args, data_collator=DataCollatorForCausalLM(tokenizer),
                       train_dataset=train if run_mode != "eval" else None, eval_dataset=val, processing_class=tokenizer)
     if _is_main():
