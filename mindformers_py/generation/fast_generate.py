@@ -13,7 +13,9 @@ ops per step. Anything else (beam search, assisted decoding, ``return_dict_in_ge
 Where the time goes in ``GenerationMixin`` for a small model on CPU: per step it concatenates the cache, the
 attention mask and the position ids, re-slices inputs in ``prepare_inputs_for_generation``, runs every logits
 processor through ``inspect.signature`` and every stopping criterion through a list. The lean loop keeps the
-tokens, positions and decode mask in buffers sized once, so a step is one model forward plus the token choice.
+tokens, positions and decode mask in buffers sized once, so a step is one model forward (under
+``torch.inference_mode``, with the skinny-GEMM kernels of :mod:`~mindformers_py.generation.skinny_linear`) plus the
+token choice. The model forward itself is the same code as in training and in ``GenerationMixin``'s path.
 """
 
 from __future__ import annotations
@@ -99,16 +101,16 @@ class FastGenerationMixin(GenerationMixin):
         :class:`MindFormersError` naming the prompt length, ``max_new_tokens`` and the context length.
         """
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        lean_args = (
+        request = None
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+            request = self._resolve_request(input_ids, generation_config, kwargs)  # raises if it cannot fit the context
+        lean_arguments = (
             not logits_processor and not stopping_criteria and prefix_allowed_tokens_fn is None and not synced_gpus
             and assistant_model is None and negative_prompt_ids is None and negative_prompt_attention_mask is None
             and custom_generate is None and (inputs is None or "input_ids" not in kwargs)
         )
-        lean = None
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-            lean = self._resolve_lean_request(input_ids, generation_config, kwargs)
-        if lean is not None and lean_args and (self.fast_generate if fast_generate is None else fast_generate):
-            config, model_kwargs, has_default_max_length = lean
+        if request is not None and lean_arguments and (self.fast_generate if fast_generate is None else fast_generate):
+            config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
                 return self._lean_generate(
                     input_ids, model_kwargs.get("attention_mask"), config, has_default_max_length, streamer, kwargs.get("tokenizer")
@@ -118,11 +120,11 @@ class FastGenerationMixin(GenerationMixin):
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
         )
 
-    def _resolve_lean_request(
+    def _resolve_request(
         self, input_ids: torch.Tensor, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
     ) -> tuple[GenerationConfig, dict[str, Any], bool]:
         """The generation config exactly as ``GenerationMixin.generate`` builds it (lengths included), the model
-        kwargs, and whether ``max_length`` is the default; checks the context length on the way."""
+        kwargs, and whether ``max_length`` is the default; checks that the request fits the context."""
         has_default_max_length = (
             kwargs.get("max_length") is None
             and (generation_config is None or generation_config.max_length is None)
@@ -173,7 +175,6 @@ class FastGenerationMixin(GenerationMixin):
         expand = max(config.num_beams or 1, config.num_return_sequences or 1)
         if expand > 1:
             input_ids, attention_mask, position_ids = (t.repeat_interleave(expand, dim=0) for t in (input_ids, attention_mask, position_ids))
-            batch *= expand
         if streamer is not None:
             streamer.put(input_ids.cpu())
         self._validate_generated_length(config, prompt_length, has_default_max_length)
