@@ -53,7 +53,8 @@ def left_padded(lengths, seed=0):
 def test_greedy_with_cache_equals_no_cache_argmax_loop(models, lean_calls):
     _, ours = models
     ids = torch.randint(3, VOCAB, (2, 7))
-    out = ours.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = ours.generate(ids, **kwargs)
     seq = ids
     with torch.no_grad():
         for _ in range(10):
@@ -61,7 +62,7 @@ def test_greedy_with_cache_equals_no_cache_argmax_loop(models, lean_calls):
             seq = torch.cat([seq, next_token[:, None]], dim=-1)
     assert lean_calls and torch.equal(out, seq)
     assert not out.is_inference()  # usable as training input (e.g. model(out, labels=out).loss.backward())
-    assert torch.equal(ours.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD, fast_generate=False), seq)
+    assert torch.equal(ours.generate(ids, fast_generate=False, **kwargs), seq)
 
 
 LEAN_REQUESTS = {
@@ -170,7 +171,9 @@ def text_model():
     texts = ["def main():\n    return 0\n", "hello world, hello there", "the quick brown fox jumps over the lazy dog"] * 10
     tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
     torch.manual_seed(0)
-    config = mf.GPTConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64)
+    config = mf.GPTConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64
+    )
     return tokenizer, mf.GPTForCausalLM(config).eval()
 
 
@@ -219,11 +222,12 @@ def test_unsupported_requests_fall_back_to_generation_mixin(models, lean_calls):
 @pytest.mark.parametrize("extra", [{}, {"num_beams": 2}])
 def test_prompt_too_long_for_the_context_is_a_clear_error(models, extra):
     _, ours = models  # max_position_embeddings = 64
-    with pytest.raises(mf.MindFormersError, match=r"the prompt has 70 tokens, which leaves no room in the model.s context length of 64"):
+    with pytest.raises(mf.MindFormersError, match=r"the prompt has 70 tokens, which leaves no room in .* of 64"):
         ours.generate(torch.randint(3, VOCAB, (1, 70)), max_new_tokens=5, **extra)
     with pytest.raises(mf.MindFormersError, match=r"the prompt has 64 tokens, which leaves no room"):
         ours.generate(torch.randint(3, VOCAB, (1, 64)), **extra)  # default max_length
-    with pytest.raises(mf.MindFormersError, match=r"prompt of 60 tokens \+ max_new_tokens=10 = 70 .*context length of 64.*at most 4"):
+    too_long = r"prompt of 60 tokens \+ max_new_tokens=10 = 70 .*context length of 64.*at most 4"
+    with pytest.raises(mf.MindFormersError, match=too_long):
         ours.generate(torch.randint(3, VOCAB, (1, 60)), max_new_tokens=10, **extra)
 
 

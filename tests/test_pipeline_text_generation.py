@@ -103,17 +103,18 @@ def test_default_length_fits_the_context(checkpoints):
 
 def test_bad_input_is_a_clear_error(checkpoints, tmp_path):
     _, tokenizer, _, ours_dir = checkpoints
-    with pytest.raises(mf.MindFormersError, match="task='fill_mask' is not valid; choose one of: 'text-generation', 'text_generation'"):
+    with pytest.raises(mf.MindFormersError, match="task='fill_mask' is not valid; choose one of: 'text-generation', 'text_gen"):
         mf.pipeline("fill_mask", model=ours_dir)
     with pytest.raises(mf.MindFormersError, match="needs model="):
         mf.pipeline("text-generation")
     pipe = mf.pipeline("text-generation", model=ours_dir)
-    with pytest.raises(mf.MindFormersError, match=r"the prompt has \d+ tokens, which leaves no room in the model's context length of 64"):
+    with pytest.raises(mf.MindFormersError, match=r"the prompt has \d+ tokens, which leaves no room in .* of 64"):
         pipe("hello world " * 40, max_new_tokens=10)
     prompt = "hello world " * 14
     length = len(tokenizer(prompt)["input_ids"])
     assert length + 10 > 64 > length
-    with pytest.raises(mf.MindFormersError, match=rf"prompt of {length} tokens \+ max_new_tokens=10 = {length + 10} tokens exceeds the model's context length of 64"):
+    too_long = rf"prompt of {length} tokens \+ max_new_tokens=10 = {length + 10} tokens exceeds the model's context length of 64"
+    with pytest.raises(mf.MindFormersError, match=too_long):
         pipe(prompt, max_new_tokens=10)
     model = mf.AutoModelForCausalLM.from_pretrained(ours_dir)
     model.save_pretrained(tmp_path / "no_tokenizer")

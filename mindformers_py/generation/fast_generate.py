@@ -43,7 +43,9 @@ _LEAN_MODEL_KWARGS = frozenset({"input_ids", "attention_mask", "use_cache"})
 _GENERATION_MODE_KWARGS = ("tokenizer", "assistant_tokenizer", "trust_remote_code")
 
 
-def check_context_length(prompt_length: int, max_length: int, context_length: int | None, max_new_tokens: int | None = None) -> None:
+def check_context_length(
+    prompt_length: int, max_length: int, context_length: int | None, max_new_tokens: int | None = None
+) -> None:
     """Raise a one-line :class:`MindFormersError` when the prompt, or the prompt and its new tokens, exceed the context.
 
     Args:
@@ -112,9 +114,8 @@ class FastGenerationMixin(GenerationMixin):
         if request is not None and lean_arguments and (self.fast_generate if fast_generate is None else fast_generate):
             config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
-                return self._lean_generate(
-                    input_ids, model_kwargs.get("attention_mask"), config, has_default_max_length, streamer, kwargs.get("tokenizer")
-                )
+                mask, tokenizer = model_kwargs.get("attention_mask"), kwargs.get("tokenizer")
+                return self._lean_generate(input_ids, mask, config, has_default_max_length, streamer, tokenizer)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
@@ -174,7 +175,9 @@ class FastGenerationMixin(GenerationMixin):
         prompt = input_ids
         expand = max(config.num_beams or 1, config.num_return_sequences or 1)
         if expand > 1:
-            input_ids, attention_mask, position_ids = (t.repeat_interleave(expand, dim=0) for t in (input_ids, attention_mask, position_ids))
+            input_ids, attention_mask, position_ids = (
+                t.repeat_interleave(expand, dim=0) for t in (input_ids, attention_mask, position_ids)
+            )
         if streamer is not None:
             streamer.put(input_ids.cpu())
         self._validate_generated_length(config, prompt_length, has_default_max_length)
@@ -190,7 +193,9 @@ class FastGenerationMixin(GenerationMixin):
         )
 
 
-def _lean_supports(model: torch.nn.Module, config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> bool:
+def _lean_supports(
+    model: torch.nn.Module, config: GenerationConfig, input_ids: torch.Tensor, model_kwargs: dict[str, Any]
+) -> bool:
     """Whether the lean loop reproduces ``GenerationMixin`` for this request (else it falls back)."""
     mask = model_kwargs.get("attention_mask")
     return (
@@ -223,7 +228,14 @@ class _DecodeInputs:
     rows count from their first real token, as ``GenerationMixin`` does); the decode mask exists only for padded rows.
     """
 
-    def __init__(self, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, position_ids: torch.LongTensor, max_length: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor,
+        max_length: int,
+    ) -> None:
         batch, prompt_length = input_ids.shape
         device = input_ids.device
         self.tokens = input_ids.new_empty(batch, max_length)

@@ -27,7 +27,9 @@ TRANSPOSED_COPY_BUDGET = 1 << 30
 """Most bytes of transposed weight copies made for one-row decoding; bigger models decode one row with ``F.linear``."""
 
 
-def _skinny_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_t: torch.Tensor | None) -> torch.Tensor:
+def _skinny_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_t: torch.Tensor | None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, computed in the formulation that is fastest for its row count."""
     rows = x.numel() // x.shape[-1]
     if rows > MAX_SKINNY_ROWS or (rows == 1 and weight_t is None):

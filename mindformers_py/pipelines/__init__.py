@@ -38,8 +38,10 @@ def pipeline(
     entry = get_task(task)
     load_kwargs = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype") if kwargs.get(key) is not None}
     model, folder = load_model(entry, model, **load_kwargs)
-    preprocessor = load_preprocessor(entry, tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None), folder, model)
-    return entry.pipeline_class(model=model, task=entry.name, **{entry.preprocessor: preprocessor}, **{**entry.defaults, **kwargs})
+    given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
+    preprocessor = load_preprocessor(entry, given, folder, model)
+    arguments = {**entry.defaults, **kwargs, entry.preprocessor: preprocessor}
+    return entry.pipeline_class(model=model, task=entry.name, **arguments)
 
 
 __all__ = ["pipeline", "PipelineTask", "register_task", "get_task", "TASKS", "TextGenerationPipeline"]
