@@ -324,7 +324,7 @@ def _decode(
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         length = prompt_length
-        with skinny_linear_kernels(model, batch):
+        with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
             while True:
                 scores = out.logits[:, -1].float()  # (B, V)
                 for step in steps:

@@ -26,6 +26,10 @@ MAX_SKINNY_ROWS = 16
 TRANSPOSED_COPY_BUDGET = 1 << 30
 """Most bytes of transposed weight copies made for one-row decoding; bigger models decode one row with ``F.linear``."""
 
+MIN_STEPS_FOR_COPY = 16
+"""One-row decoding makes the transposed copies only for at least this many steps: making them costs about what 10-15
+one-row steps gain (measured as above), so shorter generations would lose more than they gain."""
+
 
 def _skinny_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_t: torch.Tensor | None
@@ -56,15 +60,20 @@ def _eligible(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def skinny_linear_kernels(model: nn.Module, rows: int) -> Iterator[None]:
+def skinny_linear_kernels(model: nn.Module, rows: int, steps: int = MIN_STEPS_FOR_COPY) -> Iterator[None]:
     """Within the block, the eligible ``nn.Linear`` layers of ``model`` compute products of ``rows`` rows faster.
 
     Only CPU fp32 layers are switched (elsewhere the default kernels are already right). For ``rows == 1`` each layer
-    gets a transposed copy of its weight, made here and freed on exit, unless the copies would take more than
-    :data:`TRANSPOSED_COPY_BUDGET` bytes. Nothing changes when ``rows`` exceeds :data:`MAX_SKINNY_ROWS`.
+    gets a transposed copy of its weight, made here and freed on exit, when the block will run at least
+    :data:`MIN_STEPS_FOR_COPY` ``steps`` and the copies take at most :data:`TRANSPOSED_COPY_BUDGET` bytes; otherwise
+    one-row products keep ``F.linear``. Nothing changes when ``rows`` exceeds :data:`MAX_SKINNY_ROWS`.
     """
     layers = [m for m in model.modules() if _eligible(m)] if rows <= MAX_SKINNY_ROWS else []
-    copy = rows == 1 and sum(m.weight.numel() * m.weight.element_size() for m in layers) <= TRANSPOSED_COPY_BUDGET
+    copy = (
+        rows == 1
+        and steps >= MIN_STEPS_FOR_COPY
+        and sum(m.weight.numel() * m.weight.element_size() for m in layers) <= TRANSPOSED_COPY_BUDGET
+    )
     if rows == 1 and not copy:
         layers = []
     try:
