@@ -13,6 +13,7 @@ benchmark fails.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import tempfile
 import time
@@ -65,6 +66,15 @@ def measure(contenders: dict, prompts: dict, new_tokens: int, warmup: int, repea
     return {name: (statistics.median(times[name]), outputs[name]) for name in names}
 
 
+def cpu_name() -> str:
+    """The CPU model as the OS reports it (for the table header)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
@@ -90,7 +100,7 @@ def main() -> None:
         "ours (GenerationMixin loop)": lambda **kw: ours.generate(fast_generate=False, **kw),
         "ours": ours.generate,
     }
-    print(f"greedy decoding, fp32, CPU, {args.threads} thread(s): GPT-2 {args.layers} layers x {args.hidden} wide, "
+    print(f"greedy decoding, fp32, CPU ({cpu_name()}), {args.threads} thread(s): GPT-2 {args.layers} layers x {args.hidden} wide, "
           f"{args.heads} heads, vocab {args.vocab}; prompt {args.prompt} tokens, {args.new} new tokens; "
           f"median of {args.repeats} runs (torch {torch.__version__}, transformers {transformers.__version__})")
     header = f"{'batch':>12} | {'HF tok/s':>9} | {'ours, GenerationMixin loop':>26} | {'ours tok/s':>10} | {'ours / HF':>9}"

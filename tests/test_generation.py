@@ -244,6 +244,11 @@ def test_static_kv_cache_equals_dynamic_cache(models):
             b = ours(ids[:, t : t + 1], past_key_values=dynamic, use_cache=True).logits
             assert torch.allclose(a, b, atol=1e-6)
         assert static.get_seq_length() == 9
+        static.crop(-2)
+        dynamic.crop(-2)
+        a = ours(ids[:, 7:9], past_key_values=static, use_cache=True).logits
+        b = ours(ids[:, 7:9], past_key_values=dynamic, use_cache=True).logits
+        assert static.get_seq_length() == 9 and torch.allclose(a, b, atol=1e-6)
         with pytest.raises(mf.MindFormersError, match="max_cache_len=12"):
             ours(ids[:, :4], past_key_values=static, use_cache=True)
     # GenerationMixin accepts it as a user cache.

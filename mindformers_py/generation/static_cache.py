@@ -39,7 +39,9 @@ class PreallocatedLayer(CacheLayerMixin):
         self.values = value_states.new_empty(b, h, self.max_cache_len, value_states.shape[-1])
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new (B, nkv, T, hs) keys/values after the cached ones; return views of everything cached."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -74,7 +76,9 @@ class PreallocatedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
         if tokens_to_remove > 0:
-            raise MindFormersError(f"crop(tokens_to_remove={tokens_to_remove}) must be given a negative count of tokens to drop")
+            raise MindFormersError(
+                f"crop(tokens_to_remove={tokens_to_remove}) must be given a negative count of tokens to drop"
+            )
         self.length = max(0, self.length + tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -109,3 +113,20 @@ class StaticKVCache(Cache):
 
     def __init__(self, num_layers: int, max_cache_len: int) -> None:
         super().__init__(layers=[PreallocatedLayer(max_cache_len) for _ in range(num_layers)])
+
+    # The generic Cache methods below also handle offloading, lazily added layers and linear-attention layers, none of
+    # which this cache has; going straight to the layer saves that bookkeeping on every layer of every decode step.
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer_idx``'s new keys/values; return views of all its cached keys/values."""
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of tokens cached in layer ``layer_idx``."""
+        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(keys seen by the next forward, position of the first key) for layer ``layer_idx``."""
+        return self.layers[layer_idx].get_mask_sizes(query_length)
