@@ -1,16 +1,16 @@
 """Causal-LM loss without the full logits: a chunked linear + cross-entropy with its gradient made in the forward.
 
-For a GPT the LM head and its cross-entropy dominate a CPU training step: the (tokens x vocab) logits are written,
-read by log-softmax, written again as log-probabilities, and in backward a same-sized gradient is zero-filled and
-written twice more. :class:`LinearCrossEntropy` walks the tokens in chunks, turns each chunk's logits into
-``softmax - one_hot`` in place and multiplies it straight into the hidden-state and weight gradients, so the
-full logits never exist and the backward pass only scales two saved gradients. The matrix products are the same
-three as the plain path; what disappears is the memory traffic around them.
+A causal LM's logits and their gradient are (tokens x vocabulary) each: for a 128k vocabulary and 16k tokens
+that is 8 GiB in fp32, usually the largest tensors of a step. :class:`LinearCrossEntropy` walks the tokens in
+chunks, turns each chunk's logits into ``softmax - one_hot`` in place and multiplies it straight into the
+hidden-state and weight gradients, so only one chunk of logits ever exists and backward just scales two saved
+gradients. The matrix products are the same three as the plain path.
 
 :class:`FusedCausalLMLoss` applies it to a model from outside: the model's body (``model.base_model``) gives the
 hidden states, its output embedding (an ``nn.Linear``) the weight. That is only valid when the model's logits are
 exactly ``lm_head(base_model(...)[0])`` and its loss is plain next-token cross-entropy, so :meth:`probe` runs the
 model both ways once on a slice of the first batch and enables the fused path only when the losses agree.
+The Trainer uses it when ``TrainingArguments.fused_loss`` is set.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-# Elements of one chunk's logits (fp32): 2**25 is 128 MiB, large enough for efficient matrix products.
-_CHUNK_ELEMENTS = 2**25
 # The probe runs on the first sample of a batch, cut to this many tokens.
 _PROBE_TOKENS = 64
 
@@ -38,6 +36,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     Gradients with respect to ``hidden``, ``weight`` and ``bias`` are computed in the forward pass, chunk by
     chunk, and scaled by the incoming gradient in backward. Under autocast the matrix products run in the
     autocast dtype and the softmax in fp32, as autocast would do for ``F.linear`` + ``F.cross_entropy``.
+
+    Per chunk: one buffer receives the logits, becomes their log-softmax (the loss reads the targets' entries),
+    then ``softmax - one_hot`` in place. The per-row weight (1/denominator, or 0 for an ignored target) is
+    applied to the small operands of the two gradient products rather than to the chunk itself.
     """
 
     @staticmethod
@@ -46,56 +48,68 @@ class LinearCrossEntropy(torch.autograd.Function):
         device_type = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         need_grad = any(ctx.needs_input_grad[:3])
+        tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(device_type, enabled=False):
             w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
             grad_hidden = torch.empty_like(hidden) if need_grad else None
             # Accumulate the weight gradient in fp32 whatever the compute dtype (as autocast's mm backward would).
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+            grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) \
                 if need_grad and bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
-            scale = 1.0 / denominator.float()
-            for start in range(0, hidden.shape[0], chunk):
-                h = hidden[start:start + chunk].to(compute_dtype)
-                t = targets[start:start + chunk]
-                valid = t != IGNORE_INDEX
-                index = t.clamp(min=0).unsqueeze(1)
-                logits = (h @ w.t()).float()  # (n, V)
+            chunk = min(tokens, max(1, _chunk_elements(hidden.device) // vocab))
+            logits_buf = torch.empty(chunk, vocab, dtype=torch.float32, device=hidden.device)
+            # CPU's row-wise log-softmax may write over its input; elsewhere it gets its own buffer.
+            logp_buf = logits_buf if device_type == "cpu" else torch.empty_like(logits_buf)
+            row_weight_all = (targets != IGNORE_INDEX).to(torch.float32) / denominator.float()
+            for start in range(0, tokens, chunk):
+                stop = min(start + chunk, tokens)
+                h = hidden[start:stop].to(compute_dtype)
+                row_weight = row_weight_all[start:stop].unsqueeze(1)  # (n, 1)
+                index = targets[start:stop].clamp(min=0).unsqueeze(1)  # ignored rows point anywhere: weight 0
+                if compute_dtype == torch.float32:
+                    logits = torch.mm(h, w.t(), out=logits_buf[:stop - start])
+                else:
+                    logits = logits_buf[:stop - start].copy_(h @ w.t())
                 if b is not None:
                     logits += b
-                target_logit = logits.gather(1, index).squeeze(1)
-                peak = logits.amax(1, keepdim=True)
-                probs = logits.sub_(peak).exp_()  # in place: the logits are not needed any more
-                norm = probs.sum(1, keepdim=True)
-                log_norm = norm.log().add_(peak).squeeze(1)
-                total += ((log_norm - target_logit) * valid).sum()
+                logp = torch.log_softmax(logits, 1, out=logp_buf[:stop - start])
+                total -= (logp.gather(1, index) * row_weight).sum()
                 if not need_grad:
                     continue
-                weight_rows = valid.to(probs.dtype)
-                probs.div_(norm)  # softmax
-                probs.scatter_add_(1, index, -weight_rows.unsqueeze(1))  # - one_hot(target) on counted rows
-                probs.mul_((weight_rows * scale).unsqueeze(1))  # ignored rows get no gradient
-                g = probs.to(compute_dtype)
-                grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)
+                g = logp.exp_()  # softmax
+                g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))  # - one_hot(target)
+                g = g.to(compute_dtype)
+                grad_hidden[start:stop] = (g @ w).mul_(row_weight).to(hidden.dtype)
+                weighted_h = h * row_weight.to(compute_dtype)
                 if compute_dtype == torch.float32:
-                    grad_weight.addmm_(g.t(), h)
+                    grad_weight.addmm_(g.t(), weighted_h)
                 else:
-                    grad_weight += (g.t() @ h).float()
+                    grad_weight += (g.t() @ weighted_h).float()
                 if grad_bias is not None:
-                    grad_bias += probs.sum(0)
+                    grad_bias += (row_weight.t() @ g.float()).squeeze(0)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
                                   grad_bias.to(bias.dtype) if grad_bias is not None else None)
-        return total * scale
+        return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        # The usual upstream gradient is exactly 1 (loss.backward()); on CPU checking costs nothing and saves
+        # a pass over the weight-sized gradient.
+        if grad_output.device.type == "cpu" and float(grad_output) == 1.0:
+            return grad_hidden, grad_weight, grad_bias, None, None
         grad_output = grad_output.to(grad_hidden.dtype)
         return (grad_hidden * grad_output, grad_weight * grad_output,
                 grad_bias * grad_output if grad_bias is not None else None, None, None)
+
+
+def _chunk_elements(device: torch.device) -> int:
+    """Logits elements per chunk: 2**23 (32 MiB fp32) keeps a CPU chunk near the cache; a GPU takes 2**26 to
+    keep its kernels large."""
+    return 2**23 if device.type == "cpu" else 2**26
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,178 @@
+"""Training throughput: our Trainer against ``transformers.Trainer`` on the same GPT-2 weights and data.
+
+Both trainers get the same GPT-2 checkpoint (4 layers, 256 wide, 4 heads, GPT-2's 50257-token vocabulary, its
+default dropout), the same random token blocks (sequence 256, batch 8), the same AdamW settings (fused, lr 5e-4,
+weight decay 0.01, clipping at 1.0, linear schedule), the same collator, logging every 10 steps, no checkpoints,
+fp32 on CPU. Our side loads the checkpoint into our ``GPTForCausalLM`` (``--our-model ours``, the default) or
+uses the same HF ``GPT2LMHeadModel`` (``--our-model hf``, which isolates the Trainer itself).
+
+Each run is a fresh Python process (so neither trainer inherits process-wide settings from the other: ours
+tunes the C allocator on CPU), and runs alternate between the two trainers (``--rounds``), because the machine
+may be shared. The steady-state time of a run is measured between the end of its warmup steps and its last step
+by the same ``TrainerCallback`` on both sides, as wall time and as this process's CPU time (steadier when other
+jobs share the cores); the best run of each side is reported with the ratio.
+
+    python benchmarks/bench_train.py                 # CPU, defaults above
+    python benchmarks/bench_train.py --steps 6 --rounds 1   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, default_data_collator
+
+import mindformers_py
+from mindformers_py.trainer import Trainer, TrainingArguments
+
+
+class StepClock(TrainerCallback):
+    """Records wall and process CPU time at the end of every optimizer step (the same callback on both sides).
+
+    CPU time is what this process actually ran: on a machine shared with other jobs it is much steadier than
+    wall time, which also counts the time other processes held the cores."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+
+def make_data(n: int, seq: int, vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
+
+
+def common_args(output_dir: str, opts: argparse.Namespace) -> dict:
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=opts.batch, max_steps=opts.warmup + opts.steps,
+        learning_rate=5e-4, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
+        optim="adamw_torch_fused", logging_steps=10, save_strategy="no", report_to="none", disable_tqdm=True,
+        seed=42, dataloader_num_workers=0, use_cpu=opts.device == "cpu", bf16=opts.bf16,
+    )
+
+
+def run_hf(checkpoint: str, data, opts) -> tuple[float, float]:
+    model = GPT2LMHeadModel.from_pretrained(checkpoint)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(**common_args(out, opts))
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       data_collator=default_data_collator, callbacks=[clock])
+        trainer.train()
+    return steady_seconds_per_step(clock, opts)
+
+
+def run_ours(checkpoint: str, data, opts) -> tuple[float, float]:
+    if opts.our_model == "ours":
+        model = mindformers_py.AutoModelForCausalLM.from_pretrained(checkpoint)
+    else:
+        model = GPT2LMHeadModel.from_pretrained(checkpoint)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(**common_args(out, opts), plot_loss_curve=False, fused_loss=opts.fused_loss)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                          callbacks=[clock])
+        trainer.train()
+    return steady_seconds_per_step(clock, opts)
+
+
+def steady_seconds_per_step(clock: StepClock, opts) -> tuple[float, float]:
+    """(wall, CPU) seconds per step between the end of the warmup steps and the last step."""
+    assert len(clock.wall) == opts.warmup + opts.steps, len(clock.wall)
+    w = opts.warmup - 1
+    return (clock.wall[-1] - clock.wall[w]) / opts.steps, (clock.cpu[-1] - clock.cpu[w]) / opts.steps
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per run before measuring")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")
+    parser.add_argument("--our-model", choices=("ours", "hf"), default="ours")
+    parser.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=False,
+                        help="our Trainer's chunked linear cross-entropy (TrainingArguments.fused_loss)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--worker", choices=("hf", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def worker(opts: argparse.Namespace) -> None:
+    """One measured run in this process; prints its (wall, cpu) seconds per step as JSON."""
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    data = make_data((opts.warmup + opts.steps) * opts.batch, opts.seq, opts.vocab)
+    wall, cpu = (run_hf if opts.worker == "hf" else run_ours)(opts.checkpoint, data, opts)
+    print("RESULT " + json.dumps({"wall": wall, "cpu": cpu, "threads": torch.get_num_threads()}))
+
+
+def measure(side: str, checkpoint: str, argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *argv, "--worker", side, "--checkpoint", checkpoint],
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{side} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    opts = parse_args(argv)
+    if opts.worker:
+        worker(opts)
+        return
+    tokens_per_step = opts.batch * opts.seq
+    names = {"hf": "transformers.Trainer", "ours": "mindformers_py.Trainer"}
+    results: dict[str, list[dict]] = {"hf": [], "ours": []}
+    with tempfile.TemporaryDirectory() as ckpt:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=opts.layers, n_embd=opts.hidden, n_head=opts.heads, n_positions=opts.seq,
+                            vocab_size=opts.vocab)
+        transformers.logging.disable_progress_bar()
+        GPT2LMHeadModel(config).save_pretrained(ckpt)
+        for r in range(opts.rounds):
+            for side in ("hf", "ours"):
+                res = measure(side, ckpt, argv)
+                results[side].append(res)
+                print(f"  round {r + 1}: {names[side]:24s} wall {res['wall']:.3f} s/step "
+                      f"({tokens_per_step / res['wall']:5.0f} tokens/s), cpu {res['cpu']:.3f} s/step", flush=True)
+    print(f"GPT-2 {opts.layers} layers x {opts.hidden} wide, {opts.heads} heads, vocab {opts.vocab}, seq {opts.seq}, "
+          f"batch {opts.batch}, {'bf16' if opts.bf16 else 'fp32'} on {opts.device}, torch threads "
+          f"{results['hf'][0]['threads']}, our model: {opts.our_model}, fused loss: {opts.fused_loss}")
+    for kind in ("wall", "cpu"):
+        best = {side: min(r[kind] for r in runs) for side, runs in results.items()}
+        med = {side: statistics.median(r[kind] for r in runs) for side, runs in results.items()}
+        print(f"{kind:4s} tokens/s: transformers.Trainer {tokens_per_step / best['hf']:6.0f}, mindformers_py.Trainer "
+              f"{tokens_per_step / best['ours']:6.0f} (best of {opts.rounds}; medians {tokens_per_step / med['hf']:.0f}"
+              f" / {tokens_per_step / med['ours']:.0f}) -> ratio {best['hf'] / best['ours']:.2f}x")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
