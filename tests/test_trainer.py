@@ -181,6 +181,32 @@ def test_callback_stops_training_and_sees_logs_and_evaluations(tmp_path):
     assert "train_loss" in recorder.logs[-1]
 
 
+def test_early_stopping_callback_and_load_best_model_at_end(tmp_path):
+    from transformers import EarlyStoppingCallback
+
+    scores = iter([1.0, 5.0, 2.0, 3.0, 4.0, 6.0])
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    trainer = Trainer(
+        model=tiny_gpt(), train_dataset=token_data(40), eval_dataset=token_data(2, seed=5),
+        compute_metrics=lambda pred: {"score": next(scores)},
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2), Snapshot()],
+        args=args(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                  save_steps=1, save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="score"))
+    trainer.train()
+    assert trainer.state.global_step == 4  # best at step 2, then two evaluations without improvement
+    assert trainer.state.best_metric == 5.0
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-2")
+    names = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert names == ["checkpoint-2", "checkpoint-4"]  # the best survives rotation beside the newest
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, snapshots[2][name]), name
+
+
 def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     trainer = Trainer(model=tiny_gpt(), train_dataset=token_data(16),
                       args=args(tmp_path, max_steps=7, save_strategy="steps", save_steps=2, save_total_limit=2))
@@ -381,6 +407,8 @@ def test_fp16_on_cpu_is_refused(tmp_path):
     ({"max_steps": "ten"}, r"max_steps='ten' is not valid; expected an integer"),
     ({"report_to": "wandb"}, r"report_to='wandb' is not valid; choose one of: 'tensorboard', 'all', 'none'"),
     ({"parallel_config": {"parallel_mode": "sideways"}}, r"parallel_mode='sideways' is not valid"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"},
+     r"load_best_model_at_end=True needs save_strategy equal to eval_strategy"),
 ])
 def test_training_arguments_refuse_bad_values(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):

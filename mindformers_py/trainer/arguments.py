@@ -129,6 +129,15 @@ class TrainingArguments:
     """Checkpoint every this many optimizer steps."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest; None keeps all."""
+    load_best_model_at_end: bool = False
+    """Keep the checkpoint with the best ``metric_for_best_model`` (rotation never deletes it) and load its
+    weights when training ends. Needs ``save_strategy`` equal to ``eval_strategy`` (and ``save_steps`` a
+    multiple of ``eval_steps``), so every evaluated step has a checkpoint."""
+    metric_for_best_model: str | None = None
+    """Evaluation metric that ranks checkpoints (``"loss"`` means ``eval_loss``; the default when
+    ``load_best_model_at_end``); transformers' ``EarlyStoppingCallback`` reads it too."""
+    greater_is_better: bool | None = None
+    """Whether a larger ``metric_for_best_model`` is better; None = False for names ending in "loss", else True."""
     resume_from_checkpoint: str | bool | None = None
     """Checkpoint folder to resume from, or True for the latest ``checkpoint-*`` in ``output_dir``; used when
     ``Trainer.train`` is called without one."""
@@ -226,6 +235,10 @@ class TrainingArguments:
                 setattr(self, name, value.strip().lower())
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     # -- checks -------------------------------------------------------------------------------------------------
 
@@ -272,6 +285,17 @@ class TrainingArguments:
                 f"lr_scheduler_type={self.lr_scheduler_type!r} steps on the evaluation loss, but eval_strategy='no'; "
                 "choose one of: 'steps', 'epoch' for eval_strategy"
             )
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no" or self.save_strategy != self.eval_strategy:
+                raise ConfigError(
+                    f"load_best_model_at_end=True needs save_strategy equal to eval_strategy (not 'no'); got "
+                    f"save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}"
+                )
+            if self.save_strategy == "steps" and self.save_steps % self.eval_steps:
+                raise ConfigError(
+                    f"load_best_model_at_end=True needs save_steps={self.save_steps} to be a multiple of "
+                    f"eval_steps={self.eval_steps}"
+                )
         if self.torch_compile_mode is not None:
             check_choice("torch_compile_mode", self.torch_compile_mode,
                          ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))

@@ -108,13 +108,15 @@ def read_trainer_state(folder: Path) -> TrainerState:
         raise CheckpointError(f"trainer state file {path} is damaged ({err})") from None
 
 
-def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: Path | None = None) -> list[Path]:
-    """Delete the oldest checkpoints beyond ``limit`` (never ``keep``); returns the deleted folders."""
+def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Path] = ()) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``limit``, never one in ``keep`` (the newest, the best); returns
+    the deleted folders."""
     if limit is None:
         return []
     folders = checkpoint_folders(output_dir)
-    excess = len(folders) - limit
-    doomed = [p for p in folders if keep is None or p.resolve() != keep.resolve()][:max(0, excess)]
+    kept = {Path(p).resolve() for p in keep}
+    excess = len(folders) - max(limit, len(kept))
+    doomed = [p for p in folders if p.resolve() not in kept][:max(0, excess)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -283,6 +283,10 @@ class Trainer:
             epoch, skip = epoch + 1, 0
 
         self._check_finite()
+        if args.load_best_model_at_end and state.best_model_checkpoint and Path(state.best_model_checkpoint).is_dir():
+            logger.info("loading the best model (%s=%s) from %s", args.metric_for_best_model, state.best_metric,
+                        state.best_model_checkpoint)
+            engine.load_weights(self.model, state.best_model_checkpoint)
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
@@ -395,11 +399,27 @@ class Trainer:
         if self.control.should_evaluate:
             self._check_finite()
             metrics = self.evaluate()
+            self._update_best_metric(metrics)
             if steps_on_metric(self.lr_scheduler):
                 self.lr_scheduler.step(metrics.get("eval_loss", next(iter(metrics.values()))))
         if self.control.should_save:
             self._save_checkpoint()
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _update_best_metric(self, metrics: dict[str, float]) -> None:
+        """Track ``metric_for_best_model`` in ``state.best_metric`` / ``best_global_step`` (HF's rule)."""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise MindFormersError(f"metric_for_best_model={name!r} is not among the evaluation metrics; "
+                                   f"choose one of: {', '.join(repr(k) for k in metrics)}")
+        value, best = metrics[key], self.state.best_metric
+        if best is None or (value > best if self.args.greater_is_better else value < best):
+            self.state.best_metric = value
+            if self.args.save_strategy != "no":
+                self.state.best_global_step = self.state.global_step
 
     def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` (with ``epoch`` and ``step``) in ``state.log_history`` and send them to ``on_log``."""
@@ -412,6 +432,10 @@ class Trainer:
         self._check_finite()
         args = self.args
         folder = Path(args.output_dir) / f"checkpoint-{self.state.global_step}"
+        best = Path(args.output_dir) / f"checkpoint-{self.state.best_global_step}" \
+            if self.state.best_global_step else None
+        if best is not None and (best == folder or best.is_dir()):
+            self.state.best_model_checkpoint = str(best)
         files = {
             TRAINER_STATE_NAME: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
             DATA_STATE_NAME: self._position.to_json(),
@@ -420,7 +444,8 @@ class Trainer:
         self.engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files,
                                     self.processing_class)
         if self.engine.is_main_process:
-            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=folder)
+            keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
+            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
             self.state.save_to_json(str(Path(args.output_dir) / TRAINER_STATE_NAME))
         self.engine.barrier()
         return folder
