@@ -75,12 +75,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 def build_dataloader(dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: Callable[[list[Any]], Any],
-                     num_workers: int, pin_memory: bool, prefetch_factor: int | None, seed: int) -> DataLoader:
-    """A DataLoader over ``sampler``'s batches. It gets its own generator, so creating iterators never draws
-    from the global torch RNG (which would shift dropout masks between a resumed and an uninterrupted run)."""
+                     num_workers: int, pin_memory: bool, prefetch_factor: int | None, seed: int,
+                     persistent: bool = True) -> DataLoader:
+    """A DataLoader over ``sampler``'s batches (workers kept across epochs when ``persistent``). It gets its own
+    generator, so creating iterators never draws from the global torch RNG (which would shift dropout masks
+    between a resumed and an uninterrupted run)."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
-        kwargs["persistent_workers"] = True
+        kwargs["persistent_workers"] = persistent
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,

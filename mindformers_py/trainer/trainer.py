@@ -112,6 +112,7 @@ class Trainer:
             if hasattr(model, "num_parameters") else 0
         self._fused_loss: FusedCausalLMLoss | None = None
         self._fused_probed = False
+        self._current_accum = self.args.gradient_accumulation_steps
         self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
                                   is_world_process_zero=self.engine.is_main_process)
         self.control = TrainerControl()
@@ -252,6 +253,7 @@ class Trainer:
                     break
                 consumed += len(micro_batches)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
+                self._current_accum = len(micro_batches)
                 tokens = sum(count_input_tokens(b) for b in micro_batches)
                 loss = engine.forward_backward(self.model_wrapped, micro_batches,
                                                self._num_items(micro_batches), self._micro_batch_loss)
@@ -326,7 +328,7 @@ class Trainer:
         ``num_items_in_batch``, else (a per-micro-batch mean) divided by the accumulation steps, as HF does."""
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None or not (self.model_accepts_loss_kwargs or self._fused_loss is not None):
-            loss = loss / self.args.gradient_accumulation_steps
+            loss = loss / self._current_accum
         return loss
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -396,6 +398,7 @@ class Trainer:
             logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
+        paused = time.perf_counter()
         if self.control.should_evaluate:
             self._check_finite()
             metrics = self.evaluate()
@@ -405,6 +408,7 @@ class Trainer:
         if self.control.should_save:
             self._save_checkpoint()
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        self._log_clock += time.perf_counter() - paused  # tokens/s counts training time only
 
     def _update_best_metric(self, metrics: dict[str, float]) -> None:
         """Track ``metric_for_best_model`` in ``state.best_metric`` / ``best_global_step`` (HF's rule)."""
@@ -524,8 +528,9 @@ class Trainer:
             raise MindFormersError(f"{description} is empty")
         sampler = GlobalBatchSampler(num_samples, args.per_device_eval_batch_size * engine.dp_size,
                                      engine.shard_indices, shuffle=False)
-        loader = build_dataloader(dataset, sampler, collate, 0, args.dataloader_pin_memory and
-                                  engine.device.type == "cuda", None, args.seed)
+        loader = build_dataloader(dataset, sampler, collate, args.dataloader_num_workers,
+                                  args.dataloader_pin_memory and engine.device.type == "cuda",
+                                  args.dataloader_prefetch_factor, args.seed, persistent=False)
         model = self.model_wrapped
         was_training = model.training
         model.eval()
