@@ -6,11 +6,17 @@ between is local to each shard, so no communication happens inside the block. Mo
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
 from ..errors import check_choice
+
+
+_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 class MLP(nn.Module):
@@ -24,7 +30,8 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = ACT2FN[act]
+        # GPT-2's tanh-approximated GELU spelled as one fused op (HF's module computes it in seven).
+        self.act = functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
