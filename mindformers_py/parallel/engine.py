@@ -152,6 +152,11 @@ class Engine:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    def forward(self, model: nn.Module, inputs: Mapping[str, Any], **kwargs: Any) -> Any:
+        """One forward pass without backward (evaluation, prediction): ``model(**inputs, **kwargs)`` here; a
+        pipeline engine runs its schedule and returns the last stage's outputs."""
+        return model(**inputs, **kwargs)
+
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; returns the norm before clipping (a tensor, no sync)."""
         if self.scaler is not None:
@@ -186,7 +191,8 @@ class Engine:
         return tensor
 
     def gather_for_metrics(self, value: Any) -> list[Any]:
-        """Every data-parallel rank's ``value``, in rank order (``[value]`` here)."""
+        """Every data-parallel rank's ``value`` (CPU tensors or nests of them) for one global batch, in rank
+        order, so that concatenating them gives the batch in dataset order (``[value]`` here)."""
         return [value]
 
     # -- checkpoints ----------------------------------------------------------------------------------------------

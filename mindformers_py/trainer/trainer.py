@@ -507,7 +507,7 @@ class Trainer:
             kwargs["num_items_in_batch"] = num_items_in_batch
         if _accepts(self.model, "use_cache"):
             kwargs["use_cache"] = False
-        outputs = model(**inputs, **kwargs)
+        outputs = self.engine.forward(model, inputs, **kwargs)
         loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
         if prediction_loss_only:
             return loss, None, None
@@ -554,11 +554,9 @@ class Trainer:
                     if logits is not None:
                         if self.preprocess_logits_for_metrics is not None:
                             logits = self.preprocess_logits_for_metrics(logits, labels)
-                        predictions = nested_concat(predictions, _to_cpu(logits), padding_index=-100) \
-                            if predictions is not None else _to_cpu(logits)
+                        predictions = _concat(predictions, engine.gather_for_metrics(_to_cpu(logits)))
                     if labels is not None and not prediction_loss_only:
-                        label_ids = nested_concat(label_ids, labels.cpu(), padding_index=-100) \
-                            if label_ids is not None else labels.cpu()
+                        label_ids = _concat(label_ids, engine.gather_for_metrics(labels.cpu()))
         finally:
             model.train(was_training)
         loss_sum = engine.all_reduce_sum(loss_sum)
@@ -620,6 +618,13 @@ def _length(dataset: Any, name: str) -> int:
     except TypeError:
         raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
                                "iterable datasets are not supported") from None
+
+
+def _concat(done: Any, parts: list[Any]) -> Any:
+    """``done`` followed by ``parts`` along the batch dimension (ragged sequence lengths padded with -100)."""
+    for part in parts:
+        done = part if done is None else nested_concat(done, part, padding_index=-100)
+    return done
 
 
 def _to_cpu(value: Any) -> Any:
