@@ -9,6 +9,7 @@ under a temporary name and renamed when complete, so a ``checkpoint-<step>`` fol
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -106,6 +107,17 @@ def read_trainer_state(folder: Path) -> TrainerState:
         return TrainerState.load_from_json(str(path))
     except TypeError as err:
         raise CheckpointError(f"trainer state file {path} is damaged ({err})") from None
+
+
+def save_trainer_state(state: TrainerState, output_dir: str | Path) -> Path:
+    """Write ``state`` to ``<output_dir>/trainer_state.json`` with ``TrainerState.save_to_json``, through a
+    temporary file so a reader never sees a half-written state."""
+    path = Path(output_dir) / TRAINER_STATE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    state.save_to_json(str(tmp))
+    os.replace(tmp, path)
+    return path
 
 
 def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Path] = ()) -> list[Path]:

@@ -34,7 +34,8 @@ from .batching import GlobalBatchSampler, build_dataloader, count_input_tokens, 
     default_collator, drop_unused_columns, forward_columns
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints
+    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
+    save_trainer_state
 from .loss import FusedCausalLMLoss
 from .optim import create_scheduler, steps_on_metric
 
@@ -299,8 +300,7 @@ class Trainer:
         metrics["train_loss"] = train_loss
         self.log(metrics)
         if engine.is_main_process:
-            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            state.save_to_json(str(Path(args.output_dir) / TRAINER_STATE_NAME))
+            save_trainer_state(state, args.output_dir)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
         engine.barrier()
         return TrainOutput(state.global_step, train_loss, metrics)
@@ -450,7 +450,7 @@ class Trainer:
         if self.engine.is_main_process:
             keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
             rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
-            self.state.save_to_json(str(Path(args.output_dir) / TRAINER_STATE_NAME))
+            save_trainer_state(self.state, args.output_dir)
         self.engine.barrier()
         return folder
 
