@@ -125,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="device's dense peak TFLOP/s for the dtype used (e.g. 989 for H100 bf16): print MFU")
     parser.add_argument("--worker", choices=("hf", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -165,7 +167,9 @@ def main() -> None:
         config = GPT2Config(n_layer=opts.layers, n_embd=opts.hidden, n_head=opts.heads, n_positions=opts.seq,
                             vocab_size=opts.vocab)
         transformers.logging.disable_progress_bar()
-        GPT2LMHeadModel(config).save_pretrained(ckpt)
+        reference = GPT2LMHeadModel(config)
+        num_params = reference.num_parameters()
+        reference.save_pretrained(ckpt)
         for r in range(opts.rounds):
             for side in ("hf", "ours"):
                 res = measure(side, ckpt, argv)
@@ -181,6 +185,13 @@ def main() -> None:
         print(f"{kind:4s} tokens/s: transformers.Trainer {tokens_per_step / best['hf']:6.0f}, mindformers_py.Trainer "
               f"{tokens_per_step / best['ours']:6.0f} (best of {opts.rounds}; medians {tokens_per_step / med['hf']:.0f}"
               f" / {tokens_per_step / med['ours']:.0f}) -> ratio {best['hf'] / best['ours']:.2f}x")
+    if opts.peak_tflops:
+        # Model FLOPs per token: 6N for the parameter matmuls (forward + backward) plus 12*L*h*s for attention.
+        flops_per_token = 6 * num_params + 12 * opts.layers * opts.hidden * opts.seq
+        for side, runs in results.items():
+            achieved = flops_per_token * tokens_per_step / min(r["wall"] for r in runs)
+            print(f"MFU {names[side]}: {achieved / (opts.peak_tflops * 1e12):.1%} "
+                  f"({achieved / 1e12:.1f} of {opts.peak_tflops:g} TFLOP/s)")
 
 
 if __name__ == "__main__":
