@@ -140,7 +140,11 @@ class Engine:
                          num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of every micro-batch of one optimizer step; gradients accumulate in the
         parameters. ``loss_fn(model, batch, num_items_in_batch)`` returns a micro-batch's share of the step's
-        loss (normalised by the whole step's label tokens), so the returned sum is the step's loss. No sync."""
+        loss (normalised by the whole step's label tokens), so the returned sum is the step's loss. No sync.
+
+        ``num_items_in_batch`` counts the label tokens of all data-parallel ranks; an engine whose gradient
+        reduction averages over ranks scales what it back-propagates by the data-parallel size (HF's rule), so
+        the update equals stand-alone training on the whole global batch."""
         total = None
         for batch in micro_batches:
             with self.autocast():

@@ -315,8 +315,8 @@ class Trainer:
                             global_batch_size=global_batch, data_seed=data_seed)
 
     def _num_items(self, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor | None:
-        """Label tokens of the whole optimizer step (HF's ``num_items_in_batch``), counted on the host batches,
-        summed over data-parallel ranks; None when the loss cannot use it."""
+        """Label tokens of the whole optimizer step (HF's ``num_items_in_batch``), counted on the host batches
+        and summed over data-parallel ranks; None when the batches have no labels."""
         counts = [count_label_tokens(b, self._loss_shifts_labels, self.label_names[0]) for b in micro_batches]
         if any(c is None for c in counts):
             return None
