@@ -3,12 +3,12 @@
 from .attention import Attention, attention_core
 from .block import TransformerBlock
 from .embedding import LearnedPositionEmbedding, RotaryEmbedding, apply_rotary
-from .loss import IGNORE_INDEX, causal_lm_loss
+from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from .masks import build_attention_mask
 from .mlp import MLP
 from .norms import RMSNorm, build_norm
 
 __all__ = [
     "Attention", "attention_core", "TransformerBlock", "LearnedPositionEmbedding", "RotaryEmbedding",
-    "apply_rotary", "IGNORE_INDEX", "causal_lm_loss", "build_attention_mask", "MLP", "RMSNorm", "build_norm",
+    "apply_rotary", "IGNORE_INDEX", "causal_lm_loss", "shift_labels", "build_attention_mask", "MLP", "RMSNorm", "build_norm",
 ]

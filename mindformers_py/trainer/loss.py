@@ -20,10 +20,10 @@ import logging
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from ..layers.loss import IGNORE_INDEX, shift_labels
+
 # The probe runs on the first sample of a batch, cut to this many tokens.
 _PROBE_TOKENS = 64
 
@@ -110,11 +110,6 @@ def _chunk_elements(device: torch.device) -> int:
     """Logits elements per chunk: 2**23 (32 MiB fp32) keeps a CPU chunk near the cache; a GPU takes 2**26 to
     keep its kernels large."""
     return 2**23 if device.type == "cpu" else 2**26
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Targets of a causal LM: position t predicts ``labels[t + 1]``; the last position predicts nothing."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
