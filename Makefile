@@ -24,6 +24,8 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_train.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
