@@ -18,8 +18,9 @@ from .device_spec import DeviceSpec
 FP32_BYTES = 4
 ADAM_STATE_BYTES = 8  # AdamW's exp_avg and exp_avg_sq in fp32
 # Activation tensors the MLP activation function keeps for backward, counted in intermediate-size units (the
-# activation's input included): ``gelu_new`` is written out in Python by transformers (pow, tanh, two products).
-ACTIVATION_SAVED_TENSORS = {"gelu_new": 4, "gelu_fast": 4, "gelu_python": 3, "quick_gelu": 2}
+# activation's input included): transformers writes these out in Python (pow, tanh, products). ``gelu_new`` is not
+# among them: layers/mlp.py runs it as one fused op that keeps only its input, the default.
+ACTIVATION_SAVED_TENSORS = {"gelu_fast": 4, "gelu_python": 3, "quick_gelu": 2}
 DEFAULT_ACTIVATION_SAVED = 1
 
 
