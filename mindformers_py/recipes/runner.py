@@ -5,6 +5,7 @@ changes, and when it needs more processes than this one the run re-launches itse
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     from ..parallel.planner import auto_parallel, default_world_size
     from ..trainer.arguments import TrainingArguments
 
-    training = dict(recipe.get("training") or {})
-    TrainingArguments(**training)  # field names and values, before anything slow
+    args = TrainingArguments(**dict(recipe.get("training") or {}))  # field names and values, before anything slow
     config, _, _ = resolve_config(name_or_path, **model_s)
     if data_s.block_size > config.max_position_embeddings:
         raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
@@ -47,7 +47,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
-    per_device_batch = training.get("per_device_train_batch_size", 8)
+    per_device_batch = args.per_device_train_batch_size
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     parallel = auto_parallel(parallel, config, world, per_device_batch, data_s.block_size)
     recipe["parallel"] = parallel.to_dict()
@@ -62,13 +62,13 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     parallel.validate_for(world, config, per_device_batch=per_device_batch)
     datasets = _datasets(data_s, tokenizer) if run_mode != "predict" else (None, None)
     if world > 1 and not under_torchrun():
-        return _relaunch(recipe, TrainingArguments(**training).output_dir, world)
+        return _relaunch(recipe, args.output_dir, world)
 
     from transformers import set_seed
 
     from ..auto import AutoModelForCausalLM
 
-    args = TrainingArguments(**training, parallel_config=parallel)
+    args = dataclasses.replace(args, parallel_config=parallel)
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_s)
     if model.config.vocab_size < len(tokenizer):
@@ -79,14 +79,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_path))
     if gen_s.prompts and world == 1:
         results["samples"] = generate_samples(model, tokenizer, gen_s, args.output_dir)
-    elif gen_s.prompts and under_torchrun() and _is_main() and run_mode != "predict":
+    elif gen_s.prompts and under_torchrun() and args.process_index == 0 and run_mode != "predict":
         # Ranks hold shards of the model; rank 0 generates from the consolidated checkpoint just saved.
         results["samples"] = generate_samples(AutoModelForCausalLM.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
     return results
-
-
-def _is_main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: str):
@@ -128,7 +124,7 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_p
     train, val = datasets
     trainer = Trainer(model=model, args=args, data_collator=DataCollatorForCausalLM(tokenizer),
                       train_dataset=train if run_mode != "eval" else None, eval_dataset=val, processing_class=tokenizer)
-    if _is_main():
+    if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
     if run_mode == "train":
