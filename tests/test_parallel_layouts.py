@@ -16,10 +16,10 @@ import torch
 import mindformers_py as mf
 from dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig, RecomputeConfig
-from mindformers_py.parallel.engine import Engine
+from mindformers_py.engine import Engine
 from mindformers_py.trainer.arguments import TrainingArguments
 from mindformers_py.trainer.batching import count_label_tokens
-from mindformers_py.trainer.optim import create_scheduler
+from mindformers_py.trainer.scheduler import create_scheduler
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 128, 32, 4, 4, 2
 RTOL = 1e-4
@@ -91,7 +91,7 @@ def run_layout(parallel: ParallelConfig, flavour: str, start: int = 0, save_to: 
                resume_from: str | None = None, bf16: bool = False) -> list[float]:
     """Losses of steps ``start``.. under ``parallel`` (the engine its mode registers), optionally saving after
     step SAVE_AT or resuming from a checkpoint first."""
-    from mindformers_py.parallel.engine import build_engine
+    from mindformers_py.engine import build_engine
 
     args = training_args(parallel, bf16=bf16)
     engine = build_engine(parallel, args)
@@ -276,7 +276,7 @@ def _checkpoint_worker(rank, world_size, folder):
     out["from_stand_alone"] = run_layout(LAYOUTS_2["zero3"][1], "llama", start=SAVE_AT,
                                          resume_from=str(Path(folder) / "stand_alone"))
     # Logits of the distributed model saved under tp2 with a sharded vocabulary, for consolidation.
-    from mindformers_py.parallel.engine import build_engine
+    from mindformers_py.engine import build_engine
 
     layout = LAYOUTS_2["tp2_seq_vocab_parallel"][1]
     engine = build_engine(layout, training_args(layout))

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainerSt
 
 from mindformers_py.errors import CheckpointError, ConfigError, MindFormersError
 from mindformers_py.models.gpt import GPTConfig, GPTForCausalLM
-from mindformers_py.parallel.engine import Engine, register_engine
+from mindformers_py.engine import Engine, register_engine
 from mindformers_py.trainer import Trainer, TrainingArguments
 
 VOCAB = 64

@@ -47,6 +47,9 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Names understood by torch.distributed.pipelining.schedules.get_schedule_class.
 TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 ZERO_STAGES = (0, 1, 2, 3)
+# What serves data parallelism (see mindformers_py.parallel.data): nothing (one data-parallel rank), FSDP2's
+# replicate (stage 0), DDP + ZeroRedundancyOptimizer (stage 1 without tensor parallelism), FSDP2 (stages 2/3).
+NONE, REPLICATE, DDP_ZERO1, FSDP = "none", "replicate", "ddp_zero1", "fsdp"
 _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stages",
                 "expert_parallel")
 
@@ -383,6 +386,19 @@ class ParallelConfig(_Section):
     def zero_stage(self) -> int:
         """ZeRO stage applied, 0..3 (0 when there is only one data-parallel rank)."""
         return self.optimizer_shard if self.dp > 1 else 0
+
+    @property
+    def data_parallel_engine(self) -> str:
+        """What serves the data parallelism applied: ``"none"`` (one data-parallel rank), ``"replicate"`` (stage
+        0), ``"ddp_zero1"`` (stage 1 without tensor parallelism) or ``"fsdp"`` (stages 2/3, and stage 1 under
+        tensor parallelism, where ZeroRedundancyOptimizer cannot update DTensor parameters)."""
+        if self.dp == 1:
+            return NONE
+        if self.zero_stage == 0:
+            return REPLICATE
+        if self.zero_stage == 1 and self.tp == 1:
+            return DDP_ZERO1
+        return FSDP
 
     @property
     def sequence_parallel(self) -> bool:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -53,33 +52,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
-from .config import ParallelConfig
-
-if TYPE_CHECKING:
-    from .mesh import ParallelMesh
+from .config import DDP_ZERO1, FSDP, NONE, REPLICATE, ParallelConfig
+from .mesh import ParallelMesh
 
 logger = logging.getLogger(__name__)
 
-NONE, REPLICATE, DDP_ZERO1, FSDP = "none", "replicate", "ddp_zero1", "fsdp"
-
-
-def data_parallel_engine(config: ParallelConfig) -> str:
-    """Which engine serves ``config``'s data parallelism: ``"none"`` (one data-parallel rank), ``"replicate"``
-    (stage 0), ``"ddp_zero1"`` (stage 1 without tensor parallelism) or ``"fsdp"`` (stages 2/3, and stage 1
-    under tensor parallelism)."""
-    stage = config.zero_stage
-    if config.dp == 1:
-        return NONE
-    if stage == 0:
-        return REPLICATE
-    if stage == 1 and config.tp == 1:
-        return DDP_ZERO1
-    return FSDP
-
-
-def shards_state(config: ParallelConfig) -> bool:
-    """Whether FSDP2 shards parameters over data-parallel ranks for ``config`` (decides the ``dp_shard`` size)."""
-    return data_parallel_engine(config) == FSDP
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -126,11 +103,11 @@ def apply_data_parallel(
     Args:
         model: the (possibly tensor-parallel) model or pipeline stage.
         mesh: the run's :class:`ParallelMesh`.
-        config: the layout; its ``zero_stage`` picks the engine (:func:`data_parallel_engine`).
+        config: the layout; its ``zero_stage`` picks the engine (:attr:`ParallelConfig.data_parallel_engine`).
         param_dtype: compute dtype under FSDP2 (e.g. ``torch.bfloat16``); None computes in the parameters' dtype.
         layers: the modules made separate FSDP units; default :func:`layer_modules`.
     """
-    engine = data_parallel_engine(config)
+    engine = config.data_parallel_engine
     if engine == NONE:
         return model
     policy = mixed_precision_policy(param_dtype)
@@ -166,7 +143,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
     with the same groups and hyper-parameters on this rank's share of the parameters. Otherwise ``optimizer`` is
     returned as it is: FSDP2's sharded parameters already make its state 1/N.
     """
-    if data_parallel_engine(config) != DDP_ZERO1:
+    if config.data_parallel_engine != DDP_ZERO1:
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(isinstance(p, DTensor) for p in params):

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ConfigError
-from .config import ParallelConfig
-from .data import shards_state
+from .config import FSDP, ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 DEFAULT_TIMEOUT_S = 600
@@ -153,7 +152,7 @@ def mesh_sizes(config: ParallelConfig, shard_size: int | None = None) -> dict[st
     """
     dp = config.dp
     shard = 1
-    if shards_state(config):
+    if config.data_parallel_engine == FSDP:
         shard = dp if shard_size is None else shard_size
         if shard < 1 or dp % shard:
             raise ConfigError(

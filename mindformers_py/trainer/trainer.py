@@ -2,7 +2,7 @@
 
 The loop waits for the device only at logging, evaluation and saving: losses, gradient norms and the non-finite
 check stay on the device in between. Everything that depends on the parallel layout goes through the engine
-(:mod:`mindformers_py.parallel.engine`), so distributed layouts plug in without changing this file.
+(:mod:`mindformers_py.engine`), so distributed layouts plug in without changing this file.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
 from transformers.utils.generic import find_labels
 
 from ..errors import MindFormersError, check_choice
-from ..parallel.engine import Engine, build_engine
+from ..engine import Engine, build_engine
 from .arguments import PERPLEXITY_TASKS, TASKS, TrainingArguments
 from .batching import GlobalBatchSampler, build_dataloader, count_input_tokens, count_label_tokens, \
     default_collator, drop_unused_columns, forward_columns
@@ -37,7 +37,7 @@ from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosi
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
 from .loss import FusedCausalLMLoss
-from .optim import create_scheduler, steps_on_metric
+from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import contextlib
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
+from typing import Any, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,27 +40,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..errors import CheckpointError, ConfigError, MindFormersError
+from ..parallel import checkpoint as dcp_checkpoint
+from ..parallel.config import FSDP, REPLICATE, ParallelConfig
+from ..parallel.data import set_gradient_sync, shard_optimizer
+from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
+from ..parallel.parallelize import parallelize
 from ..utils.safetensors_io import load_state_dict
-from . import checkpoint as dcp_checkpoint
-from .config import ParallelConfig
-from .data import FSDP, REPLICATE, data_parallel_engine, set_gradient_sync, shard_optimizer
-from .engine import (
-    OPTIMIZER_NAME,
-    RNG_NAME,
-    SCHEDULER_NAME,
-    Engine,
-    LossFn,
-    _load_into,
-    _torch_load,
-    capture_rng_state,
-    register_engine,
-    restore_rng_state,
-)
-from .mesh import ParallelMesh, build_mesh, init_distributed
-from .parallelize import parallelize
-
-if TYPE_CHECKING:
-    from ..trainer.arguments import TrainingArguments
+from .args import EngineArguments
+from .base import Engine, LossFn
+from .rng_state import capture_rng_state, restore_rng_state
+from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
 DCP_DIR = "dcp"
 RANK_RNG_NAME = "rng_state_{rank}.pth"
@@ -83,7 +72,7 @@ class DistributedEngine(Engine):
     runs_pipelines: bool = False
     """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline_engine.PipelineEngine` does)."""
 
-    def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
+    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.mesh: ParallelMesh | None = None
         self._owns_process_group = False
@@ -109,7 +98,7 @@ class DistributedEngine(Engine):
         if self.parallel_config.pp > 1 and not self.runs_pipelines:
             raise ConfigError(f"pipeline_stage={self.parallel_config.pp} needs the pipeline engine; "
                               f"{type(self).__name__} runs layouts without pipeline stages")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self._pick_device()
         self.mesh = build_mesh(self.parallel_config, shard_size=self.parallel_config.shard_size, device_type=self.device.type)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
 
@@ -131,7 +120,7 @@ class DistributedEngine(Engine):
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size)
         model.to(self.device)
-        fsdp_family = data_parallel_engine(self.parallel_config) in (FSDP, REPLICATE)
+        fsdp_family = self.parallel_config.data_parallel_engine in (FSDP, REPLICATE)
         self._fsdp_mixed_precision = bool(self.args.bf16 and fsdp_family)
         parallelize(model, self.parallel_config, self.mesh,
                     param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
@@ -273,10 +262,10 @@ class DistributedEngine(Engine):
             dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer)
         else:
             self.load_weights(model, folder)
-            state = _torch_load(folder / OPTIMIZER_NAME, "optimizer")
+            state = torch_load(folder / OPTIMIZER_NAME, "optimizer")
             dcp_checkpoint.load_full_optimizer_state(model, optimizer, state)
         _fit_multi_tensor_kernels(optimizer)  # the loaded param groups carry the saving run's kernel choice
-        _load_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
+        load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
 
     def checkpoint_files(self) -> list[str]:
         """Files (besides weights) every checkpoint this engine resumes must hold; the optimizer state is either
@@ -288,7 +277,7 @@ class DistributedEngine(Engine):
         this rank)."""
         folder = Path(folder)
         own = folder / RANK_RNG_NAME.format(rank=self.rank)
-        restore_rng_state(_torch_load(own if own.is_file() else folder / RNG_NAME, "RNG state"))
+        restore_rng_state(torch_load(own if own.is_file() else folder / RNG_NAME, "RNG state"))
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], mesh: ParallelMesh | None, device: torch.device) -> torch.Tensor:
@@ -332,6 +321,3 @@ def _tied_names(model: nn.Module) -> set[str]:
         seen.add(id(param))
     return tied
 
-
-register_engine("data_parallel", DistributedEngine)
-register_engine("semi_auto_parallel", DistributedEngine)

@@ -7,36 +7,29 @@ that), gradient clipping, which samples this rank reads, metric reduction, and h
 RNG state are written and read. The Trainer never branches on the layout: it calls the engine.
 
 :class:`Engine` itself is the stand-alone implementation (one process, one device), kept lean because it is what
-most runs use. Distributed engines subclass it, override what their layout changes and register themselves for
-their ``parallel_mode`` with :func:`register_engine`; :func:`build_engine` picks the engine for a config.
+most runs use. Distributed engines subclass it and override what their layout changes; the table of which engine
+serves which ``parallel_mode`` is in :mod:`.registry`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import random
-import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
+from ..parallel.config import ParallelConfig
+from ..parallel.recompute import apply_recompute
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
-from .config import ParallelConfig
-from .recompute import apply_recompute
-
-if TYPE_CHECKING:
-    from ..trainer.arguments import TrainingArguments
-
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
-SCALER_NAME = "scaler.pt"
-RNG_NAME = "rng_state.pth"
+from .args import EngineArguments
+from .cpu_memory import keep_freed_cpu_memory
+from .optim import create_optimizer, parameter_groups
+from .rng_state import capture_rng_state, restore_rng_state
+from .state_files import OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, load_state_into, \
+    torch_load
 
 LossFn = Callable[[nn.Module, dict[str, Any], Any], torch.Tensor]
 
@@ -55,7 +48,7 @@ class Engine:
     """Whether the Trainer may compute a causal-LM loss from the model's body and head directly (the model is not
     wrapped, so calling its submodules is the same as calling it)."""
 
-    def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
+    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         self.parallel_config = parallel_config
         self.args = args
         self.rank = 0
@@ -80,10 +73,7 @@ class Engine:
     def setup(self) -> None:
         """Check the layout against this process group and pick the device and precision tools."""
         self.parallel_config.validate_for(self.world_size)
-        use_cuda = torch.cuda.is_available() and not self.args.use_cpu
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        if self.device.type == "cpu" and self.args.cpu_keep_freed_memory:
-            keep_freed_cpu_memory()
+        self._pick_device()
         if self.args.fp16:
             if self.device.type != "cuda":
                 raise ConfigError(
@@ -91,6 +81,14 @@ class Engine:
                     "on CPU use bf16=True"
                 )
             self.scaler = torch.amp.GradScaler("cuda")
+
+    def _pick_device(self) -> None:
+        """This process's device: the current CUDA device when visible and not ``use_cpu``, else the CPU (whose
+        allocator then keeps freed memory, per ``cpu_keep_freed_memory``). Every engine's setup calls it."""
+        use_cuda = torch.cuda.is_available() and not self.args.use_cpu
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        if self.device.type == "cpu" and self.args.cpu_keep_freed_memory:
+            keep_freed_cpu_memory()
 
     def teardown(self) -> None:
         """Release what :meth:`setup` acquired (nothing for one process)."""
@@ -116,8 +114,6 @@ class Engine:
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW over ``model``'s decay / no-decay parameter groups, with the arguments' hyper-parameters."""
-        from ..trainer.optim import create_optimizer, parameter_groups
-
         return create_optimizer(parameter_groups(model, self.args.weight_decay), self.args)
 
     # -- one optimizer step ---------------------------------------------------------------------------------------
@@ -243,10 +239,10 @@ class Engine:
         :meth:`save_checkpoint` (RNG states separately, with :meth:`load_rng_state`, right before training)."""
         folder = Path(folder)
         self.load_weights(model, folder)
-        _load_into("optimizer", optimizer, folder / OPTIMIZER_NAME)
-        _load_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
+        load_state_into("optimizer", optimizer, folder / OPTIMIZER_NAME)
+        load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
         if self.scaler is not None and (folder / SCALER_NAME).is_file():
-            _load_into("fp16 scaler", self.scaler, folder / SCALER_NAME)
+            load_state_into("fp16 scaler", self.scaler, folder / SCALER_NAME)
 
     def checkpoint_files(self) -> list[str]:
         """Files (besides weights) a complete checkpoint of this engine holds, for checking before loading."""
@@ -254,109 +250,10 @@ class Engine:
 
     def load_rng_state(self, folder: str | Path) -> None:
         """Restore Python, NumPy, torch and CUDA random states saved in ``folder``."""
-        restore_rng_state(_torch_load(Path(folder) / RNG_NAME, "RNG state"))
+        restore_rng_state(torch_load(Path(folder) / RNG_NAME, "RNG state"))
 
 
-# -- registry ---------------------------------------------------------------------------------------------------
-
-_ENGINES: dict[str, Callable[[ParallelConfig, Any], Engine]] = {"stand_alone": Engine}
-
-
-def register_engine(parallel_mode: str, factory: Callable[[ParallelConfig, Any], Engine]) -> None:
-    """Make ``factory(parallel_config, args)`` the engine for ``parallel_mode``."""
-    _ENGINES[parallel_mode] = factory
-
-
-def build_engine(parallel_config: ParallelConfig, args: TrainingArguments) -> Engine:
-    """The engine for ``parallel_config.parallel_mode`` (not yet set up: call :meth:`Engine.setup`)."""
-    mode = parallel_config.parallel_mode
-    if mode not in _ENGINES:
-        raise ConfigError(
-            f"parallel_mode={mode!r} has no training engine in this installation; choose one of: "
-            f"{', '.join(repr(m) for m in _ENGINES)}"
-        )
-    return _ENGINES[mode](parallel_config, args)
-
-
-# -- helpers ----------------------------------------------------------------------------------------------------
-
-
-def copy_weights(model: nn.Module, state: Mapping[str, torch.Tensor], where: str | Path) -> None:
-    """Copy ``state`` into ``model``'s parameters and buffers, checking names and shapes. A key may be missing
-    only when it is tied to (shares its tensor with) a key that is present, as ``save_pretrained`` drops ties."""
-    expected = model.state_dict(keep_vars=True)
-    aliases: dict[int, list[str]] = defaultdict(list)
-    for name, tensor in expected.items():
-        aliases[id(tensor)].append(name)
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"weights in {where} do not match the model: unexpected {unexpected[0]} "
-                              f"({len(unexpected)} extra tensors)")
-    missing = [n for n in expected if n not in state and not any(a in state for a in aliases[id(expected[n])])]
-    if missing:
-        raise CheckpointError(f"weights in {where} do not match the model: missing {missing[0]} "
-                              f"({len(missing)} tensors missing)")
-    with torch.no_grad():
-        for name, value in state.items():
-            target = expected[name]
-            if target.shape != value.shape:
-                raise CheckpointError(f"weights in {where} do not match the model: {name} has shape "
-                                      f"{tuple(value.shape)} in the checkpoint, {tuple(target.shape)} in the model")
-            target.copy_(value)
-
-
-# glibc mallopt parameters and the values keep_freed_cpu_memory sets.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_BYTES = 1 << 30
-_TRIM_THRESHOLD_BYTES = (1 << 31) - 1
-
-
-def keep_freed_cpu_memory() -> bool:
-    """Make glibc keep freed memory in the process heap for reuse (``mallopt``); returns whether it applied.
-
-    By default glibc serves every allocation above 32 MiB with a fresh ``mmap`` and unmaps it when freed, so a
-    CPU training step page-faults its large activations, logits and gradients in again every time (for GPT-2
-    small-vocab runs, hundreds of thousands of faults and about a quarter of the step). Serving allocations up
-    to 1 GiB from the heap and never trimming it makes later steps reuse the same pages. Resident memory then
-    stays at its peak instead of shrinking between steps. A no-op where the C library is not glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU and CUDA random states, as plain types and tensors (loadable with
-    ``weights_only=True``)."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# -- helpers -----------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -373,23 +270,4 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _torch_load(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path.parent} is incomplete: {what} file {path.name} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - unpickling raises many types; all mean a damaged file
-        raise CheckpointError(f"{what} file {path} is damaged ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else 'unreadable'})") from None
-
-
-def _load_into(what: str, target: Any, path: Path) -> None:
-    state = _torch_load(path, what)
-    try:
-        target.load_state_dict(state)
-    except (ValueError, KeyError, RuntimeError, TypeError) as err:
-        raise CheckpointError(f"{what} state in {path} does not match this run ({err})") from None
-
-
-__all__ = ["Engine", "build_engine", "capture_rng_state", "copy_weights", "keep_freed_cpu_memory", "register_engine",
-           "restore_rng_state"]
+__all__ = ["Engine", "LossFn"]

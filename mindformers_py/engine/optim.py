@@ -1,4 +1,4 @@
-"""AdamW with decay / no-decay parameter groups, and learning-rate schedules from ``transformers.get_scheduler``."""
+"""The optimizer an engine builds: AdamW over decay / no-decay parameter groups with the run's hyper-parameters."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from transformers import get_scheduler
 
 from ..errors import MindFormersError
-from .arguments import TrainingArguments
+from .args import EngineArguments
 
 # Devices whose AdamW has a fused kernel in torch.
 _FUSED_DEVICES = ("cuda", "cpu", "mps", "xpu")
@@ -26,7 +25,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [g for g in groups if g["params"]]
 
 
-def create_optimizer(groups: Iterable[dict[str, Any]], args: TrainingArguments) -> torch.optim.Optimizer:
+def create_optimizer(groups: Iterable[dict[str, Any]], args: EngineArguments) -> torch.optim.Optimizer:
     """AdamW over ``groups`` with the arguments' hyper-parameters, fused or foreach as ``args.optim`` asks."""
     groups = list(groups)
     params = [p for g in groups for p in g["params"]]
@@ -40,17 +39,3 @@ def create_optimizer(groups: Iterable[dict[str, Any]], args: TrainingArguments) 
         groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
         weight_decay=args.weight_decay, **kwargs,
     )
-
-
-def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int) -> Any:
-    """The ``args.lr_scheduler_type`` schedule over ``max_steps`` optimizer steps with the arguments' warmup."""
-    return get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps_for(max_steps),
-        num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs,
-    )
-
-
-def steps_on_metric(scheduler: Any) -> bool:
-    """Whether ``scheduler`` steps on an evaluation metric (after ``evaluate``) rather than every optimizer step."""
-    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or type(scheduler).__name__ == "GreedyLR"
-

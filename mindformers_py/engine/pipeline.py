@@ -22,22 +22,19 @@ What the Trainer sees:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..parallel.config import DDP_ZERO1, FSDP, REPLICATE, ParallelConfig
+from ..parallel.parallelize import parallelize
+from ..parallel.pipeline import PipelineParallel, build_pipeline
 from ..utils.safetensors_io import load_state_dict
-from .config import ParallelConfig
-from .data import DDP_ZERO1, FSDP, REPLICATE, data_parallel_engine
-from .distributed_engine import DistributedEngine, global_grad_norm
-from .engine import LossFn, register_engine
-from .parallelize import parallelize
-from .pipeline import PipelineParallel, build_pipeline
-
-if TYPE_CHECKING:
-    from ..trainer.arguments import TrainingArguments
+from .args import EngineArguments
+from .base import LossFn
+from .distributed import DistributedEngine, global_grad_norm
 
 
 class PipelineEngine(DistributedEngine):
@@ -50,7 +47,7 @@ class PipelineEngine(DistributedEngine):
     runs_pipelines = True
     portable_optimizer = False
 
-    def __init__(self, parallel_config: ParallelConfig, args: TrainingArguments) -> None:
+    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.pipeline: PipelineParallel | None = None
 
@@ -60,18 +57,18 @@ class PipelineEngine(DistributedEngine):
         config = self.parallel_config
         config.validate_for(self.world_size, getattr(model, "config", None),
                             per_device_batch=self.args.per_device_train_batch_size)
-        if data_parallel_engine(config) == DDP_ZERO1:
+        if config.data_parallel_engine == DDP_ZERO1:
             # torch's pipeline stages drive DDP-class and FSDP2/replicate modules only, not composable DDP.
             raise ConfigError(
                 f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
-        self._fsdp_mixed_precision = bool(self.args.bf16 and data_parallel_engine(config) in (FSDP, REPLICATE))
+        self._fsdp_mixed_precision = bool(self.args.bf16 and config.data_parallel_engine in (FSDP, REPLICATE))
         dtype = torch.bfloat16 if self._fsdp_mixed_precision else None
 
         def parallelize_stage(part: nn.Module) -> nn.Module:
             return parallelize(part, config, self.mesh, param_dtype=dtype, compile_layers=bool(self.args.torch_compile),
-                               stage=part.pp_rank)
+                               compile_mode=self.args.torch_compile_mode, stage=part.pp_rank)
 
         self.pipeline = build_pipeline(model, config, self.mesh, self.device, parallelize=parallelize_stage)
         self.pipeline.keep_local_stages(model)
@@ -115,12 +112,3 @@ class PipelineEngine(DistributedEngine):
                 if alias in own and alias not in state and source in state:
                     state[alias] = state[source]
         super().load_weights(model, folder, {k: v for k, v in state.items() if k in own})
-
-
-def _engine_for(parallel_config: ParallelConfig, args: TrainingArguments) -> DistributedEngine:
-    """The pipeline engine for layouts with pipeline stages, the distributed engine for the others."""
-    engine_cls = PipelineEngine if parallel_config.pp > 1 else DistributedEngine
-    return engine_cls(parallel_config, args)
-
-
-register_engine("semi_auto_parallel", _engine_for)

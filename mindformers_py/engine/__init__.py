@@ -1,0 +1,17 @@
+"""The training runtime behind the Trainer: the :class:`Engine` seam and its distributed and pipeline engines.
+
+An engine owns what a parallel layout changes in training (device placement and wrapping of the model, the
+optimizer, mixed precision, one step's forward and backward, gradient clipping, the data shard of a rank, metric
+reduction, checkpoint files and RNG states); the mechanisms it applies (mesh, tensor / data / pipeline
+parallelism, recompute, resharding checkpoints, the planner) live in :mod:`mindformers_py.parallel`.
+Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
+"""
+
+from .args import EngineArguments
+from .base import Engine, LossFn
+from .distributed import DistributedEngine
+from .pipeline import PipelineEngine
+from .registry import build_engine, current_world_size, register_engine
+
+__all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "build_engine",
+           "current_world_size", "register_engine"]
