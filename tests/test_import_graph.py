@@ -1,0 +1,97 @@
+"""The package's import graph points one way: cli -> recipes -> trainer -> engine -> parallel -> models -> layers.
+
+Every import in every module counts (module level, inside functions, under ``TYPE_CHECKING``): a lazy import that
+points the wrong way is still a dependency the wrong way.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import mindformers_py
+
+PACKAGE = Path(mindformers_py.__file__).parent
+
+# Lowest first; a module may import its own group and the groups before it, never one after it.
+ORDER = [
+    "errors", "utils", "layers", "generation", "models", "data", "metrics", "task_registry", "auto", "convert",
+    "parallel", "pipelines", "engine", "trainer", "recipes", "cli", "__main__",
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the mindformers_py modules ``path`` imports."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("mindformers_py"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("mindformers_py"):
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def _group(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {t for t in _imports(path) if t in modules} for name, path in modules.items()}
+
+
+def test_every_group_is_placed_in_the_order():
+    groups = {_group(m) for m in _graph()} - {None}
+    assert groups <= set(ORDER), f"place these in ORDER: {sorted(groups - set(ORDER))}"
+
+
+def test_imports_point_one_way():
+    wrong = []
+    for source, targets in _graph().items():
+        src = _group(source)
+        if src is None:  # the package root re-exports the public API
+            continue
+        for target in targets:
+            dst = _group(target)
+            if dst is not None and ORDER.index(dst) > ORDER.index(src):
+                wrong.append(f"{source} -> {target}")
+    assert not wrong, "imports against the order:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    cycles = []
+    state: dict[str, int] = defaultdict(int)  # 0 new, 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if nxt == node or nxt.startswith(node + "."):  # a package importing its own submodules
+                continue
+            if state[nxt] == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]) if nxt in stack else f"{node} -> {nxt}")
+            elif state[nxt] == 0:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if state[node] == 0:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
