@@ -7,10 +7,27 @@ from transformers import AutoTokenizer
 
 from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
-from .auto import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from .auto import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 from .convert import convert_checkpoint
 from .errors import CheckpointError, ConfigError, MindFormersError
-from .models.gpt import GPTConfig, GPTForCausalLM, GPTForSequenceClassification, GPTModel
+from .models.gpt import (
+    GPTConfig,
+    GPTForCausalLM,
+    GPTForQuestionAnswering,
+    GPTForSequenceClassification,
+    GPTForTokenClassification,
+    GPTModel,
+)
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
@@ -18,8 +35,10 @@ from .trainer import Trainer, TrainingArguments
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer",
-    "convert_checkpoint", "GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification",
+    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
+    "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification", "AutoTokenizer", "convert_checkpoint", "GPTConfig", "GPTModel",
+    "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
 ]

@@ -9,19 +9,21 @@ Our model types are also registered with transformers' own Auto classes, so
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .errors import CheckpointError, ConfigError, MindFormersError
 from .models import registry
-from .models.registry import Family
+from .models.registry import BASE, Family
+from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.safetensors_io import load_state_dict
 
-_HEAD_PREFIXES = ("model.", "lm_head.", "score.")
+logger = logging.getLogger(__name__)
 
 
 def _read_config_json(folder: Path) -> dict[str, Any]:
@@ -105,9 +107,9 @@ class AutoConfig:
 
 
 class _AutoModel:
-    """Base of the Auto model classes; ``_task`` picks the head."""
+    """Base of the Auto model classes; ``_task`` (``"base"`` or a task registry name) picks the head."""
 
-    _task = "base"
+    _task = BASE
 
     @classmethod
     def _model_class(cls, family: Family) -> type[PreTrainedModel]:
@@ -143,38 +145,52 @@ class _AutoModel:
 
 
 def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: Path) -> None:
-    """Load a full-model-keyed state dict into ``model`` (a base model or one with a head), checking every tensor."""
-    # Normalise to full-model keys ("model.*", heads), whatever class saved the checkpoint.
-    state = {k if k.startswith(_HEAD_PREFIXES) else f"model.{k}": v for k, v in state.items()}
-    is_base = not any(k.startswith(_HEAD_PREFIXES) for k in model.state_dict())
+    """Load a state dict saved by a base model or by any head model of the family into ``model`` (a base model or
+    one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
+    pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped."""
+    prefix = f"{model.base_model_prefix}."
+    if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
+        state = {f"{prefix}{k}": v for k, v in state.items()}
+    is_base = not any(k.startswith(prefix) for k in model.state_dict())
     if is_base:
-        state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    in_body = (lambda k: True) if is_base else (lambda k: k.startswith(prefix))
     expected = model.state_dict()
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    if tied and "lm_head.weight" in expected:
-        state["lm_head.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+    for alias, source in _tied_keys(model).items():
+        if alias in expected and source in state:
+            state[alias] = state[source]
     mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
                   for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
     if mismatched:
         raise CheckpointError(f"weights in {folder} do not match the config: {mismatched[0]} ({len(mismatched)} tensors differ)")
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
     missing = sorted(set(expected) - set(state))
-    # A head that the checkpoint lacks (e.g. a classifier on a pretrained LM) starts from its random init, as in HF.
-    missing_body = [k for k in missing if k.startswith("model.") or (is_base and not k.startswith(("lm_head.", "score.")))]
+    missing_body = [k for k in missing if in_body(k)]
     if missing_body:
         raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
-    if unexpected and not all(k.startswith(("lm_head.", "score.")) for k in unexpected):
+    if unexpected:
         raise CheckpointError(f"weights in {folder} do not match the config: unexpected {unexpected[0]} ({len(unexpected)} extra tensors)")
+    if missing:
+        logger.warning("%s: %s not in %s, newly initialised; train it before use", type(model).__name__,
+                       ", ".join(missing), folder)
     with torch.no_grad():
         for key, value in state.items():
             if key in expected and value is not None:
                 expected[key].copy_(value)
 
 
+def _tied_keys(model: PreTrainedModel) -> dict[str, str]:
+    """Tied weight key -> the key it shares its tensor with, when the config ties them."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return dict(tied) if isinstance(tied, dict) else {}
+
+
 class AutoModel(_AutoModel):
     """The bare model (hidden states) of a family."""
 
-    _task = "base"
+    _task = BASE
 
 
 class AutoModelForCausalLM(_AutoModel):
@@ -183,10 +199,64 @@ class AutoModelForCausalLM(_AutoModel):
     _task = "causal_lm"
 
 
+class AutoModelForMaskedLM(_AutoModel):
+    """A model with a masked-language-modelling head (``fill-mask``)."""
+
+    _task = "masked_lm"
+
+
 class AutoModelForSequenceClassification(_AutoModel):
-    """A model with a sequence-classification head (``num_labels=...`` as a config override)."""
+    """A model with a sequence-classification head (``num_labels=...`` as a config override; single-label,
+    multi-label or regression by ``problem_type``)."""
 
     _task = "sequence_classification"
 
 
-__all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "resolve_config", "MindFormersError"]
+class AutoModelForTokenClassification(_AutoModel):
+    """A model with a per-token classification head (named entities, tagging)."""
+
+    _task = "token_classification"
+
+
+class AutoModelForQuestionAnswering(_AutoModel):
+    """A model with an extractive question-answering head (answer span start and end logits)."""
+
+    _task = "question_answering"
+
+
+class AutoModelForSeq2SeqLM(_AutoModel):
+    """An encoder-decoder model with a language-modelling head (``generate`` ready)."""
+
+    _task = "seq2seq_lm"
+
+
+class AutoModelForImageClassification(_AutoModel):
+    """A vision model with an image-classification head."""
+
+    _task = "image_classification"
+
+
+_AUTO_CLASSES: dict[str, type[_AutoModel]] = {
+    cls._task: cls for cls in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
+                               AutoModelForTokenClassification, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                               AutoModelForImageClassification)
+}
+assert set(_AUTO_CLASSES) == {BASE, *TASKS}, "every task of the registry has its Auto class"
+
+
+def auto_class_for(task: str) -> type[_AutoModel]:
+    """The Auto class of ``"base"`` or a task name or alias of the task registry."""
+    return _AUTO_CLASSES[task if task == BASE else get_task(task).name]
+
+
+def auto_class_for_architectures(architectures: Sequence[str] | None) -> type[_AutoModel]:
+    """The Auto class for a ``config.json``'s ``architectures`` (a head model's class name -> its task's Auto
+    class; a base model, or none given -> :class:`AutoModel`)."""
+    spec = task_for_architectures(architectures)
+    return AutoModel if spec is None else _AUTO_CLASSES[spec.name]
+
+
+__all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
+           "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+           "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
+           "MindFormersError"]

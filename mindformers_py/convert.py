@@ -6,23 +6,26 @@ import os
 import shutil
 from pathlib import Path
 
-from .auto import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, _read_config_json, resolve_config
+from .auto import _read_config_json, auto_class_for, resolve_config
 from .errors import CheckpointError, check_choice
+from .models.registry import BASE, Family
+from .task_registry import task_for_architectures
 from .utils.safetensors_io import INDEX_NAME, WEIGHTS_NAME, atomic_folder, save_state_dict
 
 DIRECTIONS = ("hf", "mindformers")
-_AUTO_BY_TASK = {"base": AutoModel, "causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
 # Everything else in a checkpoint folder (tokenizer files, README, ...) is copied along unchanged.
 _REWRITTEN = {"config.json", "generation_config.json", WEIGHTS_NAME, INDEX_NAME}
 
 
-def _task_of(architectures: list[str] | None) -> str:
-    name = (architectures or [""])[0]
-    if name.endswith("ForSequenceClassification"):
-        return "sequence_classification"
-    if name.endswith(("LMHeadModel", "ForCausalLM")):
-        return "causal_lm"
-    return "base" if name else "causal_lm"
+def checkpoint_task(architectures: list[str] | None, family: Family) -> str:
+    """The task (or ``"base"``) of a checkpoint from its ``architectures``; a config without them (written by
+    hand) is taken as the family's language model when it has one."""
+    spec = task_for_architectures(architectures)
+    if spec is not None:
+        return spec.name
+    if not architectures:
+        return next((t for t in ("causal_lm", "masked_lm", "seq2seq_lm") if t in family.model_classes), BASE)
+    return BASE
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "hf") -> Path:
@@ -38,9 +41,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         raise CheckpointError(f"source checkpoint {src} does not exist or is not a folder")
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"destination {dst} is the source folder; choose another destination")
-    task = _task_of(_read_config_json(src).get("architectures"))
-    model = _AUTO_BY_TASK[task].from_pretrained(src)
     family = resolve_config(src)[1]
+    task = checkpoint_task(_read_config_json(src).get("architectures"), family)
+    model = auto_class_for(task).from_pretrained(src)
     with atomic_folder(dst) as tmp:
         if to == "mindformers":
             model.save_pretrained(tmp)
@@ -48,16 +51,20 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
             conv = family.converter
             hf_type = conv.hf_type_for(model.config)
             hf_config = conv.config_to_hf(model.config)
-            hf_config.architectures = [family.hf_model_classes[task](hf_type)]
+            hf_class = family.hf_model_classes.get(task, lambda _: None)(hf_type)
+            if hf_class is None:
+                raise CheckpointError(f"a {task} model of HF architecture {hf_type!r} has no transformers class to "
+                                      "export to; convert the base model or another head")
+            hf_config.architectures = [hf_class]
             state = model.state_dict()
-            if task == "base":
-                state = {f"model.{k}": v for k, v in state.items()}
-            hf_state = conv.state_dict_to_hf(state, model.config)
-            if task == "base":  # HF base models have no "model."/"transformer." prefix
+            if task == BASE:
+                state = {f"{model.base_model_prefix}.{k}": v for k, v in state.items()}
+            hf_state = conv.state_dict_to_hf(state, model.config, task)
+            if task == BASE:  # HF base models have no "model."/"transformer." prefix
                 hf_state = {k.split(".", 1)[1] if k.startswith(("model.", "transformer.")) else k: v for k, v in hf_state.items()}
             hf_config.save_pretrained(tmp)
             save_state_dict(hf_state, tmp)
-            if model.generation_config is not None:
+            if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
         for item in src.iterdir():
             if item.name not in _REWRITTEN and not item.name.endswith(".safetensors") and item.is_file():

@@ -29,7 +29,10 @@ def tiny_hf_model(kind: str, head: str = "causal_lm", **overrides):
     config = tiny_hf_config(kind)
     for k, v in overrides.items():
         setattr(config, k, v)
-    cls = transformers.AutoModelForCausalLM if head == "causal_lm" else transformers.AutoModelForSequenceClassification
+    cls = {"causal_lm": transformers.AutoModelForCausalLM,
+           "sequence_classification": transformers.AutoModelForSequenceClassification,
+           "token_classification": transformers.AutoModelForTokenClassification,
+           "question_answering": transformers.AutoModelForQuestionAnswering}[head]
     model = cls.from_config(config).eval()
     with torch.no_grad():  # default init leaves biases at 0 and norms at 1, which would hide mapping mistakes
         for name, p in model.named_parameters():

@@ -18,7 +18,7 @@ from dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig, RecomputeConfig
 from mindformers_py.engine import Engine
 from mindformers_py.trainer.arguments import TrainingArguments
-from mindformers_py.trainer.batching import count_label_tokens
+from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.scheduler import create_scheduler
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 128, 32, 4, 4, 2
@@ -73,7 +73,7 @@ class Run:
             rows = self.engine.shard_indices(range(GLOBAL_BATCH))
             local = {k: v[rows] for k, v in batches[step].items()}
             micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
-            local_items = sum(count_label_tokens(mb, shifted=True) for mb in micro)
+            local_items = sum(get_task("causal_lm").count_items(mb) for mb in micro)
             n_items = self.engine.all_reduce_sum(torch.tensor(local_items))  # as the Trainer does
             loss = self.engine.forward_backward(self.model, micro, n_items, _loss_fn)
             self.engine.clip_grad_norm(self.model, self.optimizer, self.engine.args.max_grad_norm)
@@ -228,7 +228,7 @@ def _four_worker(rank, world_size, layouts, folder):
     losses = []
     for batch in global_batches():  # one sample per rank; the loss is normalised by the global token count
         local = {k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}
-        share = model(**local, num_items_in_batch=torch.tensor(count_label_tokens(batch, shifted=True))).loss
+        share = model(**local, num_items_in_batch=torch.tensor(get_task("causal_lm").count_items(batch))).loss
         (share * world_size).backward()  # FSDP averages gradients over the 4 ranks
         optimizer.step()
         optimizer.zero_grad()

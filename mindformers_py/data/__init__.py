@@ -1,7 +1,7 @@
 """Data: the embedded default corpus (Python stdlib source), tokenizer training, packing, collators."""
 
 from mindformers_py.data.cache import default_cache_dir
-from mindformers_py.data.collators import DataCollatorForCausalLM
+from mindformers_py.data.collators import DataCollatorForCausalLM, StackingCausalLMCollator
 from mindformers_py.data.corpus import load_text_files, split_of, stdlib_corpus, stdlib_files, stdlib_root
 from mindformers_py.data.packing import count_tokens, pack_dataset
 from mindformers_py.data.pretraining import default_pretraining_data, tokenizer_fingerprint
@@ -17,6 +17,7 @@ from mindformers_py.data.tokenizer import (
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
     "DataCollatorForCausalLM",
+    "StackingCausalLMCollator",
     "ENDOFTEXT",
     "PAD",
     "count_tokens",

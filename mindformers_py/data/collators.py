@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, PreTrainedTokenizerBase, \
+    default_data_collator
 
 from mindformers_py.errors import MindFormersError
+from mindformers_py.layers.loss import IGNORE_INDEX
 
 
 @dataclass
@@ -58,10 +60,31 @@ class DataCollatorForCausalLM:
             return dict(self._with_labels(examples))
         batch = dict(self._lm(examples))
         if "attention_mask" in batch:
-            batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
         return batch
 
 
 def _as_list(value: Any) -> Any:
     # tokenizer.pad and the label padding treat lists uniformly; tensors/arrays take slower, fussier paths.
     return value.tolist() if hasattr(value, "tolist") else value
+
+
+class StackingCausalLMCollator:
+    """Collator for causal-LM examples of equal length without a tokenizer: stacks them (transformers'
+    ``default_data_collator``) and adds ``labels`` = ``input_ids`` (-100 where ``attention_mask`` is 0) when the
+    examples have none."""
+
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        lengths = {len(ex["input_ids"]) for ex in examples}
+        if len(lengths) > 1:
+            raise MindFormersError(
+                f"examples of different lengths ({sorted(lengths)[0]} .. {sorted(lengths)[-1]} tokens) need padding; "
+                "pass processing_class=<tokenizer with a pad token> or a data_collator to the Trainer"
+            )
+        batch = default_data_collator(list(examples))
+        if "labels" not in batch:
+            labels = batch["input_ids"].clone()
+            if "attention_mask" in batch:
+                labels.masked_fill_(batch["attention_mask"] == 0, IGNORE_INDEX)
+            batch["labels"] = labels
+        return batch

@@ -1,11 +1,24 @@
-"""Losses computed from logits, with HF's conventions (-100 ignored, ``num_items_in_batch`` normalisation)."""
+"""Task losses computed from logits, with HF's conventions (-100 ignored, ``num_items_in_batch`` normalisation).
+
+Every loss here is a sum over the items it scores divided by ``num_items_in_batch`` when that is given (the items
+of the whole optimizer step, over every micro-batch and data-parallel rank), else a mean over the batch's own
+items, which is what the corresponding transformers loss returns. Summing micro-batch losses normalised by the
+step's item count gives exactly the loss (and gradients) of one big batch, whatever the accumulation or
+data-parallel split: the property the Trainer relies on. What counts as an item is the task's (see
+:mod:`mindformers_py.task_registry`): label tokens for language modelling and token classification, label entries
+(one per sequence, or one per label of a multi-label / multi-output row) for sequence and image classification,
+sequences for question answering.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -13,15 +26,80 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts ``labels[t + 1]``.
+def _normalise(summed: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, count: torch.Tensor | int) -> torch.Tensor:
+    """``summed / num_items_in_batch`` when given, else ``summed / count`` (the batch's own items)."""
+    if num_items_in_batch is None:
+        return summed / count
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(summed.device)
+    return summed / num_items_in_batch
 
-    Without ``num_items_in_batch`` it is the mean over non-ignored tokens; with it, the sum divided by that count,
-    so gradient accumulation over micro-batches of unequal token counts equals one big batch.
-    """
-    targets = shift_labels(labels).to(logits.device)
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                        shift: bool = False) -> torch.Tensor:
+    """Cross-entropy of every position's logits (B, T, V) against ``labels`` (B, T), -100 ignored; ``shift``
+    scores position t against ``labels[t + 1]`` (causal LM). Masked LM, token classification and seq2seq use it
+    unshifted. Logits are upcast to fp32, as transformers does."""
+    targets = (shift_labels(labels) if shift else labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
-    return loss
+    return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch, 1)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]`` (transformers' ``ForCausalLMLoss``)."""
+    return token_cross_entropy(logits, labels, num_items_in_batch, shift=True)
+
+
+def resolve_problem_type(config: Any, labels: torch.Tensor) -> str:
+    """``config.problem_type``, inferred as transformers does when unset (and stored on the config, as it does):
+    one label -> regression, integer labels -> single-label, else multi-label classification."""
+    if getattr(config, "problem_type", None) is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return config.problem_type
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any,
+                                 num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Loss of pooled logits (B, num_labels) by ``config.problem_type`` (transformers' ``ForSequenceClassificationLoss``):
+    MSE for regression, cross-entropy for single-label (-100 ignored), binary cross-entropy with logits for
+    multi-label. Items are label entries: one per row, or one per (row, label) for multi-label and multi-output
+    regression, as transformers' Trainer counts them."""
+    problem = resolve_problem_type(config, labels)
+    labels = labels.to(logits.device)
+    logits = logits.float()
+    if problem == "regression":
+        if config.num_labels == 1:
+            logits, labels = logits.reshape(-1), labels.reshape(-1)
+        summed = F.mse_loss(logits, labels.to(logits.dtype), reduction="sum")
+        return _normalise(summed, num_items_in_batch, labels.numel())
+    if problem == "single_label_classification":
+        targets = labels.reshape(-1)
+        summed = F.cross_entropy(logits.reshape(-1, config.num_labels), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return _normalise(summed, num_items_in_batch, (targets != IGNORE_INDEX).sum())
+    if problem == "multi_label_classification":
+        summed = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+        return _normalise(summed, num_items_in_batch, labels.numel())
+    from ..errors import invalid_choice
+
+    raise invalid_choice("problem_type", problem, PROBLEM_TYPES)
+
+
+def question_answering_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positions: torch.Tensor,
+                            end_positions: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Extractive QA: the mean of the start and end cross-entropies over the sequence positions (transformers'
+    ``ForQuestionAnsweringLoss``). Positions outside the sequence are clamped to its length and ignored. Items are
+    sequences: with ``num_items_in_batch`` both sums are divided by it."""
+    length = start_logits.shape[1]
+    start = start_positions.reshape(-1).to(start_logits.device).clamp(0, length)
+    end = end_positions.reshape(-1).to(end_logits.device).clamp(0, length)
+    losses = []
+    for logits, target in ((start_logits, start), (end_logits, end)):
+        summed = F.cross_entropy(logits.float(), target, ignore_index=length, reduction="sum")
+        losses.append(_normalise(summed, num_items_in_batch, (target != length).sum()))
+    return (losses[0] + losses[1]) / 2

@@ -11,7 +11,11 @@ from typing import Callable
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-TASKS = ("base", "causal_lm", "sequence_classification")
+from ..task_registry import get_task
+
+BASE = "base"
+"""Key of a family's bare model (hidden states) in :attr:`Family.model_classes`; the others are task names of
+:mod:`mindformers_py.task_registry`."""
 
 
 @dataclass
@@ -23,14 +27,14 @@ class Family:
     config_class: type[PretrainedConfig]
     """Our config class (its ``model_type`` identifies our checkpoints)."""
     model_classes: dict[str, type[PreTrainedModel]]
-    """Task name (one of ``TASKS``) -> model class."""
+    """``"base"`` or a task registry name (``"causal_lm"``, ...) -> model class."""
     presets: dict[str, dict]
     """Preset name -> config kwargs."""
     converter: ModuleType | None = None
     """Module with ``SUPPORTED_HF_TYPES``, ``config_from_hf``, ``state_dict_from_hf``, ``config_to_hf``,
     ``state_dict_to_hf``, ``hf_type_for`` for HF interop."""
-    hf_model_classes: dict[str, Callable[[str], str]] = field(default_factory=dict)
-    """Task -> function of the HF model_type giving the transformers class name to export as."""
+    hf_model_classes: dict[str, Callable[[str], str | None]] = field(default_factory=dict)
+    """``"base"`` or task name -> function of the HF model_type giving the transformers class name to export as."""
 
     @property
     def hf_types(self) -> tuple[str, ...]:
@@ -47,13 +51,9 @@ def register_family(family: Family) -> None:
     FAMILIES.append(family)
     model_type = family.config_class.model_type
     transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
-    autos = {
-        "base": transformers.AutoModel,
-        "causal_lm": transformers.AutoModelForCausalLM,
-        "sequence_classification": transformers.AutoModelForSequenceClassification,
-    }
     for task, cls in family.model_classes.items():
-        autos[task].register(family.config_class, cls, exist_ok=True)
+        auto = transformers.AutoModel if task == BASE else getattr(transformers, get_task(task).auto_class)
+        auto.register(family.config_class, cls, exist_ok=True)
 
 
 def family_for_model_type(model_type: str) -> Family | None:

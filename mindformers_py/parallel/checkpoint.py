@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..auto import resolve_config
-from ..convert import _AUTO_BY_TASK, _task_of
+from ..auto import auto_class_for, resolve_config
+from ..convert import checkpoint_task
 from ..errors import CheckpointError
 from ..utils.safetensors_io import atomic_folder
 
@@ -213,8 +213,8 @@ def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
         raise CheckpointError(
             f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
         )
-    config = resolve_config(src)[0]
-    model = _AUTO_BY_TASK[_task_of(getattr(config, "architectures", None))].from_config(config)
+    config, family, _ = resolve_config(src)
+    model = auto_class_for(checkpoint_task(getattr(config, "architectures", None), family)).from_config(config)
     state = {MODEL_KEY: model.state_dict()}
     _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])

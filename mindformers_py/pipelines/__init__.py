@@ -10,11 +10,10 @@ from typing import Any
 
 from transformers import Pipeline, PreTrainedModel
 
-from ..auto import AutoModelForCausalLM
 from .base import TASKS, PipelineTask, get_task, load_model, load_preprocessor, register_task
 from .text_generation import TextGenerationPipeline
 
-register_task(PipelineTask("text-generation", TextGenerationPipeline, AutoModelForCausalLM, aliases=("text_generation",)))
+register_task(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
 
 
 def pipeline(

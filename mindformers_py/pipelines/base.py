@@ -2,7 +2,8 @@
 
 A task is one :class:`PipelineTask` entry in :data:`TASKS`: its transformers-style name, MindFormers-style aliases,
 the pipeline class (a transformers ``Pipeline`` subclass, so pre- and post-processing are transformers' own), the
-Auto class that loads its model from a preset or a checkpoint folder, and the preprocessor it needs.
+training task it serves in the task registry (whose Auto class loads the model from a preset or a checkpoint
+folder), and the preprocessor it needs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
+from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
 
@@ -29,14 +31,19 @@ class PipelineTask:
     """Task name as transformers spells it (``"text-generation"``)."""
     pipeline_class: type[Pipeline]
     """The transformers ``Pipeline`` (sub)class that runs the task."""
-    auto_model: type
-    """The ``mindformers_py`` Auto class loading the task's model from a preset or a checkpoint folder."""
+    task: str
+    """The task registry name of the models it runs (``"causal_lm"``); its Auto class loads them."""
     aliases: tuple[str, ...] = ()
     """Other accepted names (MindFormers' ``"text_generation"``)."""
     preprocessor: str = "tokenizer"
     """Which preprocessor the pipeline takes: a key of :data:`PREPROCESSOR_LOADERS`."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments given to the pipeline class unless the caller passes them."""
+
+    @property
+    def auto_model(self) -> type:
+        """The ``mindformers_py`` Auto class loading the task's model from a preset or a checkpoint folder."""
+        return auto_class_for(self.task)
 
 
 TASKS: dict[str, PipelineTask] = {}

@@ -10,7 +10,7 @@ from .callbacks import (
     plot_loss_curve,
 )
 from .loss import FusedCausalLMLoss, linear_cross_entropy
-from .trainer import Trainer, infer_task
+from .trainer import Trainer
 
 __all__ = [
     "FusedCausalLMLoss",
@@ -21,7 +21,6 @@ __all__ = [
     "Trainer",
     "TrainingArguments",
     "default_callbacks",
-    "infer_task",
     "linear_cross_entropy",
     "plot_loss_curve",
 ]

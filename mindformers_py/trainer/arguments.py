@@ -21,6 +21,7 @@ from transformers.trainer_utils import SchedulerType
 
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
+from ..task_registry import get_task
 
 SCHEDULERS = tuple(s.value for s in SchedulerType)
 # Schedulers that step on an evaluation metric instead of every optimizer step.
@@ -28,10 +29,6 @@ METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORT_TARGETS = ("tensorboard",)
-TASKS = ("text_generation", "fill_mask", "text_classification", "token_classification", "translation",
-         "question_answering", "image_classification")
-# Tasks whose loss is a token-level cross-entropy, so exp(eval_loss) is a perplexity.
-PERPLEXITY_TASKS = ("text_generation", "fill_mask")
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
@@ -55,7 +52,8 @@ class TrainingArguments:
     """Allow training into an ``output_dir`` that holds another run: its checkpoints, state, logs and curve are
     removed first. Without it (and without resuming) such a folder is refused."""
     task: str | None = None
-    """What is trained: one of ``TASKS``; None infers it from the model (a causal LM loss -> ``text_generation``)."""
+    """What is trained: a task registry name or alias (``causal_lm``/``text_generation``, ``sequence_classification``/
+    ``text_classification``, ...); None infers it from the model's class (``...ForCausalLM`` -> ``causal_lm``)."""
 
     per_device_train_batch_size: int = 8
     """Training samples per data-parallel rank per micro-batch (HF's meaning)."""
@@ -250,7 +248,7 @@ class TrainingArguments:
         check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
         check_choice("optim", self.optim, OPTIMIZERS)
         if self.task is not None:
-            check_choice("task", self.task, TASKS)
+            get_task(self.task)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "eval_steps", "save_steps"):
             _at_least(name, getattr(self, name), 1)

@@ -1,4 +1,4 @@
-"""Batches for the Trainer: a resumable sampler over global batches, the default collators and label counting.
+"""Batches for the Trainer: a resumable sampler over global batches and the columns handed to the collator.
 
 Training order is a pure function of (data seed, epoch): every epoch is one permutation cut into consecutive
 global micro-batches of ``per_device_train_batch_size x data-parallel size`` samples, each data-parallel rank
@@ -15,12 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from transformers import DataCollatorWithPadding, default_data_collator
 from transformers.trainer_utils import RemoveColumnsCollator
-
-from ..data.collators import DataCollatorForCausalLM
-from ..errors import MindFormersError
-from .loss import IGNORE_INDEX
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -89,39 +84,6 @@ def build_dataloader(dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: 
                       pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
-class StackingCausalLMCollator:
-    """Collator for causal-LM examples of equal length without a tokenizer: stacks them (transformers'
-    ``default_data_collator``) and adds ``labels`` = ``input_ids`` (-100 where ``attention_mask`` is 0) when the
-    examples have none."""
-
-    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, Any]:
-        lengths = {len(ex["input_ids"]) for ex in examples}
-        if len(lengths) > 1:
-            raise MindFormersError(
-                f"examples of different lengths ({sorted(lengths)[0]} .. {sorted(lengths)[-1]} tokens) need padding; "
-                "pass processing_class=<tokenizer with a pad token> or a data_collator to the Trainer"
-            )
-        batch = default_data_collator(list(examples))
-        if "labels" not in batch:
-            labels = batch["input_ids"].clone()
-            if "attention_mask" in batch:
-                labels.masked_fill_(batch["attention_mask"] == 0, IGNORE_INDEX)
-            batch["labels"] = labels
-        return batch
-
-
-def default_collator(task: str, tokenizer: Any) -> Callable[[list[Any]], Any]:
-    """The collator used when none is given: for ``text_generation`` our causal-LM collator (padding with the
-    tokenizer, labels from input_ids) or, without a tokenizer, :class:`StackingCausalLMCollator`; for other tasks
-    transformers' ``DataCollatorWithPadding`` with a tokenizer, else ``default_data_collator``."""
-    has_pad = tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None
-    if task == "text_generation":
-        return DataCollatorForCausalLM(tokenizer) if has_pad else StackingCausalLMCollator()
-    if has_pad:
-        return DataCollatorWithPadding(tokenizer)
-    return default_data_collator
-
-
 def forward_columns(model: Any, label_names: Sequence[str]) -> list[str]:
     """Batch keys the model's ``forward`` takes by name, plus the label keys (HF's ``remove_unused_columns``)."""
     try:
@@ -144,25 +106,3 @@ def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[st
             dataset = dataset.remove_columns(unused)
         return dataset, collate_fn
     return dataset, RemoveColumnsCollator(collate_fn, list(columns), description=description)
-
-
-def count_label_tokens(batch: Mapping[str, Any], shifted: bool, label_name: str = "labels") -> int | None:
-    """Label tokens that count in the loss of one micro-batch (for ``num_items_in_batch``): entries of
-    ``labels`` that are not -100, without each row's first position when the model shifts labels (causal LM)."""
-    labels = batch.get(label_name)
-    if not isinstance(labels, torch.Tensor):
-        return None
-    if shifted and labels.ndim >= 2:
-        labels = labels[..., 1:]
-    return int((labels != IGNORE_INDEX).sum())
-
-
-def count_input_tokens(batch: Mapping[str, Any]) -> int:
-    """Non-padding input tokens of a micro-batch (``attention_mask`` sum, else the size of ``input_ids``)."""
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-        return int(mask.sum())
-    ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor):
-        return ids.numel()
-    return 0

@@ -20,35 +20,27 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState
-from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed, \
     speed_metrics
 from transformers.utils.generic import find_labels
 
-from ..errors import MindFormersError, check_choice
 from ..engine import Engine, build_engine
-from .arguments import PERPLEXITY_TASKS, TASKS, TrainingArguments
-from .batching import GlobalBatchSampler, build_dataloader, count_input_tokens, count_label_tokens, \
-    default_collator, drop_unused_columns, forward_columns
+from ..errors import MindFormersError
+from ..layers.loss import IGNORE_INDEX
+from ..task_registry import TaskSpec, get_task, task_of_model
+from .arguments import TrainingArguments
+from .batching import GlobalBatchSampler, build_dataloader, drop_unused_columns, forward_columns
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
 from .loss import FusedCausalLMLoss
+from .loss_share import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, micro_batch_share, probe_mode
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
-
-# Suffixes of model class names and the task they train, for models whose ``loss_type`` does not say.
-_TASK_BY_CLASS_SUFFIX = {
-    "ForCausalLM": "text_generation", "LMHeadModel": "text_generation", "ForMaskedLM": "fill_mask",
-    "ForSequenceClassification": "text_classification", "ForTokenClassification": "token_classification",
-    "ForQuestionAnswering": "question_answering", "ForImageClassification": "image_classification",
-    "ForConditionalGeneration": "translation", "ForSeq2SeqLM": "translation",
-}
-
 
 class Trainer:
     """Train, evaluate and predict with a HuggingFace-style model (``model(**batch)`` returns ``.loss`` /
@@ -57,8 +49,8 @@ class Trainer:
     Args:
         model: the model to train (a ``PreTrainedModel`` or any module following its call convention).
         args: the :class:`TrainingArguments` (default: all defaults, ``output_dir="trainer_output"``).
-        data_collator: turns a list of examples into a batch; default from ``task`` and the tokenizer
-            (:func:`~mindformers_py.trainer.batching.default_collator`).
+        data_collator: turns a list of examples into a batch; default: the task's collator (task registry) with
+            the tokenizer.
         train_dataset, eval_dataset: map-style datasets of dicts (lists or tensors) or ``datasets.Dataset``;
             ``eval_dataset`` may be a dict of named datasets.
         processing_class: the tokenizer (or processor), saved with the model; ``tokenizer`` is its old name.
@@ -67,7 +59,7 @@ class Trainer:
         optimizers: ``(optimizer, lr_scheduler)`` to use instead of AdamW and ``lr_scheduler_type``.
         preprocess_logits_for_metrics: ``(logits, labels) -> tensor`` applied to each batch's logits before they
             are gathered for ``compute_metrics`` (e.g. argmax, to avoid keeping whole vocabularies).
-        task: overrides ``args.task``; None infers it from the model.
+        task: overrides ``args.task`` (a task registry name or alias); None infers it from the model's class.
     """
 
     def __init__(
@@ -91,29 +83,32 @@ class Trainer:
             raise MindFormersError("Trainer got both processing_class and tokenizer and they differ; pass one of them")
         self.args = args if args is not None else TrainingArguments()
         self.processing_class = processing_class if processing_class is not None else tokenizer
-        self.task = task or self.args.task or infer_task(model)
-        if self.task is not None:
-            check_choice("task", self.task, TASKS)
-        self.label_names = list(self.args.label_names or find_labels(type(model)) or ["labels"])
-        self.engine: Engine = build_engine(self.args.parallel_config, self.args)
+        name = task or self.args.task
+        self.task_spec: TaskSpec | None = get_task(name) if name else task_of_model(model)
+        self.task = self.task_spec.name if self.task_spec is not None else None
+        self.label_names = list(self.args.label_names or find_labels(type(model))
+                                or (self.task_spec.label_names if self.task_spec else ["labels"]))
+        self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
+                                           seq_length=_sequence_length(train_dataset, model))
         self.engine.setup()
         set_seed(self.args.seed)
         self.model = model
         self.model_wrapped = self.engine.prepare_model(model)
-        self.data_collator = data_collator or default_collator(self.task, self.processing_class)
+        self.data_collator = data_collator or _default_collator(self.task_spec, self.processing_class)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(model)
-        self._loss_shifts_labels = self.task == "text_generation"
+        self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
+        self._loss_mode = initial_mode(model)  # how the model's loss becomes a micro-batch's share (loss_share)
         # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token.
         self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
             if hasattr(model, "num_parameters") else 0
         self._fused_loss: FusedCausalLMLoss | None = None
         self._fused_probed = False
         self._current_accum = self.args.gradient_accumulation_steps
+        self._loss_mode_measured = False
         self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
                                   is_world_process_zero=self.engine.is_main_process)
         self.control = TrainerControl()
@@ -255,7 +250,8 @@ class Trainer:
                 consumed += len(micro_batches)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 self._current_accum = len(micro_batches)
-                tokens = sum(count_input_tokens(b) for b in micro_batches)
+                tokens = sum(self._count_throughput(b) for b in micro_batches)
+                self._measure_loss_mode(micro_batches)
                 loss = engine.forward_backward(self.model_wrapped, micro_batches,
                                                self._num_items(micro_batches), self._micro_batch_loss)
                 if args.max_grad_norm > 0:
@@ -314,22 +310,63 @@ class Trainer:
         return DataPosition(epoch=saved.epoch, samples_consumed=saved.samples_consumed, num_samples=num_samples,
                             global_batch_size=global_batch, data_seed=data_seed)
 
+    def _count_items(self, batch: Mapping[str, Any]) -> int | None:
+        """Items of the loss in one batch (the task's count; for a model of no known task, label entries that are
+        not -100, as transformers' Trainer counts them)."""
+        if self.task_spec is not None and tuple(self.label_names) == self.task_spec.label_names:
+            return self.task_spec.count_items(batch)
+        labels = batch.get(self.label_names[0])
+        return int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else None
+
+    def _count_throughput(self, batch: Mapping[str, Any]) -> int:
+        """Tokens (images, for image tasks) of one batch, for throughput."""
+        if self.task_spec is not None:
+            return self.task_spec.count_throughput(batch)
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            return int(mask.sum())
+        ids = batch.get("input_ids")
+        return ids.numel() if isinstance(ids, torch.Tensor) else 0
+
+    def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
+        """Measure once, on the first labelled micro-batch, whether the model divides its loss by
+        ``num_items_in_batch`` (only for models that take it without declaring ``accepts_loss_kwargs``)."""
+        if self._loss_mode != UNKNOWN or self._loss_mode_measured or type(self).compute_loss is not Trainer.compute_loss:
+            return
+        for batch in micro_batches:
+            mode = probe_mode(self.model, self.engine.to_device(batch), self._count_items)
+            if mode is not None:
+                self._loss_mode, self._loss_mode_measured = mode, True
+                return
+
     def _num_items(self, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor | None:
-        """Label tokens of the whole optimizer step (HF's ``num_items_in_batch``), counted on the host batches
-        and summed over data-parallel ranks; None when the batches have no labels."""
-        counts = [count_label_tokens(b, self._loss_shifts_labels, self.label_names[0]) for b in micro_batches]
-        if any(c is None for c in counts):
+        """Items of the whole optimizer step's loss (HF's ``num_items_in_batch``), counted on the host batches and
+        summed over data-parallel ranks; None when the batches have no labels or the model's loss cannot be
+        rescaled exactly (then micro-batch losses are averaged, as transformers' Trainer does)."""
+        counts = [self._count_items(b) for b in micro_batches]
+        if any(c is None for c in counts) or self._share_mode(micro_batches[0]) == UNKNOWN:
             return None
         total = torch.tensor(sum(counts), device=self.engine.device)
         return self.engine.all_reduce_sum(total)
 
     def _micro_batch_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        """One micro-batch's share of the step loss: normalised by the step's label tokens when the loss takes
-        ``num_items_in_batch``, else (a per-micro-batch mean) divided by the accumulation steps, as HF does."""
+        """One micro-batch's share of the step loss (:mod:`.loss_share`): the model's loss when it (or the fused
+        loss, or an overriding ``compute_loss`` that takes it) divides by the step's items, its mean rescaled by
+        this micro-batch's items otherwise."""
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is None or not (self.model_accepts_loss_kwargs or self._fused_loss is not None):
-            loss = loss / self._current_accum
-        return loss
+        mode = self._share_mode(inputs)
+        items = self._count_items(inputs) if mode == MEAN else None
+        return micro_batch_share(loss, mode, items, num_items_in_batch, self._current_accum)
+
+    def _share_mode(self, inputs: Mapping[str, Any]) -> str:
+        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (:mod:`.loss_share`): the fused loss
+        divides by it; an overriding ``compute_loss`` is trusted to when the model takes it (transformers' rule);
+        else what the model was found to do."""
+        if self._fused_loss is not None and "labels" in inputs:
+            return NORMALISED
+        if type(self).compute_loss is not Trainer.compute_loss:
+            return NORMALISED if self.model_accepts_loss_kwargs else UNKNOWN
+        return self._loss_mode
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
@@ -351,7 +388,7 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     def _fused_possible(self) -> bool:
-        return (self.args.fused_loss and self.engine.supports_fused_loss and self.task == "text_generation"
+        return (self.args.fused_loss and self.engine.supports_fused_loss and self.task == "causal_lm"
                 and not self.args.torch_compile)
 
     def _fused_for(self, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
@@ -542,7 +579,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch in loader:
-                    n_items = count_label_tokens(batch, self._loss_shifts_labels, self.label_names[0])
+                    n_items = self._count_items(batch)
                     inputs = engine.to_device(batch)
                     with engine.autocast():
                         loss, logits, labels = self.prediction_step(
@@ -565,7 +602,7 @@ class Trainer:
         if items:
             mean = float(loss_sum) / items
             metrics[f"{metric_key_prefix}_loss"] = mean
-            if self.task in PERPLEXITY_TASKS:
+            if self.task_spec is not None and self.task_spec.perplexity:
                 metrics[f"{metric_key_prefix}_perplexity"] = math.exp(mean) if mean < 700 else math.inf
         predictions = nested_numpify(predictions) if predictions is not None else None
         label_ids = nested_numpify(label_ids) if label_ids is not None else None
@@ -586,14 +623,28 @@ class Trainer:
         return drop_unused_columns(dataset, self.data_collator, columns, description)
 
 
-def infer_task(model: nn.Module) -> str | None:
-    """The task a model trains, from its loss type or class name (None when neither says)."""
-    config = getattr(model, "config", None)
-    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss \
-            and not getattr(config, "is_encoder_decoder", False):
-        return "text_generation"
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_BY_CLASS_SUFFIX.items() if name.endswith(suffix)), None)
+def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
+    """The task's collator with ``tokenizer``; for a model of no known task, transformers' padding collator (or
+    plain stacking without a tokenizer)."""
+    if spec is not None and spec.collator is not None:
+        return spec.collator(tokenizer)
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    has_pad = tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None
+    return DataCollatorWithPadding(tokenizer) if has_pad else default_data_collator
+
+
+def _sequence_length(dataset: Any, model: nn.Module) -> int | None:
+    """Length of the first training example's model input (what the ``auto_parallel`` planner plans for), else
+    the model's context length."""
+    try:
+        first = dataset[0] if dataset is not None else None
+        ids = first.get("input_ids") if isinstance(first, Mapping) else None
+        if ids is not None:
+            return len(ids)
+    except (TypeError, KeyError, IndexError):
+        pass
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -601,15 +652,6 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _accepts_loss_kwargs(model: nn.Module) -> bool:
-    """Whether ``model.forward`` takes ``num_items_in_batch`` (by name or through ``**kwargs``), HF's rule."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "num_items_in_batch" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def _length(dataset: Any, name: str) -> int:

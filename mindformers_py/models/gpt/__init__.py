@@ -1,10 +1,18 @@
 """GPT family (GPT-2 and Llama flavours)."""
 
 from .configuration_gpt import GPTConfig
-from .modeling_gpt import GPTForCausalLM, GPTForSequenceClassification, GPTModel, GPTPreTrainedModel
+from .modeling_gpt import (
+    GPTForCausalLM,
+    GPTForQuestionAnswering,
+    GPTForSequenceClassification,
+    GPTForTokenClassification,
+    GPTModel,
+    GPTPreTrainedModel,
+)
 from .presets import GPT_PRESETS
 
-__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTPreTrainedModel", "GPT_PRESETS"]
+__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification",
+           "GPTForQuestionAnswering", "GPTPreTrainedModel", "GPT_PRESETS"]
 
 from .. import registry as _registry
 from . import convert_gpt as _convert
@@ -13,12 +21,18 @@ _HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistra
 _HF_SEQ_CLS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
                "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}
 _HF_BASE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+_HF_TOKEN_CLS = {"gpt2": "GPT2ForTokenClassification", "llama": "LlamaForTokenClassification",
+                 "mistral": "MistralForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
+_HF_QA = {"gpt2": "GPT2ForQuestionAnswering", "llama": "LlamaForQuestionAnswering",
+          "mistral": "MistralForQuestionAnswering", "qwen2": "Qwen2ForQuestionAnswering"}
 
 _registry.register_family(_registry.Family(
     name="gpt",
     config_class=GPTConfig,
-    model_classes={"base": GPTModel, "causal_lm": GPTForCausalLM, "sequence_classification": GPTForSequenceClassification},
+    model_classes={"base": GPTModel, "causal_lm": GPTForCausalLM, "sequence_classification": GPTForSequenceClassification,
+                   "token_classification": GPTForTokenClassification, "question_answering": GPTForQuestionAnswering},
     presets=GPT_PRESETS,
     converter=_convert,
-    hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get},
+    hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get,
+                      "token_classification": _HF_TOKEN_CLS.get, "question_answering": _HF_QA.get},
 ))

@@ -108,6 +108,8 @@ class GPTConfig(PretrainedConfig):
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
     """Dropout on each residual branch."""
+    classifier_dropout: float | None = None
+    """Dropout before the token-classification head; None means ``hidden_dropout``."""
     initializer_range: float = 0.02
     """Std of the normal weight init (output projections are scaled by 1/sqrt(2·layers), as GPT-2/Megatron)."""
     use_cache: bool = True

@@ -158,22 +158,42 @@ def _rename(key: str, rules) -> str | None:
     return None
 
 
+# Head modules (ours) that sit beside the base model; HF GPT-2's token classifier is named "classifier".
+_HEADS = ("lm_head.", "score.", "qa_outputs.")
+_HF_HEAD_RENAMES = {"classifier.": "score."}
+# HF question-answering classes that keep their base model under "transformer." (transformers' old name).
+_TRANSFORMER_PREFIX_QA = ("gpt2", "llama", "qwen2")
+
+
+def _our_head_key(key: str) -> str | None:
+    """``key`` as our head's parameter name when it belongs to a head, else None."""
+    for hf, ours in _HF_HEAD_RENAMES.items():
+        if key.startswith(hf):
+            return ours + key[len(hf):]
+    return key if key.startswith(_HEADS) else None
+
+
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map an HF state dict of ``config.hf_architecture`` to our parameter names (and layouts)."""
+    """Map an HF state dict of ``config.hf_architecture`` (any of its heads) to our parameter names (and layouts)."""
     if hf_type_for(config) != "gpt2":
         out = {}
         for key, value in hf_state.items():
             if key.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer we recompute, stored by some old checkpoints
-            out[key if key.startswith(("model.", "lm_head.", "score.")) else f"model.{key}"] = value
+            head = _our_head_key(key)
+            if head is not None:
+                out[head] = value
+            else:  # the base model, under "model.", "transformer." (some QA classes) or no prefix (base classes)
+                out["model." + key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) else f"model.{key}"] = value
         return out
     out = {}
     for key, value in hf_state.items():
         key = key.removeprefix("transformer.")
         if key.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # causal-mask buffers of old GPT-2 checkpoints
-        if key in ("lm_head.weight", "score.weight"):
-            out[key] = value
+        head = _our_head_key(key)
+        if head is not None:
+            out[head] = value
             continue
         m = re.match(r"^h\.(\d+)\.attn\.c_attn\.(weight|bias)$", key)
         if m:
@@ -191,21 +211,22 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
     return out
 
 
-def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Map our state dict to the HF architecture's names and layouts (tied weights written once)."""
+def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: str | None = None) -> dict[str, torch.Tensor]:
+    """Map our state dict (of the ``task`` head, a registry task name) to the HF architecture's names and layouts
+    (tied weights written once)."""
     tied = config.tie_word_embeddings
-    if hf_type_for(config) != "gpt2":
-        return {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}
-    out: dict[str, torch.Tensor] = {}
+    kind = hf_type_for(config)
+    heads = {k: v for k, v in state.items() if k.startswith(_HEADS) and not (tied and k == "lm_head.weight")}
+    if kind == "gpt2" and task == "token_classification":
+        heads = {"classifier." + k.split(".", 1)[1]: v for k, v in heads.items()}
+    body = {k: v for k, v in state.items() if not k.startswith(_HEADS)}
+    if kind != "gpt2":
+        if task == "question_answering" and kind in _TRANSFORMER_PREFIX_QA:
+            body = {"transformer." + k.split(".", 1)[1]: v for k, v in body.items()}
+        return {**body, **heads}
+    out: dict[str, torch.Tensor] = dict(heads)
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for key, value in state.items():
-        if key == "lm_head.weight":
-            if not tied:
-                out[key] = value
-            continue
-        if key.startswith("score."):
-            out[key] = value
-            continue
+    for key, value in body.items():
         m = re.match(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
         if m:
             i, which, p = m.groups()

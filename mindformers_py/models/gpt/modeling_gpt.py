@@ -2,6 +2,11 @@
 
 Model code is single-device PyTorch; tensor/pipeline parallelism is applied from outside
 (``mindformers_py.parallel``) following the plans declared on :class:`GPTConfig` and on the heads here.
+
+Every model is also its own pipeline stage (torchtitan's way): a stage is the model with the parts it does not
+hold set to None. Without ``embed_tokens`` the base model takes the previous stage's hidden states as
+``inputs_embeds`` and skips the embedding phase (positions, embedding dropout); without ``norm`` it returns the
+last layer's output; a head without its head module returns the base model's output unchanged.
 """
 
 from __future__ import annotations
@@ -12,12 +17,18 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.loss.loss_utils import ForSequenceClassificationLoss
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, SequenceClassifierOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
 
 from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, causal_lm_loss
+from ...layers.loss import question_answering_loss, sequence_classification_loss, token_cross_entropy
 from .configuration_gpt import GPTConfig
 
 
@@ -31,6 +42,9 @@ class GPTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TransformerBlock"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
+    accepts_loss_kwargs = True
+    """Every head divides its loss by a ``num_items_in_batch`` it is given (the items of the whole optimizer step),
+    so transformers' Trainer and ours pass it and do not rescale the loss."""
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -76,10 +90,19 @@ class GPTModel(GPTPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
+        """Last hidden states (B, T, C) of ``input_ids`` (or ``inputs_embeds``).
+
+        On a pipeline stage without ``embed_tokens``, ``inputs_embeds`` is the previous stage's output and
+        ``position_ids`` (which then must cover the whole sequence) give the length masks are built for."""
+        if self.embed_tokens is None:  # a later pipeline stage: the residual stream arrives from the previous one
+            if inputs_embeds is None:
+                raise MindFormersError("this pipeline stage holds no embeddings: pass the previous stage's hidden states as inputs_embeds")
+            hidden_states = inputs_embeds
+        elif (input_ids is None) == (inputs_embeds is None):
             raise MindFormersError("pass exactly one of input_ids or inputs_embeds")
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
-        batch, length = hidden_states.shape[:2]
+        else:
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+        length = position_ids.shape[-1] if position_ids is not None else hidden_states.shape[1]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None and not self.training:
             past_key_values = DynamicCache()
@@ -100,14 +123,17 @@ class GPTModel(GPTPreTrainedModel):
             sliding_window=self.config.sliding_window, device=hidden_states.device,
         )
         rotary = None
-        if self.config.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        else:
+        if self.config.position_embedding_type == "rope":
             rotary = self.rotary_emb(position_ids, hidden_states.dtype)
-        hidden_states = self.drop(hidden_states)
+        if self.embed_tokens is not None:  # the embedding phase runs on the stage that embeds
+            if self.config.position_embedding_type == "learned":
+                hidden_states = hidden_states + self.embed_positions(position_ids)
+            hidden_states = self.drop(hidden_states)
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values if use_cache else None)
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
 
 
 class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
@@ -145,6 +171,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     ) -> CausalLMOutputWithPast:
         """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss."""
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
+        if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
+            return out
         hidden = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
@@ -156,7 +184,10 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):
-    """GPT with a linear ``score`` head on the last real (non-padding) token, as HF's GPT-2/Llama classifiers."""
+    """GPT with a linear ``score`` head on the last real (non-padding) token, as HF's GPT-2/Llama classifiers;
+    single-label, multi-label or regression by ``config.problem_type``."""
+
+    _pp_plan = {"score": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -172,19 +203,91 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
-        hidden = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False).last_hidden_state
-        logits = self.score(hidden)  # (B, T, num_labels)
-        batch = logits.shape[0]
-        if input_ids is not None and self.config.pad_token_id is not None:
-            # Rightmost non-pad token; works for left and right padding alike.
-            not_pad = (input_ids != self.config.pad_token_id).int()
-            last = (torch.arange(input_ids.shape[-1], device=logits.device) * not_pad).argmax(-1)
-        elif batch > 1 and input_ids is not None:
-            raise MindFormersError("pad_token_id is not set in the config, so padded batches cannot be classified; set config.pad_token_id")
-        else:
-            last = torch.full((batch,), logits.shape[1] - 1, device=logits.device)
-        pooled = logits[torch.arange(batch, device=logits.device), last]
-        loss = ForSequenceClassificationLoss(labels, pooled, self.config) if labels is not None else None
+        """Logits (B, num_labels) of each row's last real token (found from ``input_ids`` and
+        ``config.pad_token_id``); with ``labels``, the loss of ``config.problem_type``."""
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        if self.score is None:
+            return out
+        logits = self.score(out.last_hidden_state)  # (B, T, num_labels)
+        pooled = logits[torch.arange(logits.shape[0], device=logits.device), self._last_token(input_ids, logits)]
+        loss = sequence_classification_loss(pooled, labels, self.config, num_items_in_batch) if labels is not None else None
         return SequenceClassifierOutputWithPast(loss=loss, logits=pooled)
+
+    def _last_token(self, input_ids: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+        """Index of each row's last non-padding token; works for left and right padding alike."""
+        batch, length = logits.shape[:2]
+        if input_ids is not None and self.config.pad_token_id is not None:
+            not_pad = (input_ids != self.config.pad_token_id).int()
+            return (torch.arange(input_ids.shape[-1], device=logits.device) * not_pad).argmax(-1)
+        if batch > 1 and input_ids is not None:
+            raise MindFormersError("pad_token_id is not set in the config, so padded batches cannot be classified; set config.pad_token_id")
+        return torch.full((batch,), length - 1, device=logits.device)
+
+
+class GPTForTokenClassification(GPTPreTrainedModel):
+    """GPT with a linear ``score`` head on every token (HF's ``LlamaForTokenClassification``; GPT-2's is named
+    ``classifier``, renamed on conversion), after dropout of ``classifier_dropout``."""
+
+    _pp_plan = {"score": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = GPTModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
+        """Logits (B, T, num_labels); with ``labels`` (B, T, -100 ignored), the token cross-entropy."""
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        if self.score is None:
+            return out
+        logits = self.score(self.dropout(out.last_hidden_state))
+        loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
+        return TokenClassifierOutput(loss=loss, logits=logits)
+
+
+class GPTForQuestionAnswering(GPTPreTrainedModel):
+    """GPT with a ``qa_outputs`` head giving each token a start and an end logit for an extractive answer span."""
+
+    _pp_plan = {"qa_outputs": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.model = GPTModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput:
+        """Start and end logits (B, T); with ``start_positions`` and ``end_positions``, the span loss."""
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        if self.qa_outputs is None:
+            return out
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in self.qa_outputs(out.last_hidden_state).split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = question_answering_loss(start_logits, end_logits, start_positions, end_positions, num_items_in_batch)
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -1,0 +1,134 @@
+"""Loss normalisation for every task head: the same 8 samples give the same gradients and the same logged loss
+whether they are one batch of 8, 2 × 4 or 8 × 1 accumulated micro-batches, or split over 2 data-parallel ranks.
+
+Gradients are compared (not AdamW losses, which are nearly blind to a constant factor), with clipping off. The
+micro-batches hold different numbers of items (padding, ignored labels), so a per-micro-batch mean would show.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from transformers import TrainerCallback
+
+import mindformers_py as mf
+from dist_utils import run_workers
+from mindformers_py.trainer import Trainer, TrainingArguments
+
+VOCAB, SEQ, N = 64, 12, 8
+HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
+         "hf_sequence_classifier"]
+
+
+def _config(**extra) -> mf.GPTConfig:
+    return mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, **extra)
+
+
+def make_model(head: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if head == "causal_lm":
+        return mf.GPTForCausalLM(_config())
+    if head == "single_label":
+        return mf.GPTForSequenceClassification(_config(num_labels=3))
+    if head == "multi_label":
+        return mf.GPTForSequenceClassification(_config(num_labels=3, problem_type="multi_label_classification"))
+    if head == "regression":
+        return mf.GPTForSequenceClassification(_config(num_labels=1))
+    if head == "token_classification":
+        return mf.GPTForTokenClassification(_config(num_labels=5))
+    if head == "question_answering":
+        return mf.GPTForQuestionAnswering(_config())
+    # transformers' own classifier, whose loss is a batch mean whatever num_items_in_batch says
+    return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def make_data(head: str) -> list[dict[str, torch.Tensor]]:
+    """N right-padded rows of different lengths (so items per micro-batch differ) with the head's labels."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [12, 5, 9, 3, 12, 7, 4, 10]
+    rows = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+        ids[length:] = 0
+        mask = (torch.arange(SEQ) < length).long()
+        row = {"input_ids": ids, "attention_mask": mask}
+        if head == "causal_lm":
+            row["labels"] = ids.masked_fill(mask == 0, -100)
+        elif head in ("single_label", "hf_sequence_classifier"):
+            row["labels"] = torch.tensor(-100 if i == 2 else int(torch.randint(0, 3, (), generator=g)))
+        elif head == "multi_label":
+            row["labels"] = torch.randint(0, 2, (3,), generator=g).float()
+        elif head == "regression":
+            row["labels"] = torch.randn((), generator=g)
+        elif head == "token_classification":
+            row["labels"] = torch.randint(0, 5, (SEQ,), generator=g).masked_fill(mask == 0, -100)
+        else:
+            row["start_positions"] = torch.randint(0, length, (), generator=g)
+            row["end_positions"] = torch.randint(0, length, (), generator=g)
+        rows.append(row)
+    return rows
+
+
+class FirstStepGradients(TrainerCallback):
+    """The gradients the first optimizer step applies (clipping is off)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=None) -> tuple[dict, float]:
+    """Gradients and logged loss of the first step over the same N samples."""
+    clock = FirstStepGradients()
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                             max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True,
+                             parallel_config=parallel or mf.ParallelConfig())
+    trainer = Trainer(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock])
+    trainer.train()
+    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    trainer.engine.teardown()
+    return clock.grads, loss
+
+
+def assert_same(grads, loss, ref_grads, ref_loss):
+    assert math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_gradient_accumulation_splits_give_one_batch_gradients(head, tmp_path):
+    ref_grads, ref_loss = first_step(head, N, 1, str(tmp_path / "8x1"))
+    # transformers' classifier averages over its micro-batch: one holding only the ignored row would be 0/0.
+    splits = ((4, 2), (2, 4)) if head == "hf_sequence_classifier" else ((4, 2), (1, 8))
+    for batch, accumulation in splits:
+        grads, loss = first_step(head, batch, accumulation, str(tmp_path / f"{batch}x{accumulation}"))
+        assert_same(grads, loss, ref_grads, ref_loss)
+
+
+def _dp2_job(rank: int, world: int, folder: str) -> dict:
+    out = {}
+    for head in HEADS:
+        grads, loss = first_step(head, N // 2, 1, f"{folder}/{head}",
+                                 mf.ParallelConfig(parallel_mode="data_parallel", data_parallel=2))
+        out[head] = ({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grads.items()}, loss)
+    return out
+
+
+def test_data_parallel_gives_stand_alone_gradients_for_every_head(tmp_path):
+    results = run_workers(_dp2_job, 2, str(tmp_path))
+    for head in HEADS:
+        ref_grads, ref_loss = first_step(head, N, 1, str(tmp_path / f"ref-{head}"))
+        for rank in range(2):
+            assert_same(*results[rank][head], ref_grads, ref_loss)
