@@ -10,13 +10,8 @@ import mindformers_py as mf
 from dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
-from mindformers_py.parallel.pipeline import (
-    CausalLMStage,
-    count_loss_tokens,
-    layer_ranges,
-    split_model,
-    stage_ids_for_rank,
-)
+from mindformers_py.parallel.pipeline import layer_ranges, split_model, stage_ids_for_rank, stage_view
+from mindformers_py.task_registry import get_task
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-2
 RTOL = 1e-4
@@ -79,7 +74,7 @@ def train_pipeline(pipe, padded=True, rank_batch=None, dp_group=None):
     for ids, mask, labels in batches(padded):
         if rank_batch is not None:
             ids, mask, labels = rank_batch(ids), rank_batch(mask), rank_batch(labels)
-        loss = pipe.step(ids, labels, attention_mask=mask)
+        loss = pipe.step({"input_ids": ids, "labels": labels, "attention_mask": mask})
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
             loss /= dist.get_world_size(dp_group)
@@ -119,10 +114,10 @@ def test_stages_keep_full_model_names_and_chain_to_the_same_logits(flavour):
                for i, a in enumerate(keys) for b in keys[i + 1:])
     ids, mask, _ = batches()[0]
     with torch.no_grad():
+        expected = tiny_model(flavour, layers=5).eval()(ids, attention_mask=mask).logits
         hidden = ids
         for part in parts:
             hidden = part(hidden, attention_mask=mask)
-        expected = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -132,12 +127,12 @@ def test_models_without_a_pipeline_plan_are_refused():
         config = tiny_config()
 
     with pytest.raises(ConfigError, match="pipeline_stage > 1 is not supported for Plain"):
-        CausalLMStage(Plain(), range(0, 1), True, True)
+        stage_view(Plain(), range(0, 1), True, True, get_task("causal_lm"))
 
 
 def test_loss_tokens_skip_the_first_position_and_ignored_labels():
     labels = torch.tensor([[5, 6, -100, 7], [-100, -100, 1, 2]])
-    assert count_loss_tokens(labels) == 2 + 2
+    assert get_task("causal_lm").count_items({"labels": labels}) == 2 + 2
 
 
 # -- pp2 with each schedule, against stand-alone ---------------------------------------------------------------
@@ -164,8 +159,7 @@ def _pp2_worker(rank, world_size, cases):
         held = [list(part.layer_ids) for part in pipe.model_parts]
         losses = train_pipeline(pipe)
         ids, labels = eval_batch()
-        out = pipe.eval()(ids, labels=labels, use_cache=False)
-        pipe.keep_local_stages(model)
+        out = pipe.eval()(input_ids=ids, labels=labels, use_cache=False)
         local = {name: p for name, p in model.named_parameters()}
         same = local == {name: p for name, p in pipe.named_parameters()}
         results[schedule] = (losses, held, out.loss.item(), out.logits, sorted(local), same)

@@ -1,19 +1,21 @@
 """The training engine for layouts with pipeline stages (``pipeline_stage > 1``), on the Engine seam.
 
-It is the :class:`~.distributed_engine.DistributedEngine` (mesh, data/tensor/sequence/vocabulary parallelism,
+It is the :class:`~.distributed.DistributedEngine` (mesh, data/tensor/sequence/vocabulary parallelism,
 ZeRO, recompute, DCP checkpoints, metric reduction) with the model cut into pipeline stages
-(:mod:`.pipeline`): each rank keeps its stages, each stage is parallelized like a whole model would be, and one
-optimizer step's forward and backward run through torch's pipeline schedule.
+(:mod:`mindformers_py.parallel.pipeline`): each rank keeps its stages, each stage is parallelized like a whole
+model would be, and one optimizer step's forward and backward run through torch's pipeline schedule.
 
 What the Trainer sees:
 
-* ``prepare_model(model)`` returns the :class:`~.pipeline.PipelineParallel` (``model_wrapped``: it trains with
+* ``prepare_model(model)`` returns the :class:`~mindformers_py.parallel.pipeline.PipelineParallel`
+  (``model_wrapped``: it trains with
   :meth:`forward_backward` and evaluates when called), and cuts ``model`` itself down to this rank's stages in
   place, so the Trainer's "model" has exactly this rank's parameters under the full model's names: the optimizer,
   gradient clipping and the sharded (DCP) checkpoints work on it unchanged. Whole weights are consolidated from
   every stage when saved (``save_pretrained``), so ``from_pretrained`` loads a pipeline run's output.
-* The loss is the causal-LM loss computed on the last stage (the Trainer's loss function is not used), with the
-  same global-token normalisation as the distributed engine, so loss curves match ``stand_alone``.
+* The loss is the task's loss (task registry) computed on the last stage (the Trainer's loss function is not
+  used), with the same global item normalisation as the distributed engine, so loss curves match ``stand_alone``
+  for every task head.
 * Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
   the whole weights; not a whole optimizer state (rank 0 does not hold the other stages' parameters), so a
   stand-alone run cannot resume them.
@@ -71,7 +73,6 @@ class PipelineEngine(DistributedEngine):
                                compile_mode=self.args.torch_compile_mode, stage=part.pp_rank)
 
         self.pipeline = build_pipeline(model, config, self.mesh, self.device, parallelize=parallelize_stage)
-        self.pipeline.keep_local_stages(model)
         return self.pipeline
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
@@ -79,7 +80,7 @@ class PipelineEngine(DistributedEngine):
         """Forward and backward of this rank's gradient-accumulation batches through the pipeline schedule (each
         split into ``micro_batch_num`` pipeline micro-batches). ``num_items_in_batch`` is the label-token count of
         the whole global batch; returns the backpropagated loss, whose mean over the data-parallel ranks is the
-        global step loss. ``loss_fn`` is not used: the last stage computes the causal-LM loss."""
+        global step loss. ``loss_fn`` is not used: the last stage computes the task's loss (task registry)."""
         if not isinstance(model, PipelineParallel):
             raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
         # As in DistributedEngine: the ranks' losses are shares of one global loss, so undo DDP/FSDP's averaging.

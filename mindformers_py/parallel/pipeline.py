@@ -1,26 +1,34 @@
-"""Pipeline parallelism: a causal LM cut into stages by layers, run by ``torch.distributed.pipelining``.
+"""Pipeline parallelism: a model cut into stages by layers, run by ``torch.distributed.pipelining``.
 
-The cut follows the plans the model declares (``config.base_model_pp_plan`` and the head's ``_pp_plan``): modules
-listed before ``layers`` (token and position embeddings) live on the first stage, ``layers`` is split into
-contiguous ranges, and modules listed after it (final norm, LM head) live on the last stage, where the loss is
-computed. Modules outside the plans hold no trained weights (rotary tables, dropout) and every stage keeps them.
+**The model is its own stage** (torchtitan's way). The cut follows the plans the model declares
+(``config.base_model_pp_plan`` and the head's ``_pp_plan``): modules listed before ``layers`` (token and position
+embeddings) live on the first stage, ``layers`` is split into contiguous ranges, and modules listed after it (final
+norm, head) live on the last stage, where the task's loss is computed. A stage is the model itself with the parts
+it does not hold set to None: its own ``forward`` skips them (a base model without ``embed_tokens`` takes the
+previous stage's hidden states as ``inputs_embeds``; a head model without its head returns the base output). No
+stage code repeats the model's forward.
 
-A stage module shares the original model's submodules (no copy) and keeps their names, so its state-dict keys
-are those of the full model (``model.layers.5.mlp.up_proj.weight`` stays that on whichever rank owns layer 5):
-sharded checkpoints written under one layout load under another. Each stage is wrapped in torch's
-``PipelineStage`` and driven by one of its schedules: ``gpipe`` (``ScheduleGPipe``), ``1f1b``
-(``Schedule1F1B``) or ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``, several stage modules per rank,
-assigned round-robin: rank r holds stages r, r + pp, r + 2·pp, ...).
+:func:`build_pipeline` first cuts the model in place to what this rank holds (:func:`cut_to_stages`: its layers
+under their original indices, the embeddings / norm and head only on the first / last stage), so the model keeps
+the full model's parameter names and holds exactly this rank's parameters: optimizers, gradient norms and sharded
+(DCP) checkpoints use it unchanged, and checkpoints written under one layout load under another. Then each stage
+this rank runs (one, or ``virtual_pipeline_stages`` for interleaved 1F1B, assigned round-robin: rank r holds
+stages r, r + pp, ...) is a :func:`stage_view` of the cut model: a shallow copy sharing its modules, holding one
+stage's layers, whose class adds :class:`PipelineStageMixin` so torch's ``PipelineStage`` can call it with
+tensors and receive tensors. Each view is parallelized like a whole model (tensor parallel, recompute, FSDP) and
+driven by torch's schedules: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``.
 
-The loss of a micro-batch is its token-summed cross-entropy divided by the token count of the whole batch
-(``num_items_in_batch``), and gradients are not rescaled by the schedule, so a pipelined step computes the
-same loss and gradients as one stand-alone forward/backward of the whole batch.
+The loss of a micro-batch is the task's loss (:mod:`mindformers_py.task_registry`) summed over its items and
+divided by the items of the whole batch (``num_items_in_batch``), and gradients are not rescaled by the
+schedule, so a pipelined step computes the same loss and gradients as one stand-alone forward/backward of the
+whole batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,19 +38,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import ConfigError
-from ..layers import IGNORE_INDEX, build_attention_mask, causal_lm_loss
+from ..task_registry import TaskSpec, task_of_model
 from .config import ParallelConfig
 
 LAYERS_KEY = "layers"
+# The keyword under which every stage receives the batch's token ids (heads that pool by token, such as the
+# GPT sequence classifier, read them on the last stage).
+TOKEN_IDS_KEY = "token_ids"
 
 
 def layer_ranges(num_layers: int, num_chunks: int) -> list[range]:
     """Split ``num_layers`` transformer layers into ``num_chunks`` contiguous ranges, as even as possible.
 
-    Left-over layers go to the earliest chunks: the last chunk also runs the LM head and the loss, whose cost
+    Left-over layers go to the earliest chunks: the last chunk also runs the head and the loss, whose cost
     grows with the vocabulary, so it is the one that gets the smaller share.
     """
     if num_chunks < 1 or num_layers < num_chunks:
@@ -65,7 +75,7 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> l
 
 
 class LayerSlice(nn.ModuleDict):
-    """Some consecutive layers of a ``ModuleList``, keyed by their index in the full model.
+    """Some layers of a ``ModuleList``, keyed by their index in the full model.
 
     Iterating yields the layers (not the keys, unlike ``ModuleDict``), so code written for the full
     ``ModuleList`` runs unchanged, while parameter names keep the full model's numbering.
@@ -79,7 +89,7 @@ def _plan_names(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
     """From the model's pipeline plan (transformers merges ``config.base_model_pp_plan`` under the base-model
     prefix with the head's ``_pp_plan``): the base model's modules before ``layers`` (first stage), those after
     it (last stage), and the head's modules (last stage)."""
-    prefix = model.base_model_prefix + "."
+    prefix = getattr(model, "base_model_prefix", "model") + "."
     plan = list(getattr(model, "_pp_plan", None) or {})
     base = [name[len(prefix):] for name in plan if name.startswith(prefix)]
     if LAYERS_KEY not in base:
@@ -92,115 +102,131 @@ def _plan_names(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
     return base[:cut], base[cut + 1 :], head
 
 
-class CausalLMStage(nn.Module):
-    """One pipeline chunk of a decoder-only causal LM (``GPTForCausalLM`` and models built like it).
+def _indexed_layers(base: nn.Module) -> dict[int, nn.Module]:
+    """The base model's layers by their index in the full model (from a ``ModuleList`` or a :class:`LayerSlice`)."""
+    layers = getattr(base, LAYERS_KEY)
+    if isinstance(layers, LayerSlice):
+        return {int(key): layer for key, layer in layers.items()}
+    return dict(enumerate(layers))
 
-    It holds the chunk's layers and, on the first chunk, the embeddings, on the last the final norm and the
-    head, under the full model's attribute names (``model.embed_tokens``, ``model.layers.<i>``, ``lm_head``).
-    ``forward`` maps token ids (first chunk) or hidden states (others) to hidden states (others than the last)
-    or logits (last); positions run 0..T-1, as in training without a cache.
 
-    Args:
-        model: the full causal LM; its submodules are shared, not copied.
-        layers: indices of the transformer layers this chunk runs.
-        is_first: whether the chunk embeds the tokens.
-        is_last: whether the chunk applies the final norm and the LM head.
+def _drop_parts(model: nn.Module, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> None:
+    """Keep ``layer_ids`` (under their indices) and, only when ``is_first`` / ``is_last``, the modules the plan
+    puts on the first / last stage; the rest become None."""
+    before, after, head = _plan_names(model)
+    base = getattr(model, model.base_model_prefix)
+    layers = _indexed_layers(base)
+    setattr(base, LAYERS_KEY, LayerSlice({str(i): layers[i] for i in sorted(layer_ids)}))
+    for names, owner, kept in ((before, base, is_first), (after, base, is_last), (head, model, is_last)):
+        for name in names:
+            if not kept and getattr(owner, name, None) is not None:
+                setattr(owner, name, None)
 
-    Attributes:
-        stage_index: index of this chunk in the whole pipeline (set by :func:`split_model`).
-        pp_rank: pipeline rank holding this chunk (per-stage settings such as recompute layer counts read it).
-        sequence_shards: sequence-parallel shards of the hidden states this chunk receives (the tensor-parallel
-            size with ``use_seq_parallel``), so positions and masks are built for the whole sequence.
-        config, base_model_prefix, tp_plan: the full model's, for the tensor-parallel and recompute engines.
+
+def cut_to_stages(model: nn.Module, layer_ids: Iterable[int], holds_first: bool, holds_last: bool) -> nn.Module:
+    """Cut ``model`` in place down to what one pipeline rank holds: the layers ``layer_ids`` (under their original
+    indices), the first stage's modules when ``holds_first`` and the last stage's when ``holds_last``. Its
+    parameters are then exactly the rank's, under the full model's names. Returns ``model``."""
+    _drop_parts(model, layer_ids, holds_first, holds_last)
+    return model
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing ``module``'s children, parameters and buffers, with containers of its own (the
+    children, hook and name tables), so parts can be set to None and hooks (FSDP's) registered on the copy alone."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set, list)):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+class PipelineStageMixin:
+    """Lets torch's ``PipelineStage`` call a model cut to one stage: it passes tensors and receives tensors.
+
+    ``forward(inputs, attention_mask=None, token_ids=None)``: ``inputs`` is the task's model input on the first
+    stage (token ids, pixel values) and the previous stage's hidden states elsewhere (which the model takes as
+    ``inputs_embeds``, its embeddings being absent); ``token_ids`` are the batch's token ids, handed to every stage
+    for heads that read them. A stage before the last returns its hidden states; the last returns the task's
+    output fields (``logits``, or ``(start_logits, end_logits)``), on which the loss is computed.
+
+    Attributes set by :func:`stage_view`: ``stage_index``, ``pp_rank``, ``layer_ids``, ``is_first``, ``is_last``,
+    ``pipeline_task`` (the :class:`~mindformers_py.task_registry.TaskSpec`) and ``sequence_shards`` (the
+    tensor-parallel size under sequence parallelism: the hidden states a later stage receives are that many times
+    shorter than the sequence, which positions and masks must cover).
     """
 
-    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
-        super().__init__()
-        self.config = model.config
-        # What the other parallel engines read from an HF model: the plans, the layer class, the tied weights.
-        self.base_model_prefix = model.base_model_prefix
-        self.tp_plan = dict(getattr(model, "tp_plan", None) or {})
-        self._no_split_modules = list(getattr(model, "_no_split_modules", None) or ())
-        self.is_first, self.is_last = is_first, is_last
-        self.layer_ids = layers
-        self.stage_index = 0
-        self.pp_rank = 0
-        self.sequence_shards = 1
-        before, after, head = _plan_names(model)
-        prefix = model.base_model_prefix
-        source_base = getattr(model, prefix)
-        base = nn.Module()
-        # Weight-free helpers (rotary tables, dropout) are needed by every chunk.
-        planned = {*before, *after, LAYERS_KEY}
-        for name, child in source_base.named_children():
-            if name not in planned:
-                base.add_module(name, child)
-        for names, owned in ((before, is_first), (after, is_last)):
-            for name in names:
-                base.add_module(name, getattr(source_base, name, None) if owned else None)
-        all_layers = getattr(source_base, LAYERS_KEY)
-        base.add_module(LAYERS_KEY, LayerSlice({str(i): all_layers[i] for i in layers}))
-        self.add_module(prefix, base)
-        self._base_name = prefix
-        self._head_names = head
-        for name in head:
-            self.add_module(name, getattr(model, name) if is_last else None)
-
-    @property
-    def base(self) -> nn.Module:
-        """The container of embeddings, layers and norm (``self.model`` for GPT)."""
-        return getattr(self, self._base_name)
-
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``inputs`` (B, T) token ids on the first chunk, (B, T, C) hidden states elsewhere; returns (B, T, C)
-        hidden states, or (B, T, V) logits on the last chunk. ``attention_mask`` is the HF padding mask (B, T)."""
-        base, cfg = self.base, self.config
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        spec: TaskSpec = self.pipeline_task
         length = inputs.shape[1] if self.is_first else inputs.shape[1] * self.sequence_shards
-        position_ids = torch.arange(length, device=inputs.device)[None]
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False,
+                                  "position_ids": torch.arange(length, device=inputs.device)[None]}
         if self.is_first:
-            hidden = base.embed_tokens(inputs)  # (B, T, C)
-            if getattr(base, "embed_positions", None) is not None:
-                hidden = hidden + base.embed_positions(position_ids)
-            hidden = base.drop(hidden) if hasattr(base, "drop") else hidden
+            kwargs[spec.model_input] = inputs
         else:
-            hidden = inputs
-        mask = build_attention_mask(
-            attention_mask, query_length=length, kv_length=length,
-            sliding_window=getattr(cfg, "sliding_window", None), device=hidden.device,
-        )
-        rotary = base.rotary_emb(position_ids, hidden.dtype) if getattr(base, "rotary_emb", None) is not None else None
-        for layer in base.layers:
-            hidden = layer(hidden, mask, rotary)
-        if self.is_last:
-            if getattr(base, "norm", None) is not None:
-                hidden = base.norm(hidden)
-            for name in self._head_names:
-                hidden = getattr(self, name)(hidden)
-        return hidden
+            kwargs["inputs_embeds"] = inputs
+            if token_ids is not None:
+                kwargs["input_ids"] = token_ids
+        out = super().forward(**kwargs)
+        if not self.is_last:
+            return out.last_hidden_state
+        fields = spec.outputs_of(out)
+        return fields[0] if len(fields) == 1 else fields
 
 
-def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1) -> list[CausalLMStage]:
-    """The stage modules ``chunk_ids`` of ``model`` cut into ``num_chunks`` chunks by :func:`layer_ranges`
-    (chunk ``i`` runs on pipeline rank ``i % pp_size``)."""
+_STAGE_CLASSES: dict[type, type] = {}
+
+
+def _stage_class(cls: type) -> type:
+    """``cls`` with :class:`PipelineStageMixin` in front (made once per model class)."""
+    if cls not in _STAGE_CLASSES:
+        _STAGE_CLASSES[cls] = type(f"{cls.__name__}Stage", (PipelineStageMixin, cls), {"__module__": cls.__module__})
+    return _STAGE_CLASSES[cls]
+
+
+def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, task: TaskSpec | None = None) -> nn.Module:
+    """One stage of ``model`` (cut by :func:`cut_to_stages` or whole) as a module torch's schedules can run: a
+    shallow copy sharing the model's modules (no weight is copied), holding ``layers`` and, on the first / last
+    stage, the embeddings / norm and head (see :class:`PipelineStageMixin`). Its state-dict keys are the full
+    model's. ``task`` defaults to the model's own (from its class name)."""
+    _plan_names(model)  # refuses a model without a pipeline plan
+    task = task or task_of_model(model)
+    if task is None:
+        raise ConfigError(f"pipeline_stage > 1 needs a model of a known task; {type(model).__name__} has none "
+                          "(its class name ends in no task suffix of the task registry)")
+    view = _shallow_copy(model)
+    prefix = model.base_model_prefix
+    view._modules[prefix] = _shallow_copy(getattr(model, prefix))
+    _drop_parts(view, layers, is_first, is_last)
+    view.__class__ = _stage_class(type(model))
+    view.layer_ids, view.is_first, view.is_last = layers, is_first, is_last
+    view.stage_index, view.pp_rank, view.sequence_shards, view.pipeline_task = 0, 0, 1, task
+    return view
+
+
+def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1) -> list[nn.Module]:
+    """Cut ``model`` in place to the chunks ``chunk_ids`` of ``num_chunks`` (:func:`layer_ranges`; chunk ``i``
+    runs on pipeline rank ``i % pp_size``) and return their stage views, in order."""
     ranges = layer_ranges(model.config.num_hidden_layers, num_chunks)
+    held = [i for chunk in chunk_ids for i in ranges[chunk]]
+    cut_to_stages(model, held, 0 in chunk_ids, num_chunks - 1 in chunk_ids)
     parts = []
     for i in chunk_ids:
-        part = CausalLMStage(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1)
+        part = stage_view(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1)
         part.stage_index, part.pp_rank = i, i % pp_size
         parts.append(part)
     return parts
 
 
-def count_loss_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry a next-token loss in ``labels`` (shifted by one, ``-100`` ignored)."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def _pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None,
+def _pipeline_loss(output: Any, target: torch.Tensor, task: TaskSpec, config: Any, num_items_in_batch: Any = None,
                    loss_scale: float = 1.0) -> torch.Tensor:
-    """Loss of one micro-batch: token-summed cross-entropy over the whole batch's token count, times
-    ``loss_scale`` (a data-parallel engine that averages gradients over N ranks passes N)."""
-    loss = causal_lm_loss(logits, labels, num_items_in_batch)
+    """Loss of one micro-batch on the last stage: the task's loss summed over the micro-batch's items and divided by
+    the whole batch's ``num_items_in_batch``, times ``loss_scale`` (a data-parallel engine that averages gradients
+    over N ranks passes N). Several label tensors arrive stacked on the last dimension."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    labels = target.unbind(-1) if len(task.label_names) > 1 else (target,)
+    loss = task.compute_loss(outputs, labels, config, num_items_in_batch)
     return loss * loss_scale if loss_scale != 1.0 else loss
 
 
@@ -209,30 +235,34 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-# Schedules kept per input shape (torch fixes a stage's activation shapes when it first runs): training and
-# evaluation batches, and a few sequence lengths of dynamically padded data, each keep theirs.
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a DTensor (vocabulary-sharded logits), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+# Schedules kept per (input shape, training or evaluation): torch fixes a stage's activation shapes when it first
+# runs, so training and evaluation batches and a few sequence lengths of dynamically padded data each keep theirs.
 MAX_CACHED_SCHEDULES = 8
 
 
 class PipelineParallel:
-    """This rank's share of a pipelined causal LM and the schedules that run it.
+    """This rank's share of a pipelined model and the schedules that run it.
 
-    Build it with :func:`build_pipeline`. ``model_parts`` are the stage modules this rank holds (one, or
+    Build it with :func:`build_pipeline`. ``model_parts`` are the stage views this rank holds (one, or
     ``virtual_pipeline_stages`` for interleaved 1F1B); give their parameters to the optimizer. :meth:`step`
     runs forward and backward of a whole per-rank batch and returns the batch loss on every pipeline rank;
-    calling the object runs forward only (evaluation) and returns loss and logits on every pipeline rank.
-
-    torch's ``PipelineStage`` infers the shapes of the activations it sends on its first run and keeps them, so
-    a schedule is built per batch shape (a different sequence length or batch size gets its own).
+    calling the object runs forward only (evaluation) and returns the task's outputs (and loss, with labels) on
+    every pipeline rank.
 
     Attributes:
-        model_parts: this rank's stage modules, in stage order.
+        model_parts: this rank's stage views, in stage order.
         stage_ids: the pipeline stage index of each model part.
+        task: the task whose loss the last stage computes.
         pp_group: the process group of this rank's pipeline.
         pp_rank: this rank's position in the pipeline.
         pp_size: number of pipeline ranks.
         micro_batches: micro-batches each batch is split into.
-        has_first_stage, has_last_stage: whether this rank embeds the tokens / computes the loss.
+        has_first_stage, has_last_stage: whether this rank reads the model input / computes the loss.
     """
 
     def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], num_stages: int,
@@ -241,6 +271,8 @@ class PipelineParallel:
         self.model_parts = model_parts
         self.stage_ids = stage_ids
         self.num_stages = num_stages
+        self.task: TaskSpec = model_parts[0].pipeline_task
+        self.config = model_parts[0].config
         self.pp_group = pp_group
         self.device = device
         self.pp_rank = dist.get_rank(pp_group)
@@ -253,7 +285,7 @@ class PipelineParallel:
         self._vocab_parallel_loss = parallel_config.vocab_parallel
         self._tied_group = tied_group
         self._tied_names = list(tied_names)
-        self._schedules: dict[tuple[int, ...], Any] = {}
+        self._schedules: dict[tuple[Any, ...], Any] = {}
 
     # -- parameters and modes ---------------------------------------------------------------------------------
 
@@ -296,115 +328,125 @@ class PipelineParallel:
 
     # -- running --------------------------------------------------------------------------------------------------
 
-    def _schedule_for(self, shape: tuple[int, ...]) -> Any:
-        schedule = self._schedules.pop(shape, None)
+    def _loss(self, output: Any, target: torch.Tensor, num_items_in_batch: Any = None,
+              loss_scale: float = 1.0) -> torch.Tensor:
+        return _pipeline_loss(output, target, self.task, self.config, num_items_in_batch, loss_scale)
+
+    def _schedule_for(self, shape: tuple[int, ...], training: bool) -> Any:
+        key = (*shape, training)
+        schedule = self._schedules.pop(key, None)
         if schedule is None:
             if len(self._schedules) >= MAX_CACHED_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
             stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
                       for part, i in zip(self.model_parts, self.stage_ids)]
-            # Each micro-batch loss is already divided by the whole batch's tokens: no scaling by the schedule.
-            common = dict(n_microbatches=self.micro_batches, loss_fn=_pipeline_loss, scale_grads=False)
+            # Each micro-batch loss is already divided by the whole batch's items: no scaling by the schedule.
+            # Evaluation computes no loss in the schedule (the outputs come back and the loss is taken on them).
+            common = dict(n_microbatches=self.micro_batches, loss_fn=self._loss if training else None,
+                          scale_grads=False)
             if issubclass(self._schedule_cls, PipelineScheduleSingle):
                 schedule = self._schedule_cls(stages[0], **common)
             else:
                 schedule = self._schedule_cls(stages, **common)
-        self._schedules[shape] = schedule  # most recently used last
+        self._schedules[key] = schedule  # most recently used last
         return schedule
 
-    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-             num_items_in_batch: Any, loss_scale: float, backward: bool) -> tuple[torch.Tensor, Any]:
-        """One schedule run; returns the summed micro-batch losses (on every rank) and the last stage's output."""
+    def _stage_inputs(self, batch: Mapping[str, Any]) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """Positional inputs of the first stage and keyword inputs of every stage, from a batch."""
+        inputs = batch[self.task.model_input]
         kwargs = {}
-        if attention_mask is not None and not bool(attention_mask.all()):
-            kwargs["attention_mask"] = attention_mask
-        args = (input_ids,) if self.has_first_stage else ()
-        target = labels if self.has_last_stage else None
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            kwargs["attention_mask"] = mask
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            kwargs[TOKEN_IDS_KEY] = ids
+        return ((inputs,) if self.has_first_stage else ()), kwargs
+
+    def _target(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The batch's labels as one tensor (several label tensors stacked on a last dimension)."""
+        labels = [batch[name] for name in self.task.label_names]
+        return labels[0] if len(labels) == 1 else torch.stack(labels, dim=-1)
+
+    def step(self, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None,
+             loss_scale: float = 1.0, sync_tied: bool = True) -> torch.Tensor:
+        """Forward and backward of one per-rank batch (the model input, labels, optional ``attention_mask``), split
+        into the configured micro-batches.
+
+        Every rank of the pipeline passes the same batch (the first stage reads the model input, the last the
+        labels). ``num_items_in_batch`` normalises the summed loss (HF's meaning); by default it is this batch's
+        item count, which makes the loss the mean over items. ``loss_scale`` multiplies the loss before backward.
+        Gradients accumulate into the parameters. ``sync_tied`` then sums the gradients of a tied embedding
+        between the first and last stage: pass False for all but the last batch of an accumulation (a sum of
+        already-summed gradients would count the earlier batches twice). Returns the backpropagated batch loss
+        (detached) on every rank of the pipeline.
+        """
+        if num_items_in_batch is None:
+            num_items_in_batch = max(self.task.count_items(batch) or 0, 1)
+        args, kwargs = self._stage_inputs(batch)
+        target = self._target(batch) if self.has_last_stage else None
         losses: list[torch.Tensor] = []
-        schedule = self._schedule_for(tuple(input_ids.shape))
+        schedule = self._schedule_for(tuple(batch[self.task.model_input].shape), training=True)
         loss_kwargs = {"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale}
         # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
-        context = loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext()
-        with context:
-            run = schedule.step if backward else schedule.eval
-            output = run(*args, target=target, losses=losses, return_outputs=not backward, loss_kwargs=loss_kwargs,
-                         **kwargs)
+        with loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext():
+            schedule.step(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
         total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
             else torch.zeros((), device=self.device)
         # The loss is known on the last rank only; the caller logs it on every rank.
         dist.broadcast(total, group_src=self.pp_size - 1, group=self.pp_group)
-        return total, output
-
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0,
-             sync_tied: bool = True) -> torch.Tensor:
-        """Forward and backward of one per-rank batch, split into the configured micro-batches.
-
-        Every rank of the pipeline passes the same batch (the first stage reads ``input_ids``, the last
-        ``labels``). ``num_items_in_batch`` normalises the summed token loss (HF's meaning); by default it is
-        this batch's loss-token count, which makes the loss the token mean. ``loss_scale`` multiplies the loss
-        before backward. Gradients accumulate into the parameters. ``sync_tied`` then sums the gradients of a tied
-        embedding between the first and last stage: pass False for all but the last batch of an accumulation
-        (a sum of already-summed gradients would count the earlier batches twice). Returns the backpropagated
-        batch loss (detached) on every rank of the pipeline.
-        """
-        if num_items_in_batch is None:
-            num_items_in_batch = max(count_loss_tokens(labels), 1)
-        total, _ = self._run(input_ids, labels, attention_mask, num_items_in_batch, loss_scale, backward=True)
         if sync_tied:
             self._sync_tied_grads()
         return total
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
                          num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
-        """:meth:`step` over each gradient-accumulation batch (``input_ids``, ``labels``, optional
-        ``attention_mask``) of one optimizer step; returns the summed loss. ``num_items_in_batch`` is the loss-token
-        count of the whole step, so the sum is the step's loss; by default it is counted from ``micro_batches``."""
+        """:meth:`step` over each gradient-accumulation batch of one optimizer step; returns the summed loss.
+        ``num_items_in_batch`` is the item count of the whole step, so the sum is the step's loss; by default it
+        is counted from ``micro_batches``."""
         if num_items_in_batch is None:
-            num_items_in_batch = max(sum(count_loss_tokens(b["labels"]) for b in micro_batches), 1)
+            num_items_in_batch = max(sum(self.task.count_items(b) or 0 for b in micro_batches), 1)
         total = None
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            loss = self.step(batch["input_ids"], batch["labels"], batch.get("attention_mask"), num_items_in_batch,
-                             loss_scale, sync_tied=i == last)
+            loss = self.step(batch, num_items_in_batch, loss_scale, sync_tied=i == last)
             total = loss if total is None else total + loss
         return total
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 labels: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
-                 **unused: Any) -> CausalLMOutputWithPast:
-        """Forward only (evaluation), like calling the whole model: returns the loss (with ``labels``) and the
-        logits on every pipeline rank. A batch whose size the micro-batches do not divide is padded with
-        ignored rows. Other model arguments (``use_cache``, ...) are accepted and ignored."""
-        rows = input_ids.shape[0]
+    def __call__(self, num_items_in_batch: int | torch.Tensor | None = None, **batch: Any) -> Any:
+        """Forward only (evaluation), like calling the whole model with the batch's tensors: returns the task's
+        output (``logits``, or start/end logits) on every pipeline rank, with the loss when the batch has labels.
+        A batch whose size the micro-batches do not divide is padded with copies of its first row, cut off again
+        afterwards. Other model arguments (``use_cache``, ...) are accepted and ignored."""
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        rows = tensors[self.task.model_input].shape[0]
         extra = -rows % self.micro_batches
         if extra:
-            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
-            if labels is not None:
-                labels = torch.cat([labels, torch.full_like(labels[:1], IGNORE_INDEX).expand(extra, -1)])
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(extra, -1)])
-        # The schedules always compute a loss; without labels it is over no token and not reported.
-        targets = labels if labels is not None else torch.full_like(input_ids, IGNORE_INDEX)
-        if num_items_in_batch is None:
-            num_items_in_batch = max(count_loss_tokens(targets), 1)
-        loss, output = self._run(input_ids, targets, attention_mask, num_items_in_batch, 1.0, backward=False)
-        logits = self._broadcast_logits(output, tuple(input_ids.shape))
-        return CausalLMOutputWithPast(loss=loss if labels is not None else None, logits=logits[:rows])
+            tensors = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in tensors.items()}
+        args, kwargs = self._stage_inputs(tensors)
+        schedule = self._schedule_for(tuple(tensors[self.task.model_input].shape), training=False)
+        output = schedule.eval(*args, **kwargs)
+        outputs = [t[:rows] for t in self._broadcast_outputs(output)]
+        fields = dict(zip(self.task.output_fields, outputs))
+        if all(isinstance(batch.get(name), torch.Tensor) for name in self.task.label_names):
+            labels = [batch[name] for name in self.task.label_names]
+            fields["loss"] = self.task.compute_loss(outputs, labels, self.config, num_items_in_batch)
+        return self.task.output_class(**fields)
 
-    def _broadcast_logits(self, output: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        """The last stage's logits on every pipeline rank."""
+    def _broadcast_outputs(self, output: Any) -> list[torch.Tensor]:
+        """The last stage's output tensors on every pipeline rank."""
         if self.has_last_stage:
-            logits = output.full_tensor() if hasattr(output, "full_tensor") else output
-            meta = [tuple(logits.shape), logits.dtype]
+            tensors = [_full(t) for t in (output if isinstance(output, tuple) else (output,))]
+            meta = [[(tuple(t.shape), t.dtype) for t in tensors]]
         else:
-            meta = [None, None]
+            meta = [None]
         dist.broadcast_object_list(meta, group_src=self.pp_size - 1, group=self.pp_group)
         if not self.has_last_stage:
-            logits = torch.empty(meta[0], dtype=meta[1], device=self.device)
-        dist.broadcast(logits.contiguous(), group_src=self.pp_size - 1, group=self.pp_group)
-        return logits
+            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0]]
+        for tensor in tensors:
+            dist.broadcast(tensor.contiguous(), group_src=self.pp_size - 1, group=self.pp_group)
+        return tensors
 
     def _sync_tied_grads(self) -> None:
         """Sum the gradients of weights shared by the first and last stage (tied input/output embeddings):
@@ -417,31 +459,6 @@ class PipelineParallel:
                 param = params.get(name)
                 if param is not None and param.grad is not None:
                     dist.all_reduce(_local(param.grad), group=self._tied_group)
-
-    # -- the original model ---------------------------------------------------------------------------------------
-
-    def keep_local_stages(self, model: nn.Module) -> nn.Module:
-        """Cut ``model`` (the model the stages were made from) down to what this rank holds, in place: the
-        layers of its stages (under their original indices), and the embeddings / final norm and head only on
-        the first / last stage. Its parameters are then exactly this rank's, under the full model's names, so
-        optimizers, gradient norms and sharded checkpoints can use it as "the model". Returns ``model``."""
-        parts = [part for part in self.model_parts if isinstance(part, CausalLMStage)]
-        if len(parts) != len(self.model_parts):
-            raise TypeError("keep_local_stages needs the CausalLMStage parts built by build_pipeline")
-        before, after, head = _plan_names(model)
-        base = getattr(model, model.base_model_prefix)
-        layers = {str(i): base.layers[i] for part in parts for i in part.layer_ids}
-        base.layers = LayerSlice(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
-        for name in before:
-            if not self.has_first_stage and getattr(base, name, None) is not None:
-                setattr(base, name, None)
-        for name in after:
-            if not self.has_last_stage and getattr(base, name, None) is not None:
-                setattr(base, name, None)
-        for name in head:
-            if not self.has_last_stage and getattr(model, name, None) is not None:
-                setattr(model, name, None)
-        return model
 
 
 def _tied_weight_names(model: nn.Module) -> list[str]:
@@ -480,23 +497,23 @@ def build_pipeline(
     parallel_config: ParallelConfig,
     mesh: Any = None,
     device: torch.device | str | None = None,
-    parallelize: Callable[[CausalLMStage], nn.Module | None] | None = None,
+    parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
 ) -> PipelineParallel:
-    """Cut ``model`` into pipeline stages and keep this rank's, ready to run with torch's schedules.
+    """Cut ``model`` in place to this rank's stages and return them ready to run with torch's schedules.
 
     Args:
-        model: a causal LM declaring a pipeline plan (e.g. ``GPTForCausalLM``), with the same weights on every
-            rank (same seed or same checkpoint). Its submodules are shared by the stage modules; either drop the
-            other references to it, or cut it down with :meth:`PipelineParallel.keep_local_stages`, so the layers
-            of other stages are freed.
+        model: a model of a task of the registry declaring a pipeline plan (``GPTForCausalLM``,
+            ``GPTForSequenceClassification``, ...), with the same weights on every rank (same seed or same
+            checkpoint). It is cut in place (:func:`cut_to_stages`): afterwards it holds exactly this rank's
+            parameters under the full model's names.
         parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
             ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
         mesh: the run's :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
             pipeline mesh; None uses the whole world as the pipeline.
-        device: where the stage modules run (default: the current CUDA device with NCCL, else CPU).
-        parallelize: applied to each stage module after the cut (tensor parallel, recompute, data parallel /
-            ZeRO, in torchtitan's order; ``part.pp_rank`` gives the stage for per-stage settings); it may return
-            a wrapping module or modify the part in place and return None.
+        device: where the stages run (default: the current CUDA device with NCCL, else CPU).
+        parallelize: applied to each stage view (tensor parallel, recompute, data parallel / ZeRO, in
+            torchtitan's order; ``part.pp_rank`` gives the stage for per-stage settings); it may return a wrapping
+            module or modify the part in place and return None.
     """
     pp, vpp = parallel_config.pp, parallel_config.vpp
     group = _pp_group(mesh)
@@ -511,13 +528,13 @@ def build_pipeline(
     device = torch.device(device)
     num_chunks = pp * vpp
     chunk_ids = stage_ids_for_rank(pp_rank, pp, vpp)
+    tied_names = _tied_weight_names(model) if pp > 1 else []
+    model.to(device)
     parts: list[nn.Module] = []
     for part in split_model(model, num_chunks, chunk_ids, pp):
         part.sequence_shards = parallel_config.tp if parallel_config.sequence_parallel else 1
-        part.to(device)
         if parallelize is not None:
             part = parallelize(part) or part
         parts.append(part)
-    tied_names = _tied_weight_names(model) if pp > 1 else []
     tied_group = _tied_group(group, pp_rank, pp) if tied_names else None
     return PipelineParallel(parts, chunk_ids, num_chunks, parallel_config, group, device, tied_group, tied_names)

@@ -25,7 +25,7 @@ stream is split along the sequence (``Shard(1)``) across the tensor-parallel ran
 ``SequenceParallel``; the attention and MLP blocks get ``PrepareModuleInput`` that all-gathers the sequence before
 their column-parallel projections; their row-parallel projections reduce-scatter back to ``Shard(1)``. The
 stream is cut into sequence shards at the embedding dropout (``<base>.drop``), after the position embeddings
-were added, and the LM head all-gathers it again.
+were added, and the head (LM head, classifier, QA outputs) all-gathers it again.
 
 Model code never changes: layers compute with local sizes (``view(b, t, -1, head_dim)``), so a rank holding
 half the heads simply sees half the heads.
@@ -136,6 +136,12 @@ def _styles(
     for name in scatter:
         styles[name] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
                                           use_local_output=True)
+    # Task heads beside the base model (a classifier's ``score``, ``qa_outputs``) need the whole sequence too.
+    base = getattr(model, "base_model_prefix", None)
+    for name, child in model.named_children():
+        if name != base and name not in styles and any(True for _ in child.parameters()):
+            styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True)
     return styles
 
 
