@@ -22,6 +22,7 @@ from .models import registry
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.safetensors_io import load_state_dict
+from .utils.typed_values import coerce_fields
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,16 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     """(our config, its family, whether the source is an HF checkpoint) for a preset name or a folder.
 
     ``overrides`` are config fields; for a preset they take part in deriving the other sizes (``hidden_size``
-    changes ``head_dim``), for a checkpoint they replace stored values (dropout, labels, ...).
+    changes ``head_dim``), for a checkpoint they replace stored values (dropout, labels, ...). String values of
+    typed fields are read by the field's type (``"no"`` for a boolean field is False), as recipes and command-line
+    flags give them.
     """
     path = Path(name_or_path)
     if path.is_dir():
         raw = _read_config_json(path)
         family = _family_of(raw.get("model_type"), str(path / "config.json"))
         _check_fields(family.config_class, overrides)
+        overrides = coerce_fields(family.config_class, overrides)
         from_hf = raw.get("model_type") != family.config_class.model_type
         if from_hf:
             config = family.converter.config_from_hf(raw)
@@ -66,6 +70,7 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     if family is None:
         raise ConfigError(f"{str(name_or_path)!r} is neither a checkpoint folder nor a preset; presets: {', '.join(registry.all_presets())}")
     _check_fields(family.config_class, overrides)
+    overrides = coerce_fields(family.config_class, overrides)
     return family.config_class(**{**family.presets[str(name_or_path)], **overrides}), family, False
 
 

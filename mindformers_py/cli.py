@@ -1,4 +1,4 @@
-"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``demo``.
+"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets.
 
 User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2; anything else is a bug
 and keeps its traceback.

@@ -1,6 +1,5 @@
 """Every notebook runs top to bottom (small settings) in a fresh kernel."""
 
-import os
 from pathlib import Path
 
 import nbformat

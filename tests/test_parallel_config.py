@@ -348,7 +348,9 @@ def test_experts_against_expert_parallel():
                      "expert_parallel=4", f"{source}=6", "choose one of: 1, 2")
     config_error(lambda: ep4.validate_for(4, model(moe_config=MoEConfig(expert_num=2))),
                  "expert_parallel=4", "moe_config.expert_num=2")
-    ep4.validate_for(4, model(num_experts=1))  # a dense model has nothing to split
+    # a dense model has nothing to split: expert_parallel > 1 there would do nothing, so it is refused
+    config_error(lambda: ep4.validate_for(4, model(num_experts=1)), "expert_parallel=4", "without experts")
+    semi(data_parallel=2, model_parallel=2).validate_for(4, model(num_experts=1))
 
 
 def test_hf_config_attributes_are_read():
@@ -384,8 +386,8 @@ def test_auto_parallel_is_planned_by_with_layout():
     assert planned.parallel_mode == "semi_auto_parallel"
     assert (planned.dp, planned.tp, planned.pp, planned.ep, planned.required_world_size()) == (2, 2, 2, 2, 8)
     assert planned.recompute == auto.recompute and planned.recompute is not auto.recompute
-    planned.validate_for(8, model())
-    config_error(lambda: planned.validate_for(8, model(num_attention_heads=3)), "model_parallel=2")
+    planned.validate_for(8, model(num_experts=4))
+    config_error(lambda: planned.validate_for(8, model(num_attention_heads=3, num_experts=4)), "model_parallel=2")
     config_error(lambda: auto.with_layout(1, 1, 4), "micro_batch_num=2", "pipeline_stage=4")
     config_error(lambda: auto.with_layout(2, dp=2), "dp is not a ParallelConfig field")
     dp_only = ParallelConfig(parallel_mode="data_parallel").with_layout(4)

@@ -135,3 +135,66 @@ def test_one_flag_switches_to_distributed_with_the_same_losses(recipe, tmp_path,
     single, dist = _losses(tmp_path / "sa"), _losses(tmp_path / "dist")
     assert len(single) == len(dist) == 3
     assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, dist)), (single, dist)
+
+
+def test_yaml_and_flags_read_values_by_the_fields_type(recipe, tmp_path, capsys):
+    """``no``/``off``/``none`` are strings for string fields (not YAML 1.1 booleans) and booleans for boolean ones."""
+    data = yaml.safe_load(recipe.read_text())
+    text = yaml.safe_dump(data).replace("save_strategy: 'no'", "save_strategy: no")
+    text += "\n".join(["", "generate:", "  prompts: ['def function_']", "  max_new_tokens: 3", "  do_sample: no"])
+    assert "save_strategy: no\n" in text
+    path = tmp_path / "typed.yaml"
+    path.write_text(text)
+    assert load_recipe(path)["training"]["save_strategy"] == "no"
+    code, out = run_cli(path, "--eval_strategy", "no", "--report_to", "none", "--plot_loss_curve", "off",
+                        "--max_steps", "1", "--model.tie_word_embeddings", "no", capsys=capsys)
+    assert code == 0, out.err
+    resolved = yaml.safe_load((tmp_path / "out" / "run_config.yaml").read_text())
+    assert resolved["training"]["eval_strategy"] == "no" and resolved["training"]["report_to"] == "none"
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False
+    assert not (tmp_path / "out" / "loss_curve.png").exists()
+
+
+def test_sequence_classification_recipe_trains_evaluates_and_predicts(tmp_path, capsys):
+    """A recipe with ``task: text_classification`` loads a classifier, numbers string labels, reports accuracy and
+    F1 and runs the text-classification pipeline on the prompts."""
+    import csv
+
+    rows = [("def add(a, b): return a + b", "math"), ("print('hello world')", "io"), ("x = a * b - c", "math"),
+            ("open(path).read()", "io")] * 12
+    for name, part in (("train.csv", rows), ("val.csv", rows[:8])):
+        with open(tmp_path / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["code", "kind"])
+            writer.writerows(part)
+    recipe = {
+        "task": "text_classification",
+        "model": {"name_or_path": "gpt_tiny", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                  "max_position_embeddings": 64},
+        "tokenizer": {"vocab_size": 300},
+        "data": {"source": "files", "train_files": str(tmp_path / "train.csv"), "validation_files": str(tmp_path / "val.csv"),
+                 "text_column": "code", "label_column": "kind", "block_size": 32},
+        "training": {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 8, "max_steps": 4,
+                     "learning_rate": 0.01, "report_to": [], "disable_tqdm": True, "save_strategy": "no",
+                     "eval_strategy": "steps", "eval_steps": 4},
+        "generate": {"prompts": ["print('again')"]},
+    }
+    path = tmp_path / "cls.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out = run_cli(path, capsys=capsys)
+    assert code == 0, out.err
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["GPTForSequenceClassification"] and config["id2label"] == {"0": "io", "1": "math"}
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    evals = [h for h in state["log_history"] if "eval_accuracy" in h]
+    assert evals and {"eval_f1", "eval_precision", "eval_recall", "eval_loss"} <= set(evals[-1])
+    assert "'label': 'io'" in out.out or "'label': 'math'" in out.out
+    code, out = run_cli(path, "--run_mode", "eval", "--model.name_or_path", tmp_path / "out", "--output_dir",
+                        tmp_path / "eval", capsys=capsys)
+    assert code == 0, out.err
+
+
+def test_a_task_without_recipe_data_is_refused(recipe, capsys):
+    code, out = run_cli(recipe, "--task", "image_classification", capsys=capsys)
+    assert code == 2 and "task='image_classification'" in out.err and "causal_lm" in out.err

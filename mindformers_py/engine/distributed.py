@@ -120,12 +120,19 @@ class DistributedEngine(Engine):
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size)
         model.to(self.device)
+        return self.parallelize(model)
+
+    def parallelize(self, module: nn.Module, stage: int = 0) -> nn.Module:
+        """Apply the layout to ``module`` (the model, or pipeline stage ``stage`` of it) in place with
+        :func:`~mindformers_py.parallel.parallelize.parallelize`: tensor parallel, recompute, ``torch.compile``
+        of each layer (``torch_compile``, ``torch_compile_mode``), data parallel / ZeRO with bf16 mixed precision
+        under FSDP2. The one place every distributed engine's modules are parallelized."""
         fsdp_family = self.parallel_config.data_parallel_engine in (FSDP, REPLICATE)
         self._fsdp_mixed_precision = bool(self.args.bf16 and fsdp_family)
-        parallelize(model, self.parallel_config, self.mesh,
-                    param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
-                    compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode)
-        return model
+        return parallelize(module, self.parallel_config, self.mesh,
+                           param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
+                           compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
+                           stage=stage)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),

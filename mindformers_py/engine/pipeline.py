@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..parallel.config import DDP_ZERO1, FSDP, REPLICATE, ParallelConfig
-from ..parallel.parallelize import parallelize
+from ..parallel.config import DDP_ZERO1, ParallelConfig
 from ..parallel.pipeline import PipelineParallel, build_pipeline
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
@@ -65,14 +64,8 @@ class PipelineEngine(DistributedEngine):
                 f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
-        self._fsdp_mixed_precision = bool(self.args.bf16 and config.data_parallel_engine in (FSDP, REPLICATE))
-        dtype = torch.bfloat16 if self._fsdp_mixed_precision else None
-
-        def parallelize_stage(part: nn.Module) -> nn.Module:
-            return parallelize(part, config, self.mesh, param_dtype=dtype, compile_layers=bool(self.args.torch_compile),
-                               compile_mode=self.args.torch_compile_mode, stage=part.pp_rank)
-
-        self.pipeline = build_pipeline(model, config, self.mesh, self.device, parallelize=parallelize_stage)
+        self.pipeline = build_pipeline(model, config, self.mesh, self.device,
+                                       parallelize=lambda part: self.parallelize(part, stage=part.pp_rank))
         return self.pipeline
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],

@@ -37,8 +37,8 @@ from .config_base import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _prefixed, _
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
-from .moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig, _expert_count
-from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig
+from .moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig, _expert_count  # noqa: F401
+from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 # MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
@@ -295,6 +295,9 @@ class ParallelConfig(_Section):
                 f"expected at most {num_layers} model chunks (each needs a layer)"
             )
         experts, source = _expert_count(cfg)
+        if experts is None and self.ep > 1:
+            raise ConfigError(f"expert_parallel={self.ep} is not valid for a model without experts (a dense model); "
+                              "expected expert_parallel=1, or a model with experts (MoE)")
         if experts is not None and experts % self.ep:
             raise ConfigError(
                 f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "

@@ -52,7 +52,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
-from .config import DDP_ZERO1, FSDP, NONE, REPLICATE, ParallelConfig
+from .config import DDP_ZERO1, NONE, REPLICATE, ParallelConfig
 from .mesh import ParallelMesh
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import Attention, attention_core
+from ..errors import ConfigError
 from .config import RecomputeConfig
+from .recompute_config import SELECT_RECOMPUTE_CHOICES
 from .data import layer_modules
 
 
@@ -58,9 +60,18 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0
     for layer in chosen:
         for part in recompute.select_recompute:
             if part == "attention_core":
-                for module in layer.modules():
-                    if isinstance(module, Attention):
-                        module.core = _checkpointed_attention_core
+                attentions = [m for m in layer.modules() if isinstance(m, Attention)]
+                if not attentions:
+                    raise ConfigError(
+                        f"recompute.select_recompute='attention_core' is not valid for {type(layer).__name__}: it "
+                        f"holds no {Attention.__module__}.Attention whose core could be recomputed; choose one of: "
+                        f"{', '.join(repr(n) for n, c in layer.named_children() if n in SELECT_RECOMPUTE_CHOICES)}"
+                        " or recompute='full'")
+                for module in attentions:
+                    module.core = _checkpointed_attention_core
             elif isinstance(getattr(layer, part, None), nn.Module):
                 _wrap_child(layer, part)
+            else:
+                raise ConfigError(f"recompute.select_recompute={part!r} is not valid for {type(layer).__name__}: it has "
+                                  f"no submodule {part!r}; its submodules: {', '.join(n for n, _ in layer.named_children())}")
     return model

@@ -1,6 +1,6 @@
 """Task pipelines: ``mindformers_py.pipeline(task, model=..., tokenizer=...)``, transformers' pipelines on our models.
 
-Tasks live in :data:`~mindformers_py.pipelines.base.TASKS`; adding one is one :func:`register_task` entry below.
+Tasks live in :data:`~mindformers_py.pipelines.base.PIPELINES`; adding one is one :func:`register_pipeline` entry below.
 """
 
 from __future__ import annotations
@@ -10,10 +10,15 @@ from typing import Any
 
 from transformers import Pipeline, PreTrainedModel
 
-from .base import TASKS, PipelineTask, get_task, load_model, load_preprocessor, register_task
+from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
+from .classification import TextClassificationPipeline, TokenClassificationPipeline
 from .text_generation import TextGenerationPipeline
 
-register_task(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
+register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
+register_pipeline(PipelineTask("text-classification", TextClassificationPipeline, "sequence_classification",
+                           aliases=("text_classification", "sentiment-analysis")))
+register_pipeline(PipelineTask("token-classification", TokenClassificationPipeline, "token_classification",
+                           aliases=("token_classification", "ner")))
 
 
 def pipeline(
@@ -34,7 +39,7 @@ def pipeline(
             generation parameters such as ``max_new_tokens``, ...); ``dtype``/``torch_dtype`` apply when the model is
             loaded here.
     """
-    entry = get_task(task)
+    entry = get_pipeline(task)
     load_kwargs = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype") if kwargs.get(key) is not None}
     model, folder = load_model(entry, model, **load_kwargs)
     given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
@@ -43,4 +48,5 @@ def pipeline(
     return entry.pipeline_class(model=model, task=entry.name, **arguments)
 
 
-__all__ = ["pipeline", "PipelineTask", "register_task", "get_task", "TASKS", "TextGenerationPipeline"]
+__all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
+           "TextGenerationPipeline", "TokenClassificationPipeline"]

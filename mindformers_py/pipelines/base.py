@@ -1,6 +1,6 @@
 """The task table behind :func:`mindformers_py.pipeline` and the loading of a pipeline's model and preprocessor.
 
-A task is one :class:`PipelineTask` entry in :data:`TASKS`: its transformers-style name, MindFormers-style aliases,
+A task is one :class:`PipelineTask` entry in :data:`PIPELINES`: its transformers-style name, MindFormers-style aliases,
 the pipeline class (a transformers ``Pipeline`` subclass, so pre- and post-processing are transformers' own), the
 training task it serves in the task registry (whose Auto class loads the model from a preset or a checkpoint
 folder), and the preprocessor it needs.
@@ -18,6 +18,18 @@ from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrained
 from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
+
+class AcceptsOurModels:
+    """Mixin for a transformers ``Pipeline`` subclass: our families' models count as supported (transformers
+    checks the class name against its own tables, which list only transformers' classes, and logs an error)."""
+
+    def check_model_type(self, supported_models: list[str] | dict) -> None:
+        """transformers' check, passing our families' model classes."""
+        ours = {cls for family in registry.FAMILIES for cls in family.model_classes.values()}
+        if type(self.model) in ours or any(isinstance(self.model, cls) for cls in ours):
+            return
+        super().check_model_type(supported_models)
+
 
 PREPROCESSOR_LOADERS: dict[str, Any] = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor}
 """Preprocessor argument of a pipeline -> the transformers Auto class that loads it from a folder."""
@@ -46,21 +58,23 @@ class PipelineTask:
         return auto_class_for(self.task)
 
 
-TASKS: dict[str, PipelineTask] = {}
+PIPELINES: dict[str, PipelineTask] = {}
 """Task name or alias -> its entry."""
 
 
-def register_task(task: PipelineTask) -> None:
+def register_pipeline(task: PipelineTask) -> None:
     """Make ``task`` available to :func:`mindformers_py.pipeline` under its name and aliases."""
     for name in (task.name, *task.aliases):
-        TASKS[name] = task
+        PIPELINES[name] = task
 
 
-def get_task(name: str) -> PipelineTask:
-    """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` listing the valid tasks."""
-    if name not in TASKS:
-        raise invalid_choice("task", name, sorted(TASKS))
-    return TASKS[name]
+def get_pipeline(name: str) -> PipelineTask:
+    """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` listing every task name, each
+    followed by its aliases."""
+    if name not in PIPELINES:
+        names = [n for key, entry in PIPELINES.items() if key == entry.name for n in (entry.name, *entry.aliases)]
+        raise invalid_choice("task", name, names)
+    return PIPELINES[name]
 
 
 def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:

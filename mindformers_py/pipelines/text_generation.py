@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import transformers
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
 from ..generation import check_context_length
-from ..models import registry
+from .base import AcceptsOurModels
 
 
-class TextGenerationPipeline(transformers.TextGenerationPipeline):
+class TextGenerationPipeline(AcceptsOurModels, transformers.TextGenerationPipeline):
     """transformers' text-generation pipeline (same inputs, arguments and outputs) that also:
 
     - accepts our causal LMs without transformers logging them as unsupported;
@@ -20,13 +18,6 @@ class TextGenerationPipeline(transformers.TextGenerationPipeline):
     - raises a one-line :class:`~mindformers_py.MindFormersError` before generating when the prompt and the requested
       new tokens do not fit the context (naming the prompt length, ``max_new_tokens`` and the context length).
     """
-
-    def check_model_type(self, supported_models: list[str] | dict) -> None:
-        """transformers' check, with our families' causal LMs counted as supported."""
-        if supported_models is MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            ours = [f.model_classes["causal_lm"].__name__ for f in registry.FAMILIES if "causal_lm" in f.model_classes]
-            supported_models = [*supported_models.values(), *ours]
-        super().check_model_type(supported_models)
 
     def _forward(self, model_inputs: dict[str, Any], **generate_kwargs: Any) -> dict[str, Any]:
         context = getattr(self.model.config, "max_position_embeddings", None)

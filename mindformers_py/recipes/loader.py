@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,28 @@ from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
 from .sections import DataSection, GenerateSection, TokenizerSection
 
-TOP_LEVEL_KEYS = ("run_mode",)
+TOP_LEVEL_KEYS = ("run_mode", "task")
 SECTIONS = ("model", "tokenizer", "data", "training", "parallel", "generate")
 _SECTION_CLASSES = {"tokenizer": TokenizerSection, "data": DataSection, "generate": GenerateSection}
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only ``true``/``false`` are booleans, so ``save_strategy: no``
+    or ``--report_to off`` stay strings; each field then reads the value by its own type (a boolean field turns
+    ``no`` into False)."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML text with :class:`RecipeLoader`."""
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _training_fields() -> list[str]:
@@ -49,7 +69,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise MindFormersError(f"recipe {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -84,7 +104,8 @@ def check_recipe(recipe: dict[str, Any], where: str) -> None:
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """``["--max_steps", "8", "--model.num_layers=4"]`` -> ``[("max_steps", 8), ("model.num_layers", 4)]``.
 
-    Values are parsed as YAML scalars (``8`` -> int, ``true`` -> bool, ``[1,2]`` -> list, ``null`` -> None).
+    Values are parsed as YAML scalars (``8`` -> int, ``true`` -> bool, ``[1,2]`` -> list, ``null`` -> None); ``no``,
+    ``off`` and ``none`` stay strings, which each field reads by its type.
     """
     out: list[tuple[str, Any]] = []
     i = 0
@@ -99,7 +120,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             value = args[i + 1]
             i += 1
         try:
-            parsed = yaml.safe_load(value)
+            parsed = parse_yaml(value)
         except yaml.YAMLError:
             parsed = value
         out.append((key, value if parsed is None and value.lower() not in ("null", "none", "~") else parsed))

@@ -1,6 +1,10 @@
 """Running a task recipe: build tokenizer, data, model, TrainingArguments and ParallelConfig from the sections,
 then train / finetune / evaluate / predict. The same recipe runs on one process or many: only ``parallel``
 changes, and when it needs more processes than this one the run re-launches itself under torchrun's machinery.
+
+The recipe's ``task`` (a task registry name or alias; ``causal_lm`` by default) decides which Auto class loads the
+model, how the data is prepared (:mod:`mindformers_py.data.recipe_data`), the collator, the evaluation metrics
+and which pipeline runs on ``generate.prompts`` after training.
 """
 
 from __future__ import annotations
@@ -11,20 +15,34 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, check_choice
-from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..parallel.config import ParallelConfig
+from ..parallel.launch import launched_by_torchrun as under_torchrun
+from ..task_registry import TASKS, TaskSpec, get_task
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
 RESOLVED_NAME = "run_config.yaml"
+DEFAULT_TASK = "causal_lm"
+
+
+def recipe_task(recipe: dict[str, Any]) -> TaskSpec:
+    """The recipe's task; one without a data preparation is refused naming those that have one."""
+    task = get_task(recipe.get("task") or DEFAULT_TASK)
+    if task.recipe_data is None:
+        ready = [t.name for t in TASKS.values() if t.recipe_data]
+        raise ConfigError(f"task={task.name!r} has no recipe data preparation; recipes run the tasks: {', '.join(ready)} "
+                          "(train other tasks from Python with Trainer)")
+    return task
 
 
 def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run a recipe dict (with CLI-style ``overrides``); returns the final metrics (and generated samples)."""
+    """Run a recipe dict (with CLI-style ``overrides``); returns the final metrics (and the pipeline's outputs on
+    ``generate.prompts``)."""
     recipe = apply_overrides(recipe, parse_overrides(overrides or []))
     check_recipe(recipe, "recipe")
     run_mode = recipe.get("run_mode", "train")
     check_choice("run_mode", run_mode, RUN_MODES)
+    task = recipe_task(recipe)
     parallel = ParallelConfig.coerce(recipe.get("parallel"), "parallel")
     tok_s = section_from_dict(TokenizerSection, recipe.get("tokenizer"), "tokenizer")
     data_s = section_from_dict(DataSection, recipe.get("data"), "data")
@@ -35,11 +53,14 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
-    from ..auto import resolve_config
+    from ..auto import auto_class_for, resolve_config
     from ..parallel.planner import auto_parallel, default_world_size
     from ..trainer.arguments import TrainingArguments
 
-    args = TrainingArguments(**dict(recipe.get("training") or {}))  # field names and values, before anything slow
+    training = dict(recipe.get("training") or {})
+    if training.get("task") not in (None, task.name) and get_task(training["task"]) is not task:
+        raise ConfigError(f"training.task={training['task']!r} contradicts the recipe's task={task.name!r}; keep one")
+    args = TrainingArguments(**{**training, "task": task.name})  # field names and values, before anything slow
     config, _, _ = resolve_config(name_or_path, **model_s)
     if data_s.block_size > config.max_position_embeddings:
         raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
@@ -58,30 +79,38 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         model_s.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             model_s.setdefault(name, getattr(tokenizer, name))
-        config, _, _ = resolve_config(name_or_path, **model_s)
+    datasets = None
+    if run_mode != "predict":
+        from ..data.recipe_data import RECIPE_DATA
+
+        datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
+        for key, value in datasets.config_updates.items():
+            if key in model_s and model_s[key] != value:
+                raise ConfigError(f"model.{key}={model_s[key]!r} contradicts the data, which gives {key}={value!r}; "
+                                  f"remove model.{key}")
+            model_s[key] = value
+    config, _, _ = resolve_config(name_or_path, **model_s)
     parallel.validate_for(world, config, per_device_batch=per_device_batch)
-    datasets = _datasets(data_s, tokenizer) if run_mode != "predict" else (None, None)
     if world > 1 and not under_torchrun():
         return _relaunch(recipe, args.output_dir, world)
 
     from transformers import set_seed
 
-    from ..auto import AutoModelForCausalLM
-
     args = dataclasses.replace(args, parallel_config=parallel)
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_s)
+    auto = auto_class_for(task.name)
+    model = auto.from_pretrained(name_or_path, **model_s)
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}; set model.vocab_size")
 
     results: dict[str, Any] = {}
     if run_mode != "predict":
-        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_path))
+        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task))
     if gen_s.prompts and world == 1:
-        results["samples"] = generate_samples(model, tokenizer, gen_s, args.output_dir)
+        results["samples"] = run_pipeline(task, model, tokenizer, gen_s, args.output_dir)
     elif gen_s.prompts and under_torchrun() and args.process_index == 0 and run_mode != "predict":
-        # Ranks hold shards of the model; rank 0 generates from the consolidated checkpoint just saved.
-        results["samples"] = generate_samples(AutoModelForCausalLM.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
+        # Ranks hold shards of the model; rank 0 runs the pipeline on the consolidated checkpoint just saved.
+        results["samples"] = run_pipeline(task, auto.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
     return results
 
 
@@ -101,29 +130,15 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     return train_bpe_tokenizer(texts, tok_s.vocab_size)
 
 
-def _datasets(data_s: DataSection, tokenizer):
-    from ..data import default_pretraining_data, load_text_files, pack_dataset
-
-    if data_s.source == "stdlib":
-        train, val = default_pretraining_data(tokenizer, data_s.block_size, max_files=data_s.max_files)
-    else:
-        def packed(files):
-            return pack_dataset(load_text_files(files, format=data_s.format), tokenizer, data_s.block_size, text_column=data_s.text_column)
-
-        train = packed(data_s.train_files)
-        val = packed(data_s.validation_files) if data_s.validation_files else None
-    if val is not None and data_s.max_eval_samples is not None:
-        val = val.select(range(min(len(val), data_s.max_eval_samples)))
-    return train, val
-
-
-def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_path) -> dict[str, Any]:
-    from ..data import DataCollatorForCausalLM
+def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: TaskSpec) -> dict[str, Any]:
+    from ..metrics import AVAILABLE, classification_metrics
     from ..trainer import Trainer
 
-    train, val = datasets
-    trainer = Trainer(model=model, args=args, data_collator=DataCollatorForCausalLM(tokenizer),
-                      train_dataset=train if run_mode != "eval" else None, eval_dataset=val, processing_class=tokenizer)
+    train, val = datasets.train, datasets.validation
+    # The task's default metrics, for tasks scored by comparing each prediction's argmax with its label.
+    metrics = [m for m in task.metrics if m in AVAILABLE] if task.items in ("sequences", "images") else []
+    trainer = Trainer(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
+                      processing_class=tokenizer, compute_metrics=classification_metrics(metrics) if metrics else None)
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
@@ -142,15 +157,20 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, name_or_p
     return trainer.evaluate()
 
 
-def generate_samples(model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[str]:
-    """Continue each prompt with ``pipeline("text-generation")``; print them and save ``samples.txt``."""
+def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[Any]:
+    """Run the task's pipeline on each of ``gen_s.prompts`` (generation settings apply to text generation); print
+    the results and save ``samples.txt``."""
     from ..pipelines import pipeline
 
-    gen = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample, repetition_penalty=gen_s.repetition_penalty)
-    if gen_s.do_sample:
-        kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
-    samples = [out[0]["generated_text"] for out in (gen(p, **kwargs) for p in gen_s.prompts)]
+    pipe = pipeline(task.pipeline, model=model, tokenizer=tokenizer)
+    kwargs: dict[str, Any] = {}
+    if task.name == "causal_lm":
+        kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample,
+                      repetition_penalty=gen_s.repetition_penalty)
+        if gen_s.do_sample:
+            kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
+    outputs = [pipe(p, **kwargs) for p in gen_s.prompts]
+    samples = [out[0]["generated_text"] for out in outputs] if task.name == "causal_lm" else outputs
     text = "\n\n".join(f"----- sample {i + 1} -----\n{s}" for i, s in enumerate(samples))
     print(text)
     Path(output_dir).mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError, check_choice
+from ..utils.typed_values import coerce_fields
 
 RUN_MODES = ("train", "finetune", "eval", "predict")
 DATA_SOURCES = ("stdlib", "files")
@@ -37,8 +38,13 @@ class DataSection:
     """Loader for ``files``: text, json or csv; None infers it from the extension."""
     text_column: str = "text"
     """Column holding the text in json/csv files."""
+    text_pair_column: str | None = None
+    """Column holding a second text of each row (sentence-pair classification); None for single texts."""
+    label_column: str = "label"
+    """Column holding each row's label (classification tasks): a class name, a class id or a number."""
     block_size: int = 256
-    """Tokens per training sample (documents are concatenated and cut into blocks)."""
+    """Tokens per training sample: language modelling concatenates documents and cuts them into blocks of this
+    size; classification truncates each row to it."""
     max_files: int | None = None
     """Use at most this many stdlib files per split (quick runs); None uses all."""
     max_eval_samples: int | None = None
@@ -54,10 +60,12 @@ class DataSection:
 
 @dataclass
 class GenerateSection:
-    """Text generated after training (``train``/``finetune``) or by ``predict``, with ``pipeline("text-generation")``."""
+    """What the task's pipeline runs on after training (``train``/``finetune``) or in ``predict``: prompts continued
+    by ``pipeline("text-generation")``, texts labelled by ``pipeline("text-classification")``, ... The sampling
+    fields apply to text generation."""
 
     prompts: list[str] = field(default_factory=list)
-    """Prompts to continue; empty generates nothing."""
+    """Inputs of the task's pipeline (prompts to continue, texts to classify); empty runs nothing."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
     do_sample: bool = False
@@ -79,4 +87,4 @@ def section_from_dict(cls: type, data: Mapping[str, Any] | None, name: str):
     for key in data:
         if key not in valid:
             raise ConfigError(f"{name}.{key} is not a valid key; valid keys: {', '.join(valid)}")
-    return cls(**data)
+    return cls(**coerce_fields(cls, data, prefix=f"{name}."))

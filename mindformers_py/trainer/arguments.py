@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -22,6 +21,7 @@ from transformers.trainer_utils import SchedulerType
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
 from ..task_registry import get_task
+from ..utils.typed_values import coerce_value
 
 SCHEDULERS = tuple(s.value for s in SchedulerType)
 # Schedulers that step on an evaluation metric instead of every optimizer step.
@@ -30,9 +30,6 @@ INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORT_TARGETS = ("tensorboard",)
 
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-_NONE = ("none", "null", "")
 
 
 @dataclass
@@ -219,7 +216,7 @@ class TrainingArguments:
         for name in self.field_names():
             if name == "parallel_config":
                 continue
-            setattr(self, name, _coerce(name, getattr(self, name), hints[name]))
+            setattr(self, name, coerce_value(name, getattr(self, name), hints[name]))
         self.parallel_config = ParallelConfig.coerce(self.parallel_config, "parallel_config")
         if isinstance(self.report_to, str):
             self.report_to = [part.strip() for part in self.report_to.split(",") if part.strip()]
@@ -360,59 +357,3 @@ def _at_least(name: str, value: Any, minimum: float, hint: str = "") -> None:
         kind = "an integer" if isinstance(minimum, int) and not isinstance(value, float) else "a number"
         extra = f" {hint}" if hint else ""
         raise ConfigError(f"{name}={value!r} is not valid; expected {kind} >= {minimum}{extra}")
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """``value`` converted to the type ``hint`` allows when it is a string (YAML/CLI); type-checked otherwise."""
-    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    plain = [typing.get_origin(t) or t for t in allowed]
-    if value is None:
-        if type(None) in plain:
-            return None
-        raise ConfigError(f"{name}=None is not valid; expected {_describe(plain)}")
-    if isinstance(value, str):
-        text = value.strip()
-        if type(None) in plain and text.lower() in _NONE:
-            return None
-        if bool in plain and text.lower() in _TRUE + _FALSE:
-            return text.lower() in _TRUE
-        if int in plain:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if float in plain:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        if list in plain:
-            return [part.strip() for part in text.split(",") if part.strip()]
-        if dict in plain:
-            try:
-                parsed = json.loads(text)
-            except json.JSONDecodeError:
-                parsed = None
-            if isinstance(parsed, dict):
-                return parsed
-        if str in plain:
-            return value
-        raise ConfigError(f"{name}={value!r} is not valid; expected {_describe(plain)}")
-    for t in plain:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value if int in plain and isinstance(value, int) else float(value)
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if t is bool and isinstance(value, bool):
-            return value
-        if t in (str, list, dict) and isinstance(value, t):
-            return value
-        if t is list and isinstance(value, tuple):
-            return list(value)
-    raise ConfigError(f"{name}={value!r} is not valid; expected {_describe(plain)}")
-
-
-def _describe(types: list[Any]) -> str:
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "a mapping", type(None): "none"}
-    return " or ".join(names.get(t, getattr(t, "__name__", str(t))) for t in types)

@@ -1,0 +1,53 @@
+"""Evaluation metrics as ``evaluate`` modules shipped inside the package, so they load without the hub.
+
+``evaluate.load(metric_path("accuracy"))`` works like ``evaluate.load("accuracy")`` offline; :func:`load_metric`
+does that, and :func:`classification_metrics` turns a task's metric names into a Trainer ``compute_metrics``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import invalid_choice
+
+METRICS_DIR = Path(__file__).parent
+AVAILABLE = tuple(sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file()))
+
+
+def metric_path(name: str) -> str:
+    """The folder of the shipped evaluate module ``name`` (for ``evaluate.load``)."""
+    if name not in AVAILABLE:
+        raise invalid_choice("metric", name, AVAILABLE)
+    return str(METRICS_DIR / name)
+
+
+def load_metric(name: str, **kwargs: Any) -> Any:
+    """``evaluate.load`` of the shipped module ``name`` (offline)."""
+    import evaluate
+
+    return evaluate.load(metric_path(name), **kwargs)
+
+
+def classification_metrics(names: Sequence[str]) -> Callable[[Any], dict[str, float]]:
+    """A Trainer ``compute_metrics`` for classifiers: the argmax of the logits against the label ids, scored by each
+    metric in ``names`` (``accuracy``; ``f1`` gives macro precision, recall and F1). Ignored labels (-100) are
+    dropped first."""
+    modules = {name: load_metric(name) for name in names}
+
+    def compute(prediction: Any) -> dict[str, float]:
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        predictions = np.asarray(logits).argmax(-1).reshape(-1)
+        references = np.asarray(prediction.label_ids).reshape(-1)
+        keep = references != -100
+        out: dict[str, float] = {}
+        for module in modules.values():
+            out.update(module.compute(predictions=predictions[keep], references=references[keep]))
+        return out
+
+    return compute
+
+
+__all__ = ["AVAILABLE", "classification_metrics", "load_metric", "metric_path"]
