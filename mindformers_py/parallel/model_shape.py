@@ -454,6 +454,15 @@ def image_sequence_length(shape: ModelShape) -> int:
     return shape.max_positions if shape.patch_inputs else 0
 
 
+def shape_from_config(config: Any) -> ModelShape:
+    """The shape of one of our model configs (a ``PretrainedConfig``): a reader registered for its
+    ``model_type`` reads its dict; GPT-style configs are read field by field."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SHAPE_READERS:
+        return SHAPE_READERS[model_type](config.to_dict())
+    return ModelShape.from_config(config)
+
+
 def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ModelShape:
     """The shape of the model an HF ``config.json`` dict describes.
 
@@ -465,7 +474,7 @@ def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> Mo
     if family is not None and family.converter is not None and model_type in family.hf_types:
         return replace(ModelShape.from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
     if family is not None and model_type == family.config_class.model_type:
-        return ModelShape.from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
+        return shape_from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
     if model_type in SHAPE_READERS:
         return SHAPE_READERS[str(model_type)](cfg)
     known = sorted({*SHAPE_READERS, *registry.all_model_types()})

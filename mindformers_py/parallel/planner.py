@@ -313,7 +313,7 @@ def plan(
                 if not variants:
                     excluded.append((name + (f" ep={ep}" if ep > 1 else ""), reason))
                     continue
-                candidates.append(min(variants, key=_variant_key))
+                candidates.append(min(variants, key=_variant_key_full if full_search else _variant_key))
     if not candidates:
         reasons = "; ".join(f"{layout}: {why}" for layout, why in excluded[:3])
         raise ConfigError(f"auto_parallel found no valid layout for world_size={world_size} ({reasons})")
@@ -328,7 +328,15 @@ def plan(
 
 
 def _variant_key(est: LayoutEstimate) -> tuple[Any, ...]:
-    # Within one (dp, tp, pp, ep): the fastest that fits; if none fits, the smallest.
+    # Within one (dp, tp, pp, ep) of an in-run plan: the ZeRO stage and recompute asked for when they fit (raised
+    # only as far as memory requires), the fastest of those; if none fits, the smallest.
+    if est.fits:
+        return (0, est.changes, est.time.total, est.memory.total)
+    return (1, est.memory.total, est.time.total, est.changes)
+
+
+def _variant_key_full(est: LayoutEstimate) -> tuple[Any, ...]:
+    # The plan command's search: the fastest variant that fits, whatever it changes; if none fits, the smallest.
     if est.fits:
         return (0, est.time.total, est.changes, est.memory.total)
     return (1, est.memory.total, est.time.total, est.changes)
@@ -390,7 +398,9 @@ class _Search:
 
     def estimate(self, config: ParallelConfig, batch: int, changes: int) -> LayoutEstimate:
         """Memory and time of one fully specified layout."""
-        memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes)
+        # A runtime that writes the attention scores to memory also keeps them for backward.
+        memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
+                                 attention_scores=self.runtime.attention == "materialized")
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)
