@@ -9,18 +9,12 @@ here, where the planner and the benchmarks import them. The terms are described 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .config import ParallelConfig
-from .model_shape import (
-    ACTIVATION_SAVED_TENSORS,
-    DEFAULT_ACTIVATION_SAVED,
-    ModelShape,
-    recomputed_share,
-    shape_from_hf_dict,
-)
+from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, as_shape, recomputed_share
 from .step_time import Runtime, TimeEstimate, estimate_step_time
 
 __all__ = [
@@ -34,15 +28,6 @@ FP32_BYTES = 4
 # master weights): 16 bytes per parameter, as Megatron-LM's fp16/bf16 training keeps them (fp16 copy + fp16
 # gradient + fp32 master + two fp32 moments).
 ADAM_STATE_BYTES = 8  # AdamW's exp_avg and exp_avg_sq in fp32
-
-
-def as_shape(model: Any) -> ModelShape:
-    """``model`` as a :class:`ModelShape`: a shape, an HF ``config.json`` dict or a GPT-style config object."""
-    if isinstance(model, ModelShape):
-        return model
-    if isinstance(model, Mapping):
-        return shape_from_hf_dict(model)
-    return ModelShape.from_config(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,7 +178,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
             acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
         experts = int(stage_layers * layer_experts)
-        estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts))
+        estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
+                                accumulating=micro > 1, compute_bytes=act_bytes)
         estimate.recompute = rematerialised
         if best is None or estimate.total > best.total:
             best = estimate
@@ -212,18 +198,20 @@ def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_by
 
 
 def _state_bytes(params: int, expert_params: int, layer_params: int, dp: int, ep: int, zero: int,
-                 activations: int) -> MemoryEstimate:
+                 activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES) -> MemoryEstimate:
     """Parameters, gradients and AdamW state of ``params`` fp32 parameters sharded by ZeRO ``zero`` over ``dp``
     ranks, and of ``expert_params`` (already split over ``ep``) sharded over the ``dp / ep`` ranks holding the same
-    experts."""
-    dense = _zero_state(params, layer_params, dp, zero)
+    experts. ``accumulating``: gradients of several micro-batches are summed before they are reduced (pipeline
+    schedules); ``compute_bytes`` is the size of the parameters gathered for compute."""
+    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes)
     if not expert_params:
         return MemoryEstimate(*dense, activations)
-    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero)
+    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes)
     return MemoryEstimate(*(a + b for a, b in zip(dense, expert)), activations)
 
 
-def _zero_state(params: int, layer_params: int, dp: int, zero: int) -> tuple[int, int, int]:
+def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating: bool = False,
+                compute_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks."""
     full = params * FP32_BYTES
     if dp == 1 or zero == 0:
@@ -231,7 +219,12 @@ def _zero_state(params: int, layer_params: int, dp: int, zero: int) -> tuple[int
     optimizer = params * ADAM_STATE_BYTES // dp
     if zero == 1:
         return full, full, optimizer
+    # Under a pipeline schedule torch.distributed.pipelining turns FSDP's gradient reduction off until the last
+    # micro-batch (set_requires_gradient_sync(False)): gradients accumulate whole beside their shards, and ZeRO-3
+    # keeps the parameters it gathered for backward (set_reshard_after_backward(False)).
+    grads = full + full // dp if accumulating else full // dp
     if zero == 2:  # sharded storage + whole parameters kept from forward through backward
-        return full + full // dp, full // dp, optimizer
+        return full + full // dp, grads, optimizer
     # zero 3: shards + two layers gathered at a time (the running one and the prefetched one)
-    return full // dp + 2 * layer_params * FP32_BYTES, full // dp, optimizer
+    gathered = params * compute_bytes if accumulating else 2 * layer_params * FP32_BYTES
+    return full // dp + gathered, grads, optimizer

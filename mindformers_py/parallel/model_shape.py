@@ -480,3 +480,12 @@ def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> Mo
     known = sorted({*SHAPE_READERS, *registry.all_model_types()})
     raise ConfigError(f"model_type={model_type!r} in {where} is not one the planner reads; choose one of: "
                       f"{', '.join(known)}")
+
+
+def as_shape(model: Any) -> ModelShape:
+    """``model`` as a :class:`ModelShape`: a shape, an HF ``config.json`` dict or one of our model configs."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, Mapping):
+        return shape_from_hf_dict(model)
+    return shape_from_config(model)

@@ -18,8 +18,9 @@ Every term is a volume divided by a rate, so the model says why a layout is slow
   ``top_k`` copies; the part that stays on the rank or its node moves over the faster link.
 * **data parallelism**: the gradient reduction (ZeRO-0/1: all-reduce; 2/3: reduce-scatter) overlaps the last
   micro-batch's backward when the runtime buckets it (torch DDP/FSDP2) except for the last bucket; ZeRO-1's
-  parameter broadcast follows the optimizer step; ZeRO-3 re-gathers every layer in forward and backward of
-  every micro-batch, prefetched behind the compute.
+  parameter broadcast follows the optimizer step; ZeRO-2 gathers the parameters once per step, ZeRO-3 every
+  layer in forward and backward (once per micro-batch under a pipeline schedule, which keeps what backward
+  gathered), prefetched behind the compute.
 * **pipeline parallelism**: each micro-batch sends its activation forward and its gradient back at every stage
   boundary (``v`` times per stage when interleaved), and the schedule leaves a bubble of ``(p-1)`` micro-batch
   times (``(p-1)/v`` interleaved, Narayanan et al. 2021) on the critical path.
@@ -38,7 +39,7 @@ from typing import Any
 from ..errors import check_choice
 from .config import ParallelConfig
 from .device_spec import DeviceSpec
-from .model_shape import ModelShape, recomputed_share
+from .model_shape import ModelShape, as_shape, recomputed_share
 
 ATTENTION_KERNELS = ("flash", "materialized")
 KERNEL_STYLES = ("eager", "fused")
@@ -392,8 +393,6 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     """Time of one step of ``parallel_config`` for ``per_device_batch`` sequences of ``seq_length`` tokens per
     data-parallel rank (see the module docstring for the terms). ``act_bytes`` is the activation and matmul
     element size (2 for bf16 training); ``runtime`` describes the training software (default: ours)."""
-    from .cost_model import as_shape  # noqa: PLC0415  (cost_model imports this module)
-
     shape = as_shape(model_config)
     runtime = runtime or Runtime()
     pc = parallel_config
@@ -438,6 +437,7 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     bubble = pipeline_comm = 0.0
     if pp > 1:
         bubble = (pp - 1) / (vpp if pc.pipeline_schedule == "interleaved_1f1b" else 1) * per_micro
+        # Every micro-batch passes every stage boundary, so one boundary between nodes paces them all.
         cross_node = dp * tp * pp > device.devices_per_node
         if cross_node and runtime.pipeline_scatter_gather and tp > 1:
             hop = hidden_bytes / tp / (device.inter_node_bandwidth * device.bandwidth_efficiency) \
@@ -488,7 +488,9 @@ def _data_parallel_seconds(shape: ModelShape, pc: ParallelConfig, stage_layers: 
     elif zero >= 2:
         one = sum(ring_seconds(params * act_bytes, size, stride, device, all_reduce=False)
                   for params, size, stride in groups if params)
-        passes = 2 * micro if zero == 3 else 1  # ZeRO-3 re-gathers in forward and backward of every micro-batch
+        # ZeRO-3 gathers each layer in forward and again in backward; under a pipeline schedule the parameters
+        # gathered for backward stay (torch.distributed.pipelining), so about one gather per micro-batch.
+        passes = (2 if micro == 1 else micro + 1) if zero == 3 else 1
         per_pass = per_micro / 2
         if runtime.overlap_param_gather:  # prefetched behind the compute, except the first layer's
             gathers = passes * max(one / max(stage_layers, 1), one - per_pass)
