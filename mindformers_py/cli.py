@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("source", help="a recipe (tasks/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF config.json "
                       "or a checkpoint folder")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
-    plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog: a100_40gb, a100_80gb, "
-                      "h100_80gb, h200 (default h100_80gb)")
+    plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
+                      "mindformers_py/parallel/devices.yaml (default h100_80gb; a wrong name lists them)")
     plan.add_argument("--devices_per_node", type=int, help="accelerators per node (default: the catalog's, 8)")
     plan.add_argument("--global_batch", type=int, help="sequences per optimizer step (default: the recipe's "
                       "per-device batch, else one per device)")

@@ -149,6 +149,7 @@ def test_device_fields_can_be_overridden(capsys):
     (["gpt_small", "--devices", 8, "--set", "warp_drive=1"], "device field 'warp_drive' is not known"),
     (["gpt_small", "--devices", 8, "--set", "memory"], "--set 'memory' is not valid; expected FIELD=VALUE"),
     (["gpt_small", "--devices", 8, "--set", "flops=fast"], "device field flops='fast' is not valid"),
+    (["gpt_small", "--devices", 8, "--set", "memory=lots"], "device field memory='lots' is not valid"),
     (["gpt_small", "--devices", 0], "devices=0 is not valid"),
     (["no_such_preset", "--devices", 8], "'no_such_preset' is neither a checkpoint folder nor a preset"),
     (["missing/config.json", "--devices", 8], "config file missing/config.json does not exist"),

@@ -68,7 +68,7 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     probabilities (``b·heads·s²``) that SDPA's math path keeps (e.g. a CPU run with a padding mask);
     flash/efficient kernels keep none.
 
-    ``kind`` is ``"dense"``, ``"moe"`` (the MLP replaced by a router and ``top_k`` experts per token, which keep
+    ``kind`` (see :meth:`ModelShape.layer_kinds`) is ``"dense"`` or ``"encoder"``, ``"moe"`` (the MLP replaced by a router and ``top_k`` experts per token, which keep
     the routed copies of their inputs and outputs and the router's logits and probabilities) or ``"cross"`` (a
     decoder layer of an encoder-decoder model: a dense layer plus a cross-attention block over as many encoder
     tokens). ``recompute="full"`` keeps only the layer's input; ``"selective"`` re-runs the parts in ``select``.
@@ -104,16 +104,9 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     return (2 * norm + core + output + scores + mlp + cross + dropout_masks) * act_bytes
 
 
-def _layer_kinds(shape: ModelShape) -> list[tuple[str, int]]:
-    """(kind, count) of the transformer layers, for :func:`layer_activation_bytes`."""
-    kinds = [("dense", shape.total_layers - shape.num_moe_layers - (shape.layers if shape.encoder_layers else 0)),
-             ("moe", shape.num_moe_layers), ("cross", shape.layers if shape.encoder_layers else 0)]
-    return [(kind, count) for kind, count in kinds if count]
-
-
 def _mean_layer_activation_bytes(shape: ModelShape, *args: Any) -> float:
     """:func:`layer_activation_bytes` averaged over the layer kinds of ``shape`` (exact for uniform stacks)."""
-    kinds = _layer_kinds(shape)
+    kinds = shape.layer_kinds()
     if len(kinds) == 1:
         return float(layer_activation_bytes(shape, *args, kind=kinds[0][0]))
     total = sum(count * layer_activation_bytes(shape, *args, kind=kind) for kind, count in kinds)

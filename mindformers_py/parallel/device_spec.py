@@ -155,10 +155,12 @@ def load_device(name: str, **overrides: Any) -> DeviceSpec:
     for key, value in entry.items():
         if key == "description":
             continue
-        if key == "memory":
-            values["memory_bytes"] = parse_bytes(value)
-        elif key == "memory_bytes":
-            values["memory_bytes"] = parse_bytes(value)
+        if key in ("memory", "memory_bytes"):
+            try:
+                values["memory_bytes"] = parse_bytes(value)
+            except ConfigError:
+                raise ConfigError(f"device field {key}={value!r} is not valid; expected a size such as 80GiB or "
+                                  "85899345920") from None
         elif key == "gemm_efficiency" or (key in fields and fields[key].type in ("float", "int")):
             values[key] = _number(key, value, integer=key in fields and fields[key].type == "int")
         elif key in fields:

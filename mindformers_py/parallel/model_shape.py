@@ -165,6 +165,17 @@ class ModelShape:
         """Every transformer layer a pipeline splits (encoder and decoder)."""
         return self.layers + self.encoder_layers
 
+    def layer_kinds(self) -> list[tuple[str, int]]:
+        """(kind, count) of the transformer layers: ``"encoder"`` (bidirectional self-attention and MLP),
+        ``"dense"`` (causal self-attention and MLP), ``"moe"`` (the MLP a mixture of experts) and ``"cross"`` (an
+        encoder-decoder's decoder layer, with cross-attention)."""
+        kinds = [("encoder", self.encoder_layers), ("moe", self.num_moe_layers)]
+        if self.encoder_layers:
+            kinds.append(("cross", self.layers))
+        else:
+            kinds.append(("dense" if self.causal else "encoder", self.layers - self.num_moe_layers))
+        return [(kind, count) for kind, count in kinds if count]
+
     @property
     def routed_ffn(self) -> int:
         """Intermediate size of one routed expert."""

@@ -364,16 +364,6 @@ def all_to_all_seconds(nbytes: float, size: int, stride: int, device: DeviceSpec
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _layer_kinds(shape: ModelShape) -> list[tuple[str, int]]:
-    """(kind, count) of the transformer layers: encoder, dense decoder, MoE, decoder with cross-attention."""
-    kinds = [("encoder", shape.encoder_layers), ("moe", shape.num_moe_layers)]
-    if shape.encoder_layers:
-        kinds.append(("cross", shape.layers))
-    else:
-        kinds.append(("dense" if shape.causal else "encoder", shape.layers - shape.num_moe_layers))
-    return [(kind, count) for kind, count in kinds if count]
-
-
 def _head_time(shape: ModelShape, tokens: int, vocab_tp: int, device: DeviceSpec, runtime: Runtime,
                element_bytes: int) -> _Block:
     """The output head and loss for one micro-batch (last pipeline stage)."""
@@ -410,7 +400,7 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     tp_collectives = 0.0
     all_to_alls = 0.0
     bwd_work = _Pass()
-    for kind, count in _layer_kinds(shape):
+    for kind, count in shape.layer_kinds():
         layer = _layer_time(shape, kind, batch, seq_length, pc, device, runtime, act_bytes)
         weight = stage_layers * count / shape.total_layers
         redo, redo_tp, redo_a2a = _recomputed(layer, pc)
