@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 import mindformers_py as mf
 from mindformers_py.cli import main
@@ -69,7 +70,9 @@ def test_plan_from_a_preset_prints_the_layouts_that_fit_with_the_choice_marked(c
     header = next(line for line in lines if "mem/rank" in line)
     for column in ("compute", "TP", "EP", "DP", "PP", "bubble", "tokens/s", "MFU"):
         assert column in header
-    assert "as a recipe's parallel section: {parallel_mode: semi_auto_parallel" in out
+    section = out.split("as a recipe's parallel section: ")[1]
+    config = ParallelConfig.from_dict(yaml.safe_load(section))  # pastes into a recipe as it is
+    assert config.parallel_mode == "semi_auto_parallel" and config.required_world_size() == 16
 
 
 def test_plan_from_a_recipe_takes_its_batch_block_size_and_model(capsys):
@@ -102,6 +105,11 @@ def test_plan_from_an_hf_llama_3_70b_config(tmp_path, capsys):
 
 
 def test_plan_of_a_mixture_of_experts_weighs_expert_parallelism(tmp_path, capsys):
+    code, out, err = plan_cli(write_config(tmp_path, MIXTRAL_8X7B), "--devices", 64, "--global_batch", 256,
+                              "--seq_length", 4096, capsys=capsys)
+    assert code == 0, err
+    section = yaml.safe_load(out.split("as a recipe's parallel section: ")[1])
+    assert ParallelConfig.from_dict(section).required_world_size() == 64
     report = plan_json(write_config(tmp_path, MIXTRAL_8X7B), "--devices", 64, "--global_batch", 256,
                        "--seq_length", 4096, capsys=capsys)
     check_report(report)

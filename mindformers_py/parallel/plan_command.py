@@ -228,6 +228,7 @@ def _candidate_json(est: LayoutEstimate, device: DeviceSpec) -> dict[str, Any]:
 
 
 def _parallel_flags(pc: ParallelConfig) -> str:
+    """The layout as a recipe's ``parallel`` section in YAML flow style (default fields left out)."""
     fields = {"parallel_mode": pc.parallel_mode, "data_parallel": pc.dp, "model_parallel": pc.tp,
               "pipeline_stage": pc.pp}
     if pc.ep > 1:
@@ -240,6 +241,9 @@ def _parallel_flags(pc: ParallelConfig) -> str:
         fields["optimizer_shard"] = pc.zero_stage
     if pc.recompute.enabled:
         fields["recompute"] = pc.recompute.recompute
+        if pc.recompute.recompute == "selective" and pc.recompute.select_recompute != ("attention_core",):
+            parts = ", ".join(pc.recompute.select_recompute)
+            fields["recompute"] = f"{{recompute: selective, select_recompute: [{parts}]}}"
     if pc.sequence_parallel:
         fields["use_seq_parallel"] = True
     if pc.vocab_parallel:

@@ -128,6 +128,8 @@ class LayoutEstimate:
             text += f" ZeRO-{pc.zero_stage}"
         if pc.recompute.enabled:
             text += f" recompute={pc.recompute.recompute}"
+            if pc.recompute.recompute == "selective" and pc.recompute.select_recompute != ("attention_core",):
+                text += "(" + "+".join(pc.recompute.select_recompute) + ")"
         if pc.sequence_parallel:
             text += " sp"
         return text
@@ -367,7 +369,7 @@ class _Search:
         none is valid."""
         base = self.base
         zero_levels = _escalations(base.optimizer_shard, (0, 1, 2, 3)) if dp > 1 else [base.optimizer_shard]
-        recompute_levels = _escalations(base.recompute.recompute, RECOMPUTE_LEVELS)
+        recomputes = self.recompute_choices()
         micro_choices = _micro_batch_choices(pp, batch)
         if not micro_choices:
             return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
@@ -388,13 +390,21 @@ class _Search:
                     reason = str(err)
                     continue
                 for zero in zero_levels:
-                    for level in recompute_levels:
-                        recompute = base.recompute if level == base.recompute.recompute else \
-                            RecomputeConfig(recompute=level)
+                    for recompute in recomputes:
                         config = dataclasses.replace(layout, optimizer_shard=zero, recompute=recompute)
                         out.append(self.estimate(config, batch, int(zero != base.optimizer_shard)
-                                                 + int(level != base.recompute.recompute)))
+                                                 + int(recompute is not base.recompute)))
         return out, reason
+
+    def recompute_choices(self) -> list[RecomputeConfig]:
+        """The base config's recompute and every level above it; the full search also tries re-running the MLP
+        with the attention core (a mixture of experts keeps ``top_k`` copies of each token's MLP activations)."""
+        base = self.base.recompute
+        choices = [base if level == base.recompute else RecomputeConfig(recompute=level)
+                   for level in _escalations(base.recompute, RECOMPUTE_LEVELS)]
+        if self.full_search and "selective" in [c.recompute for c in choices]:
+            choices.append(RecomputeConfig(recompute="selective", select_recompute=("attention_core", "mlp")))
+        return choices
 
     def estimate(self, config: ParallelConfig, batch: int, changes: int) -> LayoutEstimate:
         """Memory and time of one fully specified layout."""
