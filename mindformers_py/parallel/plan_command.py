@@ -10,6 +10,7 @@ its micro-batches, schedule, ZeRO stage, recompute and sequence parallelism, for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class ModelSource:
     """A model to plan and what its source says about the run."""
 
     shape: ModelShape
+    """The model's sizes."""
     label: str
     """How the source was named (preset, file, folder)."""
     per_device_batch: int | None = None
@@ -131,14 +133,22 @@ class PlanReport:
     """A plan with what it was asked: renders as a table or as JSON."""
 
     result: AutoParallelPlan
+    """The planner's answer: the chosen layout and every candidate."""
     model: ModelSource
+    """The planned model and where it came from."""
     device: DeviceSpec
+    """The accelerator assumed for every rank."""
     devices: int
+    """Accelerators in the job."""
     seq_length: int
+    """Tokens per sequence."""
     global_batch: int | None
+    """Sequences per step over all ranks (None when a recipe fixes the per-rank batch instead)."""
     per_device_batch: int | None
+    """Sequences per data-parallel rank and step, from a recipe (None when ``global_batch`` is given)."""
 
     def describe_batch(self) -> str:
+        """The batch in words: global, or per data-parallel rank as a recipe gives it."""
         if self.global_batch is not None:
             return f"global batch {self.global_batch} sequences"
         return f"{self.per_device_batch} sequences per data-parallel rank (from the recipe)"
@@ -147,9 +157,7 @@ class PlanReport:
         """The layouts that fit, fastest first, the choice marked; ``top`` rows (0: all)."""
         shape, device = self.model.shape, self.device
         fitting = sorted((c for c in self.result.candidates if c.fits), key=lambda c: -c.samples_per_second)
-        shown = fitting if top <= 0 else fitting[:top]
-        if self.result.chosen not in shown:
-            shown.append(self.result.chosen)
+        shown = fitting if top <= 0 else fitting[:top]  # the choice is the fastest that fits: always shown
         lines = [
             f"plan for {self.model.label}: {shape.model_type or 'model'}, {shape.total_params() / 1e9:.2f} B parameters"
             + (f" ({shape.experts} experts, top-{shape.top_k})" if shape.is_moe else "")
@@ -194,7 +202,7 @@ class PlanReport:
             "model": {"source": self.model.label, "model_type": shape.model_type, "parameters": shape.total_params(),
                       "layers": shape.total_layers, "hidden": shape.hidden, "experts": shape.experts,
                       "top_k": shape.top_k},
-            "device": {k: v for k, v in vars(device).items()},
+            "device": dataclasses.asdict(device),
             "devices": self.devices,
             "seq_length": self.seq_length,
             "global_batch": self.global_batch,
