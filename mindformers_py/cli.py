@@ -1,4 +1,4 @@
-"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets.
+"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts.
 
 User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2; anything else is a bug
 and keeps its traceback.
@@ -35,6 +35,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .parallel.plan_command import parse_overrides, run_plan
+
+    report = run_plan(args.source, args.devices, args.device, args.devices_per_node, args.global_batch,
+                      args.seq_length, parse_overrides(args.set))
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.text(args.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindformers-py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_cmd_convert)
     show = sub.add_parser("show", help="list model families, presets and loadable HF architectures")
     show.set_defaults(func=_cmd_show)
+    plan = sub.add_parser("plan", help="estimate the parallel layouts of a model on N accelerators (starts nothing)",
+                          description="Estimate memory per rank, step time and throughput of every data/tensor/"
+                          "pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
+    plan.add_argument("source", help="a recipe (tasks/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF config.json "
+                      "or a checkpoint folder")
+    plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
+    plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
+                      "mindformers_py/parallel/devices.yaml (default h100_80gb; a wrong name lists them)")
+    plan.add_argument("--devices_per_node", type=int, help="accelerators per node (default: the catalog's, 8)")
+    plan.add_argument("--global_batch", type=int, help="sequences per optimizer step (default: the recipe's "
+                      "per-device batch, else one per device)")
+    plan.add_argument("--seq_length", type=int, help="tokens per sequence (default: the recipe's block_size, else "
+                      "the model's context length up to 4096)")
+    plan.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="override a device field, e.g. --set memory=96GiB --set inter_node_bandwidth=50e9")
+    plan.add_argument("--top", type=int, default=10, help="layouts listed (0: every one that fits)")
+    plan.add_argument("--json", action="store_true", help="print every candidate as JSON")
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 

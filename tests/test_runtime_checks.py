@@ -8,7 +8,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 import mindformers_py as mf

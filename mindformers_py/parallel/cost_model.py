@@ -1,7 +1,8 @@
-"""The ``auto_parallel`` planner's cost model: a decoder-only transformer's sizes (:class:`ModelShape`), the
-memory one rank holds at its peak (parameters, gradients, AdamW state and saved activations, under ZeRO,
-recompute and pipeline schedules: :func:`estimate_memory`) and the time of one step (compute, tensor-, data- and
-pipeline-parallel communication, the pipeline bubble: :func:`estimate_step_time`). The terms are described in
+"""The planner's memory model: the bytes one rank holds at its peak (parameters, gradients, AdamW state and saved
+activations, under ZeRO, expert parallelism, recompute and pipeline schedules: :func:`estimate_memory`).
+
+The model's sizes come from :mod:`.model_shape`; the time of a step is :mod:`.step_time`'s. Both are re-exported
+here, where the planner and the benchmarks import them. The terms are described in
 :mod:`mindformers_py.parallel.planner`, which compares layouts with them.
 """
 
@@ -12,139 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ParallelConfig, RecomputeConfig
-from .device_spec import DeviceSpec
+from .config import ParallelConfig
+from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, as_shape, recomputed_share
+from .step_time import Runtime, TimeEstimate, estimate_step_time
+
+__all__ = [
+    "ACTIVATION_SAVED_TENSORS", "ADAM_STATE_BYTES", "DEFAULT_ACTIVATION_SAVED", "FP32_BYTES", "MemoryEstimate",
+    "ModelShape", "Runtime", "TimeEstimate", "as_shape", "estimate_memory", "estimate_step_time",
+    "layer_activation_bytes",
+]
 
 FP32_BYTES = 4
+# Parameters, their gradients and AdamW's two moments are fp32 (bf16 training runs under autocast with fp32
+# master weights): 16 bytes per parameter, as Megatron-LM's fp16/bf16 training keeps them (fp16 copy + fp16
+# gradient + fp32 master + two fp32 moments).
 ADAM_STATE_BYTES = 8  # AdamW's exp_avg and exp_avg_sq in fp32
-# Activation tensors the MLP activation function keeps for backward, counted in intermediate-size units (the
-# activation's input included): transformers writes these out in Python (pow, tanh, products). ``gelu_new`` is not
-# among them: layers/mlp.py runs it as one fused op that keeps only its input, the default.
-ACTIVATION_SAVED_TENSORS = {"gelu_fast": 4, "gelu_python": 3, "quick_gelu": 2}
-DEFAULT_ACTIVATION_SAVED = 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model, in the quantities the estimates need
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder-only transformer that memory and time depend on (read from a model config)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    max_positions: int
-    gated_mlp: bool
-    rope: bool
-    rms_norm: bool
-    norm_bias: bool
-    qkv_bias: bool
-    out_bias: bool
-    mlp_bias: bool
-    tied_embeddings: bool
-    learned_positions: bool
-    act_saved: int
-    dropout: bool
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelShape:
-        """Read a GPT-style config (HF field names; missing fields take GPT-2 defaults)."""
-        hidden = cfg.hidden_size
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        gated = bool(getattr(cfg, "gated_mlp", False))
-        act = getattr(cfg, "hidden_act", "gelu_new")
-        position = getattr(cfg, "position_embedding_type", "learned")
-        dropout = any(float(getattr(cfg, name, 0.0) or 0.0) > 0
-                      for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"))
-        return cls(
-            hidden=hidden, layers=cfg.num_hidden_layers, heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            ffn=getattr(cfg, "intermediate_size", None) or 4 * hidden, vocab=cfg.vocab_size,
-            max_positions=getattr(cfg, "max_position_embeddings", 1024), gated_mlp=gated,
-            rope=position == "rope", rms_norm=getattr(cfg, "norm_type", "layernorm") == "rmsnorm",
-            norm_bias=bool(getattr(cfg, "norm_bias", True)), qkv_bias=bool(getattr(cfg, "attention_bias", True)),
-            out_bias=bool(getattr(cfg, "attention_out_bias", True)), mlp_bias=bool(getattr(cfg, "mlp_bias", True)),
-            tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), learned_positions=position == "learned",
-            act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED), dropout=dropout,
-        )
-
-    @property
-    def q_width(self) -> int:
-        """Width of the query projection (heads x head size)."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        """Width of each key/value projection."""
-        return self.kv_heads * self.head_dim
-
-    @property
-    def norm_params(self) -> int:
-        """Parameters of one norm."""
-        return self.hidden * (2 if not self.rms_norm and self.norm_bias else 1)
-
-    def attention_params(self, tp: int = 1) -> int:
-        """Parameters of one attention block on one of ``tp`` tensor-parallel ranks."""
-        q, kv, h = self.q_width, self.kv_width, self.hidden
-        sharded = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        return sharded // tp + (h if self.out_bias else 0)
-
-    def mlp_params(self, tp: int = 1) -> int:
-        """Parameters of one MLP on one of ``tp`` tensor-parallel ranks."""
-        mats = 3 if self.gated_mlp else 2
-        biases = (mats - 1) * self.ffn if self.mlp_bias else 0
-        return (mats * self.hidden * self.ffn + biases) // tp + (self.hidden if self.mlp_bias else 0)
-
-    def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one transformer layer on one of ``tp`` tensor-parallel ranks."""
-        return self.attention_params(tp) + self.mlp_params(tp) + 2 * self.norm_params
-
-    def embedding_params(self, tp: int = 1) -> int:
-        """Token (and learned position) embedding parameters on one of ``tp`` vocabulary shards."""
-        return self.vocab * self.hidden // tp + (self.max_positions * self.hidden if self.learned_positions else 0)
-
-    def head_params(self, tp: int = 1) -> int:
-        """Final norm and LM head parameters (the head counted even when tied: pipeline stages hold a copy)."""
-        return self.norm_params + self.vocab * self.hidden // tp
-
-    def total_params(self) -> int:
-        """Parameters of the whole model on one device (a tied head counted once)."""
-        head = self.norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
-        return self.embedding_params() + self.layers * self.layer_params() + head
-
-    def flops_per_token(self, seq: int, recompute: RecomputeConfig | None = None) -> float:
-        """Training FLOPs per token: ``6·N`` for the matrix products (N counting the head's matmul, not the
-        embedding lookups) plus ``12·L·q_width·s`` for attention scores, plus the forward re-run by recompute."""
-        dense = self.layers * self.layer_params() + self.vocab * self.hidden
-        attention = 12 * self.layers * self.q_width * seq
-        flops = 6 * dense + attention
-        if recompute is not None and recompute.enabled:
-            share = _recomputed_share(recompute, self.layers)
-            if recompute.recompute == "full":
-                extra = 2 * self.layer_params() + 4 * self.q_width * seq
-            else:
-                parts = recompute.select_recompute
-                extra = 4 * self.q_width * seq if parts else 0
-                extra += 2 * self.attention_params() if "self_attn" in parts else 0
-                extra += 2 * self.mlp_params() if "mlp" in parts else 0
-            flops += share * self.layers * extra
-        return float(flops)
-
-
-def _recomputed_share(recompute: RecomputeConfig, layers_per_chunk: int, stage: int = 0) -> float:
-    """Fraction of a chunk's layers that ``recompute`` applies to."""
-    if not recompute.enabled or layers_per_chunk == 0:
-        return 0.0
-    chosen = sum(recompute.recomputes_layer(i, stage) for i in range(layers_per_chunk))
-    return chosen / layers_per_chunk
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,7 +55,7 @@ class MemoryEstimate:
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str | bool = False, select: Sequence[str] = (), act_bytes: int = FP32_BYTES,
-                           attention_scores: bool = False, seq: int = 0) -> int:
+                           attention_scores: bool = False, seq: int = 0, kind: str = "dense") -> int:
     """Bytes one transformer layer saves for backward for ``tokens`` tokens (micro-batch x sequence).
 
     Counted op by op for :class:`~mindformers_py.layers.TransformerBlock` (and checked against autograd's saved
@@ -185,7 +68,10 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     probabilities (``b·heads·s²``) that SDPA's math path keeps (e.g. a CPU run with a padding mask);
     flash/efficient kernels keep none.
 
-    ``recompute="full"`` keeps only the layer's input; ``"selective"`` re-runs the parts in ``select``.
+    ``kind`` (see :meth:`ModelShape.layer_kinds`) is ``"dense"`` or ``"encoder"``, ``"moe"`` (the MLP replaced by a router and ``top_k`` experts per token, which keep
+    the routed copies of their inputs and outputs and the router's logits and probabilities) or ``"cross"`` (a
+    decoder layer of an encoder-decoder model: a dense layer plus a cross-attention block over as many encoder
+    tokens). ``recompute="full"`` keeps only the layer's input; ``"selective"`` re-runs the parts in ``select``.
     """
     h_div = tp if sequence_parallel else 1
     hidden = shape.hidden * tokens // h_div
@@ -200,16 +86,31 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     core = 3 * q + lse  # q, k and v expanded to the query heads, log-sum-exp
     output = q  # SDPA's output, also o_proj's input
     scores = shape.heads * tokens * seq // tp if attention_scores and seq else 0
-    mlp = (shape.act_saved + (3 if shape.gated_mlp else 1)) * ffn
+    per_ffn = shape.act_saved + (3 if shape.gated_mlp else 1)
+    mlp = per_ffn * ffn
+    if kind == "moe":
+        routed = shape.top_k * tokens
+        mlp = per_ffn * routed * shape.routed_ffn // tp + 2 * routed * shape.hidden + 2 * tokens * shape.experts
+        mlp += per_ffn * shape.shared_expert_ffn * tokens // tp
+    cross = norm + 2 * q + 2 * kv + lse + q if kind == "cross" else 0  # normed input, q, k, v, output, lse
     dropout_masks = (2 * hidden + scores) // act_bytes if shape.dropout else 0  # bool masks, one byte each
     if recompute == "selective":
         if "self_attn" in select:
-            core, output, scores = 0, 0, 0  # only the normed input, counted in ``norm``
+            core, output, scores, cross = 0, 0, 0, norm if cross else 0  # only the normed inputs, in ``norm``
         elif "attention_core" in select:
             core, scores = q + 2 * kv, 0  # the checkpoint keeps its inputs q, k, v
         if "mlp" in select:
             mlp = 0  # only the normed input, counted in ``norm``
-    return (2 * norm + core + output + scores + mlp + dropout_masks) * act_bytes
+    return (2 * norm + core + output + scores + mlp + cross + dropout_masks) * act_bytes
+
+
+def _mean_layer_activation_bytes(shape: ModelShape, *args: Any) -> float:
+    """:func:`layer_activation_bytes` averaged over the layer kinds of ``shape`` (exact for uniform stacks)."""
+    kinds = shape.layer_kinds()
+    if len(kinds) == 1:
+        return float(layer_activation_bytes(shape, *args, kind=kinds[0][0]))
+    total = sum(count * layer_activation_bytes(shape, *args, kind=kind) for kind, count in kinds)
+    return total / shape.total_layers
 
 
 def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> float:
@@ -230,40 +131,48 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
-    ``act_bytes`` is the activation element size (2 under bf16 autocast); ``attention_scores`` counts SDPA's
-    kept softmax (see :func:`layer_activation_bytes`).
+    ``model_config`` is a :class:`ModelShape`, an HF ``config.json`` dict or a GPT-style config. ``act_bytes`` is
+    the activation element size (2 under bf16 autocast); ``attention_scores`` counts SDPA's kept softmax (see
+    :func:`layer_activation_bytes`). Heterogeneous stacks (MoE every few layers, encoder-decoders) are counted
+    with their mean layer; expert parameters and their state are split over ``expert_parallel`` ranks and sharded
+    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks.
     """
-    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+    shape = as_shape(model_config)
     pc = parallel_config
-    tp, pp, dp, vpp, micro = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches
+    tp, pp, dp, vpp, micro, ep = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches, pc.ep
     vocab_tp = tp if pc.vocab_parallel else 1
     chunks = pp * vpp
-    layers_per_chunk = math.ceil(shape.layers / chunks)
+    layers_per_chunk = math.ceil(shape.total_layers / chunks)
     tokens = per_device_batch // micro * seq_length
     recompute = pc.recompute
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
+    layer_params = shape.layer_params(tp, ep)
+    layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
 
     best: MemoryEstimate | None = None
     for first in (True, False) if pp > 1 else (True,):
         last = not first or pp == 1
-        params = vpp * layers_per_chunk * shape.layer_params(tp)
+        stage_layers = vpp * layers_per_chunk
+        params = stage_layers * layer_params
         params += shape.embedding_params(vocab_tp) if first else 0
         if last:
-            tied_single = pp == 1 and shape.tied_embeddings
-            params += shape.norm_params if tied_single else shape.head_params(vocab_tp)
-        layer_full = layer_activation_bytes(shape, tokens, tp, pc.sequence_parallel, False, (), act_bytes,
-                                            attention_scores, seq_length)
-        layer_kept = layer_activation_bytes(shape, tokens, tp, pc.sequence_parallel, recompute.recompute, select,
-                                            act_bytes, attention_scores, seq_length)
-        share = _recomputed_share(recompute, layers_per_chunk, 0 if first else pp - 1)
+            tied_single = pp == 1 and shape.tied_embeddings and shape.head != "classifier"
+            params += shape.head_params(vocab_tp) - (shape.vocab * shape.hidden // vocab_tp if tied_single else 0)
+        layer_args = (tokens, tp, pc.sequence_parallel)
+        layer_full = _mean_layer_activation_bytes(shape, *layer_args, False, (), act_bytes, attention_scores,
+                                                  seq_length)
+        layer_kept = _mean_layer_activation_bytes(shape, *layer_args, recompute.recompute, select, act_bytes,
+                                                  attention_scores, seq_length)
+        share = recomputed_share(recompute, layers_per_chunk, 0 if first else pp - 1)
         per_chunk = layers_per_chunk * (share * layer_kept + (1 - share) * layer_full)
         acts = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first) * vpp * per_chunk
-        rematerialised = layer_full if share > 0 and recompute.recompute == "full" else 0
-        if last:  # final norm (its output is the head's input), fp32 log-softmax over the vocabulary
+        rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
+        if last:
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
-            norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes
-            acts += flight * (norm + tokens * shape.vocab // vocab_tp * FP32_BYTES)
-        estimate = _state_bytes(params, shape.layer_params(tp), dp, pc.zero_stage, int(acts))
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
+        experts = int(stage_layers * layer_experts)
+        estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
+                                accumulating=micro > 1, compute_bytes=act_bytes)
         estimate.recompute = rematerialised
         if best is None or estimate.total > best.total:
             best = estimate
@@ -271,78 +180,44 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     return best
 
 
-def _state_bytes(params: int, layer_params: int, dp: int, zero: int, activations: int) -> MemoryEstimate:
-    """Parameters, gradients and AdamW state of ``params`` fp32 parameters under ZeRO ``zero`` over ``dp``."""
+def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int) -> int:
+    """What the last stage keeps for the head: the final norm (its output is the head's input), BERT's dense +
+    norm transform, and the fp32 log-softmax over the vocabulary."""
+    norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
+    if shape.head == "classifier":
+        return norm
+    transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0
+    return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
+
+
+def _state_bytes(params: int, expert_params: int, layer_params: int, dp: int, ep: int, zero: int,
+                 activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES) -> MemoryEstimate:
+    """Parameters, gradients and AdamW state of ``params`` fp32 parameters sharded by ZeRO ``zero`` over ``dp``
+    ranks, and of ``expert_params`` (already split over ``ep``) sharded over the ``dp / ep`` ranks holding the same
+    experts. ``accumulating``: gradients of several micro-batches are summed before they are reduced (pipeline
+    schedules); ``compute_bytes`` is the size of the parameters gathered for compute."""
+    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes)
+    if not expert_params:
+        return MemoryEstimate(*dense, activations)
+    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes)
+    return MemoryEstimate(*(a + b for a, b in zip(dense, expert)), activations)
+
+
+def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating: bool = False,
+                compute_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks."""
     full = params * FP32_BYTES
     if dp == 1 or zero == 0:
-        return MemoryEstimate(full, full, params * ADAM_STATE_BYTES, activations)
+        return full, full, params * ADAM_STATE_BYTES
     optimizer = params * ADAM_STATE_BYTES // dp
     if zero == 1:
-        return MemoryEstimate(full, full, optimizer, activations)
+        return full, full, optimizer
+    # Under a pipeline schedule torch.distributed.pipelining turns FSDP's gradient reduction off until the last
+    # micro-batch (set_requires_gradient_sync(False)): gradients accumulate whole beside their shards, and ZeRO-3
+    # keeps the parameters it gathered for backward (set_reshard_after_backward(False)).
+    grads = full + full // dp if accumulating else full // dp
     if zero == 2:  # sharded storage + whole parameters kept from forward through backward
-        return MemoryEstimate(full + full // dp, full // dp, optimizer, activations)
+        return full + full // dp, grads, optimizer
     # zero 3: shards + two layers gathered at a time (the running one and the prefetched one)
-    return MemoryEstimate(full // dp + 2 * layer_params * FP32_BYTES, full // dp, optimizer, activations)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Time
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TimeEstimate:
-    """Seconds of one optimizer step (one batch per data-parallel rank), by cause; nothing overlaps."""
-
-    compute: float
-    tensor_parallel: float
-    data_parallel: float
-    pipeline_comm: float
-    bubble: float
-    overhead: float
-
-    @property
-    def total(self) -> float:
-        """Sum of all causes."""
-        return (self.compute + self.tensor_parallel + self.data_parallel + self.pipeline_comm + self.bubble
-                + self.overhead)
-
-
-def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
-                       device: DeviceSpec, act_bytes: int = FP32_BYTES) -> TimeEstimate:
-    """Time of one step of ``parallel_config`` (see :mod:`mindformers_py.parallel.planner` for the terms)."""
-    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
-    pc = parallel_config
-    tp, pp, dp, vpp, micro = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches
-    world = tp * pp * dp
-    tokens_rank = per_device_batch * seq_length  # per data-parallel rank and step
-    compute = shape.flops_per_token(seq_length, pc.recompute) * tokens_rank * dp / (world * device.flops)
-
-    per_node = device.devices_per_node
-    tp_bw = device.intra_node_bandwidth
-    dp_bw = device.intra_node_bandwidth if dp * tp <= per_node else device.inter_node_bandwidth
-    pp_bw = device.intra_node_bandwidth if world <= per_node else device.inter_node_bandwidth
-    layers_rank = shape.layers / pp
-    hidden_bytes = tokens_rank * shape.hidden * act_bytes  # one activation of the whole rank batch
-    tensor_parallel = 0.0
-    if tp > 1:
-        # Two all-reduces (or all-gather + reduce-scatter) per layer in forward, two in backward, one more
-        # forward's worth under full recompute; a ring moves 2(t-1)/t of the data per rank.
-        collectives = 4 + (2 * _recomputed_share(pc.recompute, shape.layers) if pc.recompute.recompute == "full"
-                           else 0)
-        tensor_parallel = collectives * layers_rank * 2 * (tp - 1) / tp * hidden_bytes / tp_bw
-    data_parallel = 0.0
-    if dp > 1:
-        params_rank = shape.layers / pp * shape.layer_params(tp) + shape.embedding_params(tp if pc.vocab_parallel
-                                                                                           else 1) / pp
-        # all-reduce = reduce-scatter + all-gather; ZeroRedundancyOptimizer (ZeRO-1) broadcasts the updated
-        # parameters too; ZeRO-3 gathers parameters again in backward.
-        passes = {0: 2, 1: 3, 2: 2, 3: 3}[pc.zero_stage]
-        data_parallel = passes * (dp - 1) / dp * params_rank * FP32_BYTES / dp_bw
-    pipeline_comm = 0.0
-    bubble = 0.0
-    if pp > 1:
-        pipeline_comm = 2 * hidden_bytes / pp_bw  # activations forward, their gradients backward
-        bubble = compute * (pp - 1) / (micro * (vpp if pc.pipeline_schedule == "interleaved_1f1b" else 1))
-    overhead = device.micro_batch_overhead_s * micro * vpp
-    return TimeEstimate(compute, tensor_parallel, data_parallel, pipeline_comm, bubble, overhead)
+    gathered = params * compute_bytes if accumulating else 2 * layer_params * FP32_BYTES
+    return full // dp + gathered, grads, optimizer

@@ -1,21 +1,24 @@
-"""``auto_parallel``: choose a layout from the model, the world, the device memory and the batch.
+"""Choose a layout from the model, the world, the device and the batch: the in-run ``auto_parallel`` mode and the
+``mindformers-py plan`` command share this search.
 
-The planner enumerates every layout ``data_parallel x model_parallel x pipeline_stage = world size`` that
-:meth:`ParallelConfig.validate_for` accepts (heads, KV heads, FFN and vocabulary divisible by the tensor-parallel
-size, at least one layer per pipeline chunk, micro-batches dividing the per-rank batch), with the micro-batch
-count, the ZeRO stage and the recompute mode as further choices. For each it estimates
+The planner enumerates every layout ``data_parallel x model_parallel x pipeline_stage = world size`` (with
+``expert_parallel`` ranks borrowed from data parallelism for MoE models) that :meth:`ParallelConfig.validate_for`
+accepts (heads, KV heads, FFN and vocabulary divisible by the tensor-parallel size, at least one layer per
+pipeline chunk, micro-batches dividing the per-rank batch, experts divisible by the expert-parallel size), with
+the micro-batch count, the ZeRO stage and the recompute mode as further choices; with ``full_search`` also the
+pipeline schedule and its virtual stages, and sequence and vocabulary parallelism. For each it estimates
 
 * **memory per rank** (the busiest rank: the first or last pipeline stage): parameters, gradients and AdamW's two
-  fp32 moments as each ZeRO stage shards them, and the activations saved for backward: the tensors our
-  transformer layer actually keeps (counted op by op for :class:`~mindformers_py.layers.TransformerBlock`, in the
-  spirit of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022: terms in
-  sequence x batch x hidden, divided by the tensor-parallel size where the tensor is sharded), times the
-  micro-batches a pipeline schedule keeps in flight, less what recompute drops;
-* **time per step**: compute ``(6·N + 12·L·h·s)`` FLOPs per token (plus the re-run forward under recompute)
-  spread over all devices, tensor-parallel all-reduces (4 per layer and micro-batch), the data-parallel gradient
-  reduction (more traffic for ZeRO-1 on ``ZeroRedundancyOptimizer`` and ZeRO-3's re-gathers), pipeline
-  point-to-point traffic and the bubble ``(p-1)/m`` of the ideal time (``(p-1)/(v·m)`` interleaved). Nothing is
-  assumed to overlap, so estimates are conservative;
+  fp32 moments as each ZeRO stage shards them (expert parameters over the ranks holding the same experts), and the
+  activations saved for backward: the tensors our transformer layer actually keeps (counted op by op for
+  :class:`~mindformers_py.layers.TransformerBlock`, in the spirit of Korthikanti et al., "Reducing Activation
+  Recomputation in Large Transformer Models", 2022: terms in sequence x batch x hidden, divided by the
+  tensor-parallel size where the tensor is sharded), times the micro-batches a pipeline schedule keeps in flight,
+  less what recompute drops (:mod:`.cost_model`);
+* **time per step** (:mod:`.step_time`): matrix products on a roofline (so small shards and thin products are
+  slower per FLOP), memory-bound kernels, tensor-parallel collectives, expert-parallel all-to-alls, the
+  data-parallel gradient reduction where it is not hidden behind the backward pass, pipeline transfers and the
+  bubble of the schedule (``(p-1)`` micro-batch times, ``(p-1)/v`` interleaved);
 
 and picks the fastest layout per sample that fits the memory budget (ties: the one closest to what the config
 asked for). The choice and its competitors are logged as a table (:meth:`AutoParallelPlan.table`).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,17 +52,19 @@ from .cost_model import (
     MemoryEstimate,
     ModelShape,
     TimeEstimate,
+    as_shape,
     estimate_memory,
     estimate_step_time,
     layer_activation_bytes,
 )
 from .device_spec import GIB, GPU_EFFICIENCY, GPU_PEAK_FLOPS, DeviceSpec, host_available_memory, parse_bytes
+from .step_time import Runtime
 
 __all__ = [
     "ACTIVATION_SAVED_TENSORS", "ADAM_STATE_BYTES", "DEFAULT_ACTIVATION_SAVED", "FP32_BYTES", "GIB", "GPU_EFFICIENCY",
     "GPU_PEAK_FLOPS", "RECOMPUTE_LEVELS", "AutoParallelPlan", "DeviceSpec", "LayoutEstimate", "MemoryEstimate",
-    "ModelShape", "TimeEstimate", "auto_parallel", "default_world_size", "estimate_memory", "estimate_step_time",
-    "host_available_memory", "layer_activation_bytes", "parse_bytes", "plan",
+    "ModelShape", "Runtime", "TimeEstimate", "auto_parallel", "default_world_size", "estimate_memory",
+    "estimate_step_time", "host_available_memory", "layer_activation_bytes", "parse_bytes", "plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,11 +88,27 @@ class LayoutEstimate:
     fits: bool
     changes: int
     """How many of the asked-for settings (ZeRO stage, recompute) the candidate raises to save memory."""
+    seq_length: int = 0
+    """Tokens per sequence."""
+    model_flops_per_token: float = 0.0
+    """Training FLOPs per token without recompute (:meth:`ModelShape.flops_per_token`), for MFU."""
 
     @property
     def samples_per_second(self) -> float:
         """Throughput: the step's samples over the step's time."""
         return self.per_device_batch * self.config.dp / self.time.total
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput in tokens (samples x sequence length) over all ranks."""
+        return self.samples_per_second * self.seq_length
+
+    def mfu(self, device: DeviceSpec) -> float | None:
+        """Model FLOPs utilisation: model FLOPs per second over the peak of every rank (None without a peak)."""
+        if not device.peak_flops or not self.model_flops_per_token:
+            return None
+        world = self.config.dp * self.config.tp * self.config.pp
+        return self.tokens_per_second * self.model_flops_per_token / (device.peak_flops * world)
 
     @property
     def layout(self) -> tuple[int, int, int]:
@@ -97,12 +119,19 @@ class LayoutEstimate:
         """The layout in words: ``dp=2 tp=2 pp=2 (1f1b, 4 micro-batches) ZeRO-1 recompute=full``."""
         pc = self.config
         text = f"dp={pc.dp} tp={pc.tp} pp={pc.pp}"
+        if pc.ep > 1:
+            text += f" ep={pc.ep}"
         if pc.pp > 1:
-            text += f" ({pc.pipeline_schedule}, {pc.micro_batches} micro-batches)"
+            schedule = pc.pipeline_schedule + (f" v={pc.vpp}" if pc.vpp > 1 else "")
+            text += f" ({schedule}, {pc.micro_batches} micro-batches)"
         if pc.zero_stage:
             text += f" ZeRO-{pc.zero_stage}"
         if pc.recompute.enabled:
             text += f" recompute={pc.recompute.recompute}"
+            if pc.recompute.recompute == "selective" and pc.recompute.select_recompute != ("attention_core",):
+                text += "(" + "+".join(pc.recompute.select_recompute) + ")"
+        if pc.sequence_parallel:
+            text += " sp"
         return text
 
 
@@ -114,7 +143,7 @@ class AutoParallelPlan:
     """The chosen layout (``semi_auto_parallel``), validated for the world, model and batch."""
     chosen: LayoutEstimate
     candidates: list[LayoutEstimate]
-    """The best variant of every valid (dp, tp, pp) layout (the fastest that fits, else the smallest)."""
+    """The best variant of every valid (dp, tp, pp, ep) layout (the fastest that fits, else the smallest)."""
     excluded: list[tuple[str, str]] = field(default_factory=list)
     """(layout, reason) for layouts refused before estimating (divisibility, batch, node size)."""
     world_size: int = 1
@@ -130,11 +159,11 @@ class AutoParallelPlan:
         rows = []
         for est in sorted(self.candidates, key=_rank_key):
             mem, t = est.memory, est.time
-            comm = t.tensor_parallel + t.data_parallel + t.pipeline_comm
             rows.append([est.describe(), _fmt_bytes(mem.parameters), _fmt_bytes(mem.gradients),
                          _fmt_bytes(mem.optimizer), _fmt_bytes(mem.activations), _fmt_bytes(mem.total),
-                         "yes" if est.fits else "NO", _fmt_s(t.compute), _fmt_s(comm), _fmt_s(t.bubble),
-                         _fmt_s(t.total), f"{est.samples_per_second:.3g}", "<- chosen" if est is self.chosen else ""])
+                         "yes" if est.fits else "NO", _fmt_s(t.compute + t.memory_bound), _fmt_s(t.communication),
+                         _fmt_s(t.bubble), _fmt_s(t.total), f"{est.samples_per_second:.3g}",
+                         "<- chosen" if est is self.chosen else ""])
         widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
         lines += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
@@ -187,6 +216,31 @@ def _micro_batch_choices(pp: int, batch: int) -> list[int]:
     return [m for m in _divisors(batch) if m >= pp]
 
 
+def _schedules(base: ParallelConfig, shape: ModelShape, pp: int, full_search: bool) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) to try for ``pp`` stages: the base config's, or with ``full_search`` 1F1B and
+    interleaved 1F1B over every virtual-stage count that splits the layers evenly (GPipe's bubble is 1F1B's and it
+    keeps more micro-batches in flight, so it is tried only when asked for)."""
+    if pp == 1:
+        return [("gpipe" if base.pipeline_schedule == "gpipe" else "1f1b", 1)]
+    if not full_search:
+        return [(base.pipeline_schedule, base.virtual_pipeline_stages)]
+    choices = [("gpipe", 1)] if base.pipeline_schedule == "gpipe" else [("1f1b", 1)]
+    layers = shape.total_layers
+    choices += [("interleaved_1f1b", v) for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
+    return choices
+
+
+def _expert_parallel_choices(base: ParallelConfig, shape: ModelShape, dp: int, full_search: bool) -> list[int]:
+    """Expert-parallel sizes for ``dp`` data-parallel ranks: divisors of both ``dp`` and the expert count (all of
+    them with ``full_search``, else the base config's when it is one)."""
+    if not shape.is_moe:
+        return [1]
+    valid = [e for e in _divisors(dp) if shape.experts % e == 0]
+    if full_search:
+        return valid
+    return [base.expert_parallel] if base.expert_parallel in valid else []
+
+
 def plan(
     model_config: Any,
     world_size: int,
@@ -198,22 +252,28 @@ def plan(
     base: ParallelConfig | None = None,
     act_bytes: int = FP32_BYTES,
     require_fit: bool = True,
+    runtime: Runtime | None = None,
+    full_search: bool = False,
 ) -> AutoParallelPlan:
     """Choose a layout for ``world_size`` ranks (see the module docstring).
 
     Args:
-        model_config: a GPT-style model config (``GPTConfig`` or any config with the same field names).
+        model_config: a GPT-style model config (``GPTConfig`` or any config with the same field names), an HF
+            ``config.json`` dict or a :class:`ModelShape`.
         world_size: ranks in the job.
         per_device_batch: sequences per data-parallel rank and step (HF's ``per_device_train_batch_size``).
         seq_length: tokens per sequence (default: the model's ``max_position_embeddings``).
         global_batch: sequences per step over all data-parallel ranks, instead of ``per_device_batch``.
         device: the device assumptions (default :meth:`DeviceSpec.detect`).
-        base: the config whose other fields are kept (schedule, virtual stages, sequence/vocabulary parallelism)
-            and whose ``optimizer_shard`` and ``recompute`` are the least the planner uses (it raises them only
-            when memory requires).
+        base: the config whose other fields are kept (schedule, virtual stages, sequence/vocabulary and expert
+            parallelism unless ``full_search``) and whose ``optimizer_shard`` and ``recompute`` are the least the
+            planner uses (it raises them only when memory requires).
         act_bytes: activation element size (2 for bf16 training).
         require_fit: refuse when no layout fits the memory budget (else return the smallest, marked as not
             fitting).
+        runtime: the training software's behaviour for the time model (default: ours).
+        full_search: also choose the pipeline schedule and virtual stages, expert parallelism, and turn on
+            sequence and vocabulary parallelism with tensor parallelism (the ``plan`` command's search).
 
     Raises:
         ConfigError: no layout is valid for this world, model and batch, or none fits (with ``require_fit``).
@@ -224,10 +284,12 @@ def plan(
     if base.parallel_mode != "auto_parallel":
         base = dataclasses.replace(base, parallel_mode="auto_parallel")
     device = device if device is not None else DeviceSpec.detect(world_size=world_size)
-    seq_length = seq_length or getattr(model_config, "max_position_embeddings", None)
+    shape = as_shape(model_config)
+    seq_length = seq_length or getattr(model_config, "max_position_embeddings", None) or shape.max_positions
     if not seq_length:
         raise ConfigError("seq_length is required: the model config has no max_position_embeddings")
-    shape = ModelShape.from_config(model_config)
+    search = _Search(base, shape, model_config, world_size, seq_length, device, act_bytes, runtime or Runtime(),
+                     full_search)
 
     candidates: list[LayoutEstimate] = []
     excluded: list[tuple[str, str]] = []
@@ -243,12 +305,17 @@ def plan(
                 excluded.append((name, f"global_batch={global_batch} is not divisible by data_parallel={dp}"))
                 continue
             batch = per_device_batch if per_device_batch is not None else global_batch // dp
-            variants, reason = _variants(base, world_size, model_config, shape, dp, tp, pp, batch, seq_length,
-                                         device, act_bytes)
-            if not variants:
-                excluded.append((name, reason))
+            experts = _expert_parallel_choices(base, shape, dp, full_search)
+            if not experts:
+                excluded.append((name, f"expert_parallel={base.expert_parallel} does not divide data_parallel={dp} "
+                                       f"and the model's {shape.experts} experts"))
                 continue
-            candidates.append(min(variants, key=lambda e: _variant_key(e)))
+            for ep in experts:
+                variants, reason = search.variants(dp, tp, pp, ep, batch)
+                if not variants:
+                    excluded.append((name + (f" ep={ep}" if ep > 1 else ""), reason))
+                    continue
+                candidates.append(min(variants, key=_variant_key_full if full_search else _variant_key))
     if not candidates:
         reasons = "; ".join(f"{layout}: {why}" for layout, why in excluded[:3])
         raise ConfigError(f"auto_parallel found no valid layout for world_size={world_size} ({reasons})")
@@ -263,44 +330,121 @@ def plan(
 
 
 def _variant_key(est: LayoutEstimate) -> tuple[Any, ...]:
-    # Within one (dp, tp, pp): the fastest that fits; if none fits, the smallest.
+    # Within one (dp, tp, pp, ep) of an in-run plan: the ZeRO stage and recompute asked for when they fit (raised
+    # only as far as memory requires), the fastest of those; if none fits, the smallest.
+    if est.fits:
+        return (0, est.changes, est.time.total, est.memory.total)
+    return (1, est.memory.total, est.time.total, est.changes)
+
+
+def _variant_key_full(est: LayoutEstimate) -> tuple[Any, ...]:
+    # The plan command's search: the fastest variant that fits, whatever it changes; if none fits, the smallest.
     if est.fits:
         return (0, est.time.total, est.changes, est.memory.total)
     return (1, est.memory.total, est.time.total, est.changes)
 
 
-def _variants(base: ParallelConfig, world: int, model_config: Any, shape: ModelShape, dp: int, tp: int, pp: int,
-              batch: int, seq: int, device: DeviceSpec, act_bytes: int) -> tuple[list[LayoutEstimate], str]:
-    """Every (micro-batches, ZeRO stage, recompute) variant of one layout, estimated; or the reason none is valid."""
-    zero_levels = _escalations(base.optimizer_shard, (0, 1, 2, 3)) if dp > 1 else [base.optimizer_shard]
-    recompute_levels = _escalations(base.recompute.recompute, RECOMPUTE_LEVELS)
-    out: list[LayoutEstimate] = []
-    reason = ""
-    micro_choices = _micro_batch_choices(pp, batch)
-    if not micro_choices:
-        return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
-    for micro in micro_choices:
-        for zero in zero_levels:
-            for level in recompute_levels:
-                recompute = base.recompute if level == base.recompute.recompute else \
-                    RecomputeConfig(recompute=level)
-                fields: dict[str, Any] = {"micro_batch_num": micro, "optimizer_shard": zero, "recompute": recompute}
-                if pp == 1:
-                    fields["virtual_pipeline_stages"] = 1
-                    fields["pipeline_schedule"] = "1f1b" if base.pipeline_schedule == "interleaved_1f1b" \
-                        else base.pipeline_schedule
+@dataclass
+class _Search:
+    """What every layout of one planning run shares."""
+
+    base: ParallelConfig
+    shape: ModelShape
+    model_config: Any
+    world: int
+    seq: int
+    device: DeviceSpec
+    act_bytes: int
+    runtime: Runtime
+    full_search: bool
+
+    def __post_init__(self) -> None:
+        self.flops_per_token = self.shape.flops_per_token(self.seq)
+        # validate_for reads sizes off the model config; a shape answers with the same names.
+        self.model_view = self.model_config if not isinstance(self.model_config, (dict, ModelShape)) \
+            else _ShapeView(self.shape)
+
+    def variants(self, dp: int, tp: int, pp: int, ep: int, batch: int) -> tuple[list[LayoutEstimate], str]:
+        """Every (micro-batches, schedule, ZeRO stage, recompute) variant of one layout, estimated; or the reason
+        none is valid."""
+        base = self.base
+        zero_levels = _escalations(base.optimizer_shard, (0, 1, 2, 3)) if dp > 1 else [base.optimizer_shard]
+        recomputes = self.recompute_choices()
+        micro_choices = _micro_batch_choices(pp, batch)
+        if not micro_choices:
+            return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
+        extra: dict[str, Any] = {}
+        if self.full_search and tp > 1:
+            extra = {"use_seq_parallel": True, "vocab_emb_dp": False}
+        out: list[LayoutEstimate] = []
+        reason = ""
+        for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):
+            for micro in micro_choices:
+                fields: dict[str, Any] = {"micro_batch_num": micro, "pipeline_schedule": schedule,
+                                          "virtual_pipeline_stages": vpp, "expert_parallel": ep, **extra}
                 try:
-                    config = base.with_layout(dp, tp, pp, **fields)
-                    config.validate()
-                    config.validate_for(world, model_config, per_device_batch=batch)
+                    layout = base.with_layout(dp, tp, pp, **fields)
+                    layout.validate()
+                    layout.validate_for(self.world, self.model_view, per_device_batch=batch)
                 except ConfigError as err:
                     reason = str(err)
                     continue
-                memory = estimate_memory(shape, config, batch, seq, act_bytes)
-                time = estimate_step_time(shape, config, batch, seq, device, act_bytes)
-                changes = int(zero != base.optimizer_shard) + int(level != base.recompute.recompute)
-                out.append(LayoutEstimate(config, batch, memory, time, memory.total <= device.usable_bytes, changes))
-    return out, reason
+                for zero in zero_levels:
+                    for recompute in recomputes:
+                        config = dataclasses.replace(layout, optimizer_shard=zero, recompute=recompute)
+                        out.append(self.estimate(config, batch, int(zero != base.optimizer_shard)
+                                                 + int(recompute is not base.recompute)))
+        return out, reason
+
+    def recompute_choices(self) -> list[RecomputeConfig]:
+        """The base config's recompute and every level above it; the full search also tries re-running the MLP
+        with the attention core (a mixture of experts keeps ``top_k`` copies of each token's MLP activations)."""
+        base = self.base.recompute
+        choices = [base if level == base.recompute else RecomputeConfig(recompute=level)
+                   for level in _escalations(base.recompute, RECOMPUTE_LEVELS)]
+        if self.full_search and "selective" in [c.recompute for c in choices]:
+            choices.append(RecomputeConfig(recompute="selective", select_recompute=("attention_core", "mlp")))
+        return choices
+
+    def estimate(self, config: ParallelConfig, batch: int, changes: int) -> LayoutEstimate:
+        """Memory and time of one fully specified layout."""
+        # A runtime that writes the attention scores to memory also keeps them for backward.
+        memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
+                                 attention_scores=self.runtime.attention == "materialized")
+        time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
+        return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
+                              self.seq, self.flops_per_token)
+
+
+@dataclass(frozen=True)
+class _ShapeView:
+    """A :class:`ModelShape` seen through the config field names :meth:`ParallelConfig.validate_for` checks."""
+
+    shape: ModelShape
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.shape.heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.shape.kv_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        return math.gcd(self.shape.ffn, self.shape.routed_ffn, self.shape.shared_expert_ffn or self.shape.ffn)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.shape.vocab or None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.shape.total_layers
+
+    @property
+    def num_experts(self) -> int | None:
+        return self.shape.experts if self.shape.is_moe else None
 
 
 def auto_parallel(
