@@ -8,6 +8,7 @@ Our model types are also registered with transformers' own Auto classes, so
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from .errors import CheckpointError, ConfigError, MindFormersError
+from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
@@ -75,11 +76,14 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
 
 
 def _check_fields(config_class: type[PretrainedConfig], overrides: dict[str, Any]) -> None:
+    """Refuse keys that are neither fields of ``config_class`` nor transformers' loading arguments, listing both."""
     probe = config_class()
     for key in overrides:
         if not hasattr(probe, key):
-            fields = [f for f in getattr(config_class, "__dataclass_fields__", {}) if not f.startswith("_")]
-            raise ConfigError(f"unknown config field {key!r} for {config_class.__name__}; valid: {', '.join(fields)}")
+            own = [f for f in vars(config_class).get("__annotations__", {}) if not f.startswith("_")]
+            common = ["num_labels", "id2label", "label2id", "problem_type", "output_hidden_states", "output_attentions"]
+            raise ConfigError(f"{key!r} is neither a {config_class.__name__} field ({', '.join(own + common)}) nor a "
+                              f"from_pretrained argument ({', '.join(LOADING_KWARGS)})")
 
 
 class AutoConfig:
@@ -130,29 +134,126 @@ class _AutoModel:
         return cls._model_class(family)(config, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
-                        torch_dtype: torch.dtype | str | None = None, **config_overrides: Any) -> PreTrainedModel:
-        """Load a preset (random init), our checkpoint, or an HF checkpoint (converted), in eval mode."""
-        config, family, from_hf = resolve_config(name_or_path, **config_overrides)
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any) -> Any:
+        """Load a preset (random init), our checkpoint, or an HF checkpoint (converted), in eval mode.
+
+        Takes transformers' loading arguments (:data:`LOADING_KWARGS`, see :func:`apply_loading_options`) with their
+        meanings; every other keyword is a config field overriding the stored value (``num_labels=3``, dropout, ...).
+        """
+        if model_args:
+            raise ConfigError(f"{cls.__name__}.from_pretrained takes no positional model arguments after the path "
+                              f"(got {len(model_args)}); pass config fields as keywords")
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
+        folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
+        source = folder if folder.is_dir() else name_or_path
+        if options.get("use_safetensors") is False:
+            raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
+                                  "loaded (unpickling can run code); convert the checkpoint to safetensors")
+        if options.get("config") is not None:
+            config, family, from_hf = _given_config(options["config"], source, kwargs)
+        else:
+            config, family, from_hf = resolve_config(source, **kwargs)
+        config._name_or_path = str(name_or_path)
+        attn = options.get("attn_implementation")
+        if attn is not None:
+            check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+            config._attn_implementation = attn
         model = cls._model_class(family)(config)
-        folder = Path(name_or_path)
+        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
         if folder.is_dir():
             state = load_state_dict(folder)
             if from_hf:
                 state = family.converter.state_dict_from_hf(state, config)
-            _load_into(model, state, folder)
-            if (folder / "generation_config.json").is_file():
+            info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
+            if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
                 model.generation_config = GenerationConfig.from_pretrained(folder)
-        dtype = dtype or torch_dtype
-        if dtype is not None:
-            model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-        return model.eval()
+        model = apply_loading_options(model.eval(), options, folder)
+        return (model, info) if options.get("output_loading_info") else model
 
 
-def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: Path) -> None:
+LOADING_KWARGS = (
+    "config", "dtype", "torch_dtype", "device_map", "attn_implementation", "subfolder", "ignore_mismatched_sizes",
+    "output_loading_info", "use_safetensors", "low_cpu_mem_usage", "local_files_only", "revision", "trust_remote_code",
+    "cache_dir", "token", "force_download", "proxies",
+)
+"""transformers' ``from_pretrained`` keywords that say how to load rather than what the model is. The last eight
+concern downloads from a hub: weights here come from a local folder or a preset, so, as transformers does for a
+local folder, they change nothing (``local_files_only`` is always satisfied; ``trust_remote_code`` has no remote
+code to trust: our classes are this package's)."""
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Family, bool]:
+    """``from_pretrained(..., config=...)``: our config object (copied, overrides applied) or a transformers config
+    of an architecture we load (converted); the checkpoint's weights are read as that architecture's."""
+    if not isinstance(config, PretrainedConfig):
+        raise ConfigError(f"config={type(config).__name__} is not valid; expected a transformers PretrainedConfig")
+    family = _family_of(getattr(config, "model_type", None), type(config).__name__)
+    _check_fields(family.config_class, overrides)
+    from_hf = config.model_type != family.config_class.model_type
+    ours = family.converter.config_from_hf(config.to_dict()) if from_hf else copy.deepcopy(config)
+    for key, value in coerce_fields(family.config_class, overrides).items():
+        setattr(ours, key, value)
+    return ours, family, from_hf
+
+
+def apply_loading_options(model: PreTrainedModel, options: dict[str, Any], folder: Path) -> PreTrainedModel:
+    """Apply transformers' ``dtype``/``torch_dtype`` (a dtype, its name, or ``"auto"``: the checkpoint's) and
+    ``device_map`` (a device, ``{"": device}``, a per-module dict, or a strategy such as ``"auto"``, placed with
+    accelerate) to a loaded model."""
+    dtype = options.get("dtype") or options.get("torch_dtype")
+    if dtype is not None:
+        model = model.to(_resolve_dtype(dtype, model, folder))
+    device_map = options.get("device_map")
+    if device_map is None:
+        return model
+    if isinstance(device_map, (int, torch.device)) or (isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES):
+        return model.to(device_map)
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    if isinstance(device_map, str):
+        device_map = infer_auto_device_map(model, no_split_module_classes=list(model._no_split_modules or []))
+    if not isinstance(device_map, dict):
+        raise ConfigError(f"device_map={device_map!r} is not valid; expected a device, a dict of module -> device, or "
+                          f"one of: {', '.join(DEVICE_MAP_STRATEGIES)}")
+    devices = set(device_map.values())
+    if len(devices) == 1:  # one device: a plain move, no dispatch hooks
+        model = model.to(next(iter(devices)) if next(iter(devices)) != "disk" else "cpu")
+    else:
+        model = dispatch_model(model, device_map)
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def _resolve_dtype(dtype: torch.dtype | str, model: PreTrainedModel, folder: Path) -> torch.dtype:
+    """A torch dtype from ``dtype``; ``"auto"`` is the dtype the checkpoint was saved in (its config's ``dtype``, else
+    its first floating-point tensor's), or the model's own for a preset."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        stored = getattr(model.config, "dtype", None)
+        if isinstance(stored, torch.dtype):
+            return stored
+        if isinstance(stored, str) and isinstance(getattr(torch, stored, None), torch.dtype):
+            return getattr(torch, stored)
+        if folder.is_dir():
+            floating = [t.dtype for t in load_state_dict(folder).values() if t.is_floating_point()]
+            if floating:
+                return floating[0]
+        return next(model.parameters()).dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ConfigError(f"dtype={dtype!r} is not valid; expected a torch dtype, its name (e.g. 'bfloat16') or 'auto'")
+
+
+def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: Path,
+               ignore_mismatched_sizes: bool = False) -> dict[str, list]:
     """Load a state dict saved by a base model or by any head model of the family into ``model`` (a base model or
     one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
-    pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped."""
+    pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped; with
+    ``ignore_mismatched_sizes`` a tensor of another shape (a classifier with other labels) is re-initialised too.
+    Returns transformers' loading info (missing, unexpected and mismatched keys)."""
     prefix = f"{model.base_model_prefix}."
     if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
         state = {f"{prefix}{k}": v for k, v in state.items()}
@@ -164,13 +265,16 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     for alias, source in _tied_keys(model).items():
         if alias in expected and source in state:
             state[alias] = state[source]
-    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-                  for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
-    if mismatched:
-        raise CheckpointError(f"weights in {folder} do not match the config: {mismatched[0]} ({len(mismatched)} tensors differ)")
+    mismatched = [k for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
+    if mismatched and not ignore_mismatched_sizes:
+        k = mismatched[0]
+        raise CheckpointError(f"weights in {folder} do not match the config: {k}: checkpoint {tuple(state[k].shape)} vs "
+                              f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
+                              "ignore_mismatched_sizes=True to re-initialise them")
+    state = {k: v for k, v in state.items() if k not in mismatched}
     unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
     missing = sorted(set(expected) - set(state))
-    missing_body = [k for k in missing if in_body(k)]
+    missing_body = [k for k in missing if in_body(k) and k not in mismatched]
     if missing_body:
         raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
     if unexpected:
@@ -182,6 +286,8 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
         for key, value in state.items():
             if key in expected and value is not None:
                 expected[key].copy_(value)
+    skipped = sorted(k for k in set(state) - set(expected))
+    return {"missing_keys": missing, "unexpected_keys": skipped, "mismatched_keys": sorted(mismatched)}
 
 
 def _tied_keys(model: PreTrainedModel) -> dict[str, str]:

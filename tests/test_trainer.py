@@ -344,7 +344,7 @@ def test_output_dir_of_another_run_is_refused_unless_overwritten(tmp_path):
     run = dict(max_steps=2, save_strategy="steps", save_steps=2)
     Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, **run)).train()
     with pytest.raises(MindFormersError, match=r"holds another run \(checkpoint-2, trainer_state.json\)"):
-        Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, **run)).train()
+        Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, overwrite_output_dir=False, **run)).train()
     (tmp_path / "run" / "checkpoint-2" / "marker").write_text("old")
     Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, overwrite_output_dir=True, **run)).train()
     assert not (tmp_path / "run" / "checkpoint-2" / "marker").exists()
@@ -423,3 +423,17 @@ def test_training_arguments_accept_strings_and_round_trip():
     assert TrainingArguments.from_dict(a.to_dict()) == a
     with pytest.raises(ConfigError, match="not_a_field is not a TrainingArguments field"):
         TrainingArguments.from_dict({"not_a_field": 1})
+
+
+def test_training_again_into_the_same_output_dir_works_as_in_transformers_5(tmp_path):
+    """A notebook cell run twice: the second run trains over the first (default overwrite_output_dir=None), with its
+    own state and log."""
+    run = dict(max_steps=2, save_strategy="steps", save_steps=2, logging_steps=1)
+    first = Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, **run))
+    first.train()
+    trainer = Trainer(model=tiny_gpt(), train_dataset=token_data(8), args=args(tmp_path, **run))
+    trainer.train()
+    lines = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+    assert sum('"loss"' in line for line in lines) == 2  # this run's two steps, not four
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()

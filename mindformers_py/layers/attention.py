@@ -29,6 +29,9 @@ class Attention(nn.Module):
         is_causal: decoder (True) or encoder (False) attention.
         layer_idx: index of this layer in the KV cache.
         scale: softmax scale; ``None`` means ``1/sqrt(head_dim)``.
+        config: the model config, read at every call for ``_attn_implementation`` (transformers' switch, set by
+            ``attn_implementation=`` or ``model.set_attn_implementation``): ``"eager"`` computes the softmax
+            explicitly and returns the attention weights; anything else runs SDPA and returns None for them.
     """
 
     def __init__(
@@ -43,8 +46,10 @@ class Attention(nn.Module):
         is_causal: bool = True,
         layer_idx: int = 0,
         scale: float | None = None,
+        config=None,
     ) -> None:
         super().__init__()
+        self.config = config
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.is_causal = is_causal
@@ -62,11 +67,12 @@ class Attention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
-    ) -> torch.Tensor:
-        """``hidden_states`` (B, T, C) -> (B, T, C).
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden_states`` (B, T, C) -> ((B, T, C), attention weights (B, nh, T, S) or None).
 
         ``attention_mask`` is the boolean (B, 1, T, S) mask from :func:`build_attention_mask` or ``None``;
-        ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache``.
+        ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache``. The weights
+        are computed only under the eager implementation (see ``config``), as in transformers.
         """
         b, t, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -76,18 +82,21 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        y = self.core(
+        eager = getattr(self.config, "_attn_implementation", None) == "eager"
+        y, weights = self.core(
             q, k, v, attention_mask,
             is_causal=self.is_causal and attention_mask is None and t > 1,
             dropout=self.dropout if self.training else 0.0,
             scale=self.scale,
+            return_weights=eager,
         )
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), weights
 
-    def core(self, q, k, v, mask, is_causal: bool, dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    def core(self, q, k, v, mask, is_causal: bool, dropout: float = 0.0, scale: float | None = None,
+             return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This layer's softmax(q kᵀ) v, i.e. :func:`attention_core`. Selective recompute replaces it on the
         instance with a checkpointed call, so only this part is re-run in backward."""
-        return attention_core(q, k, v, mask, is_causal, dropout, scale)
+        return attention_core(q, k, v, mask, is_causal, dropout, scale, return_weights)
 
 
 def attention_core(
@@ -98,8 +107,11 @@ def attention_core(
     is_causal: bool,
     dropout: float = 0.0,
     scale: float | None = None,
-) -> torch.Tensor:
-    """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads.
+    return_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads; returns the
+    output (B, nh, T, hs) and, with ``return_weights``, the attention probabilities (B, nh, T, S) computed
+    explicitly in fp32 as transformers' eager attention does (else SDPA, and None).
 
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
@@ -107,4 +119,13 @@ def attention_core(
     if groups > 1:  # (B, nkv, S, hs) -> (B, nh, S, hs)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
+    if not return_weights:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                              scale=scale), None
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights

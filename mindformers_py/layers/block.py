@@ -39,6 +39,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             dropout=config.attention_dropout,
             is_causal=is_causal,
             layer_idx=layer_idx,
+            config=config,
         )
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, config.mlp_bias)
@@ -51,6 +52,6 @@ class TransformerBlock(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values)
+        attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values)
         hidden_states = hidden_states + self.dropout(attn)
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))

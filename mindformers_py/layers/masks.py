@@ -2,6 +2,13 @@
 
 ``None`` means "no mask needed": the attention layer then lets SDPA apply causality itself
 (``is_causal=True``), which is the fast path for unpadded training batches and single-token decoding.
+
+Padding-free packed rows (several sequences in one row, ``position_ids`` restarting at 0 for each, as trl's packing
+and transformers' ``DataCollatorWithFlattening`` send them without an attention mask) get a block-diagonal causal
+mask, so no token attends across a sequence boundary: transformers' rule (``find_packed_sequence_indices``).
+
+Under ``torch.compile`` the checks that look at tensor values (is there padding? are rows packed?) are skipped
+and the general mask is built, so the graph has no data-dependent branch.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ def build_attention_mask(
     causal: bool = True,
     sliding_window: int | None = None,
     device: torch.device | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Boolean mask of shape (B or 1, 1, query_length, kv_length), True where a query may attend.
 
@@ -31,12 +39,17 @@ def build_attention_mask(
         past_length: tokens already in the cache; query i sits at absolute position ``past_length + i``.
         causal: decoder self-attention (True) or bidirectional (False).
         sliding_window: keys further back than this many positions are hidden (Mistral/Qwen2 style).
+        position_ids: (B or 1, query_length) positions; without ``attention_mask`` and cache, positions that
+            restart mark packed sequences, which see only themselves.
     """
     if attention_mask is not None and attention_mask.dim() == 4:
         return attention_mask.bool() if attention_mask.dtype != torch.bool else attention_mask
-    padded = attention_mask is not None and not bool(attention_mask.all())
+    compiling = torch.compiler.is_compiling()
+    padded = attention_mask is not None and (compiling or not bool(attention_mask.all()))
+    packed = packed_sequence_ids(position_ids, compiling) \
+        if attention_mask is None and past_length == 0 and position_ids is not None and causal else None
     fills_kv = past_length + query_length == kv_length and kv_offset == 0
-    if not padded and sliding_window is None and fills_kv:
+    if not padded and packed is None and sliding_window is None and fills_kv:
         if not causal or query_length == 1 or past_length == 0:
             return None  # SDPA's own is_causal (or nothing, for one query) is exact here
     if attention_mask is not None:
@@ -49,6 +62,8 @@ def build_attention_mask(
     if sliding_window is not None:
         allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
     mask = allowed[None, None]  # (1, 1, q, kv)
+    if packed is not None:  # (B, q): a token sees the tokens of its own sequence only
+        mask = mask & (packed[:, None, :, None] == packed[:, None, None, :])
     if padded:
         keep = attention_mask.bool()
         if keep.shape[-1] < kv_length + kv_offset:
@@ -59,3 +74,15 @@ def build_attention_mask(
         own = k_pos[None, :] == q_pos[:, None]
         mask = (mask & keep[:, None, None, :]) | own[None, None]
     return mask
+
+
+def packed_sequence_ids(position_ids: torch.Tensor, compiling: bool = False) -> torch.Tensor | None:
+    """For each token, the index of its sequence within the row, where ``position_ids`` (B, T) restart (a position
+    that is not the previous one plus one starts a new sequence); None when no row holds more than one sequence
+    (only checked outside ``torch.compile``)."""
+    ids = position_ids if position_ids.dim() == 2 else position_ids[None]
+    starts = torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1) != 1
+    sequence = starts.cumsum(-1)
+    if not compiling and not bool((sequence[:, -1] > 0).any()):
+        return None
+    return sequence

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -35,6 +36,9 @@ class Family:
     ``state_dict_to_hf``, ``hf_type_for`` for HF interop."""
     hf_model_classes: dict[str, Callable[[str], str | None]] = field(default_factory=dict)
     """``"base"`` or task name -> function of the HF model_type giving the transformers class name to export as."""
+    peft_reference: str = "llama"
+    """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
+    (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
 
     @property
     def hf_types(self) -> tuple[str, ...]:
@@ -45,15 +49,35 @@ FAMILIES: list[Family] = []
 
 
 def register_family(family: Family) -> None:
-    """Add ``family`` to the table and register its classes with transformers' Auto classes."""
+    """Add ``family`` to the table and register its classes with transformers' Auto classes and class-name tables
+    (transformers' Trainer and pipelines decide what a model is from those: label smoothing shifts the labels of
+    the models listed as causal LMs), and with peft's defaults when peft is loaded."""
     import transformers
 
     FAMILIES.append(family)
     model_type = family.config_class.model_type
     transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
     for task, cls in family.model_classes.items():
-        auto = transformers.AutoModel if task == BASE else getattr(transformers, get_task(task).auto_class)
+        auto = getattr(transformers, "AutoModel" if task == BASE else get_task(task).auto_class)
         auto.register(family.config_class, cls, exist_ok=True)
+        # The class-name table behind the Auto class (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ...).
+        names = getattr(getattr(auto, "_model_mapping", None), "_model_mapping", None)
+        if isinstance(names, dict):
+            names.setdefault(model_type, cls.__name__)
+    register_with_peft()
+
+
+def register_with_peft() -> None:
+    """Give our model types peft's defaults of their reference type (``Family.peft_reference``), so LoRA and the
+    other adapters work without ``target_modules``, as for Llama. Only when peft is loaded (it is optional); our
+    models call this again when they are built, which covers peft imported after this package."""
+    constants = sys.modules.get("peft.utils.constants")
+    if constants is None:
+        return
+    for family in FAMILIES:
+        for name, table in vars(constants).items():
+            if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and family.peft_reference in table:
+                table.setdefault(family.config_class.model_type, table[family.peft_reference])
 
 
 def family_for_model_type(model_type: str) -> Family | None:

@@ -60,6 +60,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     training = dict(recipe.get("training") or {})
     if training.get("task") not in (None, task.name) and get_task(training["task"]) is not task:
         raise ConfigError(f"training.task={training['task']!r} contradicts the recipe's task={task.name!r}; keep one")
+    training.setdefault("overwrite_output_dir", False)  # the CLI never trains over another run by accident
     args = TrainingArguments(**{**training, "task": task.name})  # field names and values, before anything slow
     config, _, _ = resolve_config(name_or_path, **model_s)
     if data_s.block_size > config.max_position_embeddings:

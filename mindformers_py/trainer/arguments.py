@@ -45,9 +45,11 @@ class TrainingArguments:
 
     output_dir: str = "trainer_output"
     """Folder for checkpoints, ``trainer_state.json``, logs and the loss curve."""
-    overwrite_output_dir: bool = False
-    """Allow training into an ``output_dir`` that holds another run: its checkpoints, state, logs and curve are
-    removed first. Without it (and without resuming) such a folder is refused."""
+    overwrite_output_dir: bool | None = None
+    """What a fresh run does with an ``output_dir`` that holds another run. None (the default): train over it, as
+    transformers 5 does (a re-run notebook cell): checkpoint folders of the same step are replaced, the state, log
+    and curve are rewritten. True: remove the other run's checkpoints, state, logs, curve and TensorBoard events
+    first. False: refuse (the CLI's default, so a recipe never trains over another run by accident)."""
     task: str | None = None
     """What is trained: a task registry name or alias (``causal_lm``/``text_generation``, ``sequence_classification``/
     ``text_classification``, ...); None infers it from the model's class (``...ForCausalLM`` -> ``causal_lm``)."""

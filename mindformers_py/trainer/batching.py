@@ -1,4 +1,5 @@
-"""Batches for the Trainer: a resumable sampler over global batches and the columns handed to the collator.
+"""Batches for the Trainer: a resumable sampler over global batches (map-style data) or a stream's global batches
+(iterable data), and the columns handed to the collator.
 
 Training order is a pure function of (data seed, epoch): every epoch is one permutation cut into consecutive
 global micro-batches of ``per_device_train_batch_size x data-parallel size`` samples, each data-parallel rank
@@ -10,6 +11,7 @@ used without loading them.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,3 +108,80 @@ def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[st
             dataset = dataset.remove_columns(unused)
         return dataset, collate_fn
     return dataset, RemoveColumnsCollator(collate_fn, list(columns), description=description)
+
+
+class EpochBatches:
+    """One data-parallel rank's micro-batches, epoch by epoch, from a map-style dataset: the
+    :class:`GlobalBatchSampler` and the DataLoader reading its batches."""
+
+    def __init__(self, sampler: GlobalBatchSampler, loader: DataLoader) -> None:
+        self.sampler = sampler
+        self.loader = loader
+        self.global_batch_size = sampler.global_batch_size
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Global micro-batches in one epoch."""
+        return self.sampler.batches_per_epoch()
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on (without loading the skipped ones)."""
+        self.sampler.set_epoch(epoch, skip_batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+class StreamBatches:
+    """One data-parallel rank's micro-batches from an iterable dataset (a stream: ``torch.utils.data.IterableDataset``
+    or a ``datasets.IterableDataset``), as transformers' Trainer takes with ``max_steps``.
+
+    Every rank reads the stream in order and cuts it into global micro-batches of ``global_batch_size`` samples; each
+    rank collates its contiguous share (:meth:`Engine.shard_indices`), so a step sees the same samples whatever the
+    layout, as with map-style data. An incomplete last global batch is dropped. A new epoch restarts the stream
+    (calling its ``set_epoch``, which reshuffles a ``datasets.IterableDataset``). Resuming skips the samples already
+    used by reading past them: a stream cannot seek.
+    """
+
+    batches_per_epoch = None
+    """Unknown for a stream."""
+
+    def __init__(self, dataset: Any, global_batch_size: int, shard: Callable[[Sequence[int]], list[int]],
+                 collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.shard = shard
+        self.collate_fn = collate_fn
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on."""
+        self.epoch = epoch
+        self.skip = skip_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        samples = iter(self.dataset)
+        for _ in range(self.skip * self.global_batch_size):
+            if next(samples, _END) is _END:
+                return
+        rows = self.shard(range(self.global_batch_size))
+        while True:
+            batch = list(itertools.islice(samples, self.global_batch_size))
+            if len(batch) < self.global_batch_size:
+                return
+            yield self.collate_fn([batch[i] for i in rows])
+
+
+_END = object()
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is iterable without a length (a stream) rather than map-style."""
+    try:
+        len(dataset)
+    except TypeError:
+        return hasattr(dataset, "__iter__")
+    return False

@@ -134,26 +134,28 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Pat
     return doomed
 
 
-def prepare_output_dir(output_dir: str | Path, overwrite: bool, logging_dir: str | Path | None) -> None:
-    """Make ``output_dir`` ready for a fresh run: refuse one holding another run's checkpoints or state unless
-    ``overwrite``, in which case those files (checkpoints, state, log, curve, TensorBoard events under
-    ``logging_dir``) are removed first. Other files are left alone."""
+def prepare_output_dir(output_dir: str | Path, overwrite: bool | None, logging_dir: str | Path | None) -> None:
+    """Make ``output_dir`` ready for a fresh run. If it holds another run's checkpoints or state: ``overwrite=False``
+    refuses, ``True`` removes those files (checkpoints, state, log, curve, TensorBoard events under ``logging_dir``)
+    first, None trains over them as transformers 5 does (the new run rewrites the state, log and curve). Other files
+    are left alone."""
     root = Path(output_dir)
     previous = [p for p in checkpoint_folders(root)] + [p for p in (root / TRAINER_STATE_NAME,) if p.exists()]
-    if previous and not overwrite:
+    if previous and overwrite is False:
         names = ", ".join(p.name for p in previous[:3]) + (", ..." if len(previous) > 3 else "")
         raise MindFormersError(
             f"output_dir={str(root)!r} holds another run ({names}); pass overwrite_output_dir=True to replace it, "
             "resume_from_checkpoint=True to continue it, or choose another output_dir"
         )
-    if overwrite:
+    if previous and overwrite:
         for path in checkpoint_folders(root):
             shutil.rmtree(path)
-        for name in (TRAINER_STATE_NAME, LOG_NAME, CURVE_NAME):
-            (root / name).unlink(missing_ok=True)
         if logging_dir is not None and Path(logging_dir).is_dir():
             for events in Path(logging_dir).glob("events.out.tfevents.*"):
                 events.unlink()
+    if previous:  # a fresh run starts its own state, log and curve
+        for name in (TRAINER_STATE_NAME, LOG_NAME, CURVE_NAME):
+            (root / name).unlink(missing_ok=True)
     root.mkdir(parents=True, exist_ok=True)
 
 

@@ -31,7 +31,8 @@ from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
-from .batching import GlobalBatchSampler, build_dataloader, drop_unused_columns, forward_columns
+from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
+    forward_columns, is_stream
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
@@ -171,25 +172,31 @@ class Trainer:
             check_checkpoint(checkpoint, engine.checkpoint_files())
 
         dataset, collate = self._prepared(self.train_dataset, "train")
-        num_samples = _length(dataset, "train_dataset")
         global_batch = args.per_device_train_batch_size * engine.dp_size
-        if num_samples < global_batch:
-            raise MindFormersError(
-                f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
-                f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
-                "ranks); use more data or a smaller per_device_train_batch_size"
-            )
         data_seed = args.data_seed if args.data_seed is not None else args.seed
-        sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
-                                     drop_last=args.dataloader_drop_last)
-        loader = build_dataloader(dataset, sampler, collate, args.dataloader_num_workers,
-                                  args.dataloader_pin_memory and engine.device.type == "cuda",
-                                  args.dataloader_prefetch_factor, data_seed)
-        batches_per_epoch = sampler.batches_per_epoch()
         accum = args.gradient_accumulation_steps
-        steps_per_epoch = math.ceil(batches_per_epoch / accum)
-        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        num_epochs = math.ceil(max_steps / steps_per_epoch)
+        if is_stream(dataset):
+            if args.max_steps <= 0:
+                raise MindFormersError("an iterable train_dataset has no length, so the run needs max_steps > 0 "
+                                       "(num_train_epochs cannot be turned into steps), as in transformers")
+            num_samples, max_steps, num_epochs = 0, args.max_steps, math.inf
+            source: Any = StreamBatches(dataset, global_batch, engine.shard_indices, collate)
+        else:
+            num_samples = _length(dataset, "train_dataset")
+            if num_samples < global_batch:
+                raise MindFormersError(
+                    f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
+                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
+                    "ranks); use more data or a smaller per_device_train_batch_size"
+                )
+            sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
+                                         drop_last=args.dataloader_drop_last)
+            source = EpochBatches(sampler, build_dataloader(
+                dataset, sampler, collate, args.dataloader_num_workers,
+                args.dataloader_pin_memory and engine.device.type == "cuda", args.dataloader_prefetch_factor, data_seed))
+            steps_per_epoch = math.ceil(source.batches_per_epoch / accum)
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+            num_epochs = math.ceil(max_steps / steps_per_epoch)
 
         if self.optimizer is None:
             self.optimizer = engine.build_optimizer(self.model)
@@ -205,21 +212,20 @@ class Trainer:
                                              is_world_process_zero=engine.is_main_process)
             position = self._resumed_position(DataPosition.read(checkpoint), num_samples, global_batch, data_seed)
         self.state.max_steps = max_steps
-        self.state.num_train_epochs = num_epochs
+        self.state.num_train_epochs = num_epochs if num_epochs != math.inf else max_steps
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         for name in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, name, getattr(self, name))
-        self.callback_handler.train_dataloader = loader
+        self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
-        return self._train_loop(loader, sampler, position, batches_per_epoch, num_epochs)
+        return self._train_loop(source, position, num_epochs)
 
-    def _train_loop(self, loader: Any, sampler: GlobalBatchSampler, position: DataPosition,
-                    batches_per_epoch: int, num_epochs: int) -> TrainOutput:
+    def _train_loop(self, source: Any, position: DataPosition, num_epochs: float) -> TrainOutput:
         args, engine, state = self.args, self.engine, self.state
         accum = args.gradient_accumulation_steps
         self._tr_loss = torch.zeros((), device=engine.device)
@@ -232,16 +238,17 @@ class Trainer:
         self._log_clock = time.perf_counter()
         start_time, start_step, tokens_run = time.time(), state.global_step, 0
         self._position = position
+        batches_per_epoch = source.batches_per_epoch or math.inf  # a stream's is unknown: read until it ends
         epoch = position.epoch
         skip = position.samples_consumed // position.global_batch_size
         if skip >= batches_per_epoch:
             epoch, skip = epoch + 1, 0
 
         while epoch < num_epochs and state.global_step < state.max_steps and not self.control.should_training_stop:
-            sampler.set_epoch(epoch, skip)
-            self._position = dataclasses.replace(position, epoch=epoch, samples_consumed=skip * sampler.global_batch_size)
+            source.set_epoch(epoch, skip)
+            self._position = dataclasses.replace(position, epoch=epoch, samples_consumed=skip * source.global_batch_size)
             self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
-            batches = iter(loader)
+            batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
                 micro_batches = list(itertools.islice(batches, accum))
@@ -265,14 +272,14 @@ class Trainer:
                 engine.zero_grad(self.optimizer)
 
                 state.global_step += 1
-                state.epoch = epoch + consumed / batches_per_epoch
+                state.epoch = epoch + consumed / batches_per_epoch  # a stream counts whole passes
                 state.num_input_tokens_seen += tokens
                 state.total_flos += float(self._flops_per_token * tokens * engine.dp_size)
                 self._tokens_since_log += tokens
                 tokens_run += tokens
                 self._tr_loss += loss
                 self._note_nonfinite(loss)
-                self._position.samples_consumed = consumed * sampler.global_batch_size
+                self._position.samples_consumed = consumed * source.global_batch_size
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
                 self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
@@ -560,6 +567,8 @@ class Trainer:
                          ignore_keys: list[str] | None, metric_key_prefix: str) -> EvalLoopOutput:
         args, engine = self.args, self.engine
         dataset, collate = self._prepared(dataset, description)
+        if is_stream(dataset):  # evaluation reads every sample once, in order: a stream is read whole first
+            dataset = list(dataset)
         num_samples = _length(dataset, description)
         if num_samples == 0:
             raise MindFormersError(f"{description} is empty")

@@ -15,8 +15,9 @@ import math
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -27,24 +28,19 @@ from transformers.modeling_outputs import (
 
 from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
-from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, causal_lm_loss
+from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
+    causal_lm_loss
 from ...layers.loss import question_answering_loss, sequence_classification_loss, token_cross_entropy
+from ..modeling_base import MindFormersPreTrainedModel
 from .configuration_gpt import GPTConfig
 
 
-class GPTPreTrainedModel(PreTrainedModel):
-    """Weight init, HF plumbing (save/load, gradient checkpointing, SDPA) shared by the GPT models."""
+class GPTPreTrainedModel(MindFormersPreTrainedModel):
+    """Weight init and config class of the GPT models (the rest is :class:`MindFormersPreTrainedModel`)."""
 
     config_class = GPTConfig
     config: GPTConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["TransformerBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _supports_sdpa = True
-    accepts_loss_kwargs = True
-    """Every head divides its loss by a ``num_items_in_batch`` it is given (the items of the whole optimizer step),
-    so transformers' Trainer and ours pass it and do not rescale the loss."""
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -80,6 +76,7 @@ class GPTModel(GPTPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -90,7 +87,9 @@ class GPTModel(GPTPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """Last hidden states (B, T, C) of ``input_ids`` (or ``inputs_embeds``).
+        """Last hidden states (B, T, C) of ``input_ids`` (or ``inputs_embeds``); with ``output_hidden_states`` /
+        ``output_attentions`` (or the config's), every layer's hidden states / attention weights, and a tuple with
+        ``return_dict=False``, as transformers' models.
 
         On a pipeline stage without ``embed_tokens``, ``inputs_embeds`` is the previous stage's output and
         ``position_ids`` (which then must cover the whole sequence) give the length masks are built for."""
@@ -107,20 +106,19 @@ class GPTModel(GPTPreTrainedModel):
         if use_cache and past_key_values is None and not self.training:
             past_key_values = DynamicCache()
         past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
-        if past_length + length > self.config.max_position_embeddings:
-            raise MindFormersError(
-                f"sequence of {past_length + length} tokens ({past_length} cached + {length} new) exceeds the context "
-                f"length max_position_embeddings={self.config.max_position_embeddings}; shorten the prompt or max_new_tokens"
-            )
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + length, device=hidden_states.device)[None]
+            self._check_context(past_length + length, f"sequence of {past_length + length} tokens ({past_length} cached + "
+                                                      f"{length} new)")
+        elif not torch.compiler.is_compiling():  # the positions decide (packed rows restart them): a data check
+            self._check_context(int(position_ids.max()) + 1, f"position id {int(position_ids.max())}")
         if past_key_values is not None:
             kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
         else:
             kv_length, kv_offset = length, 0
         mask = build_attention_mask(
             attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
-            sliding_window=self.config.sliding_window, device=hidden_states.device,
+            sliding_window=self.config.sliding_window, device=hidden_states.device, position_ids=position_ids,
         )
         rotary = None
         if self.config.position_embedding_type == "rope":
@@ -134,6 +132,11 @@ class GPTModel(GPTPreTrainedModel):
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+
+    def _check_context(self, needed: int, what: str) -> None:
+        if needed > self.config.max_position_embeddings:
+            raise MindFormersError(f"{what} exceeds the context length max_position_embeddings="
+                                   f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
 
 
 class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
@@ -156,6 +159,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -170,7 +174,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss."""
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
+        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
         hidden = out.last_hidden_state
@@ -180,7 +184,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden)  # (B, T, V)
         loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):
@@ -196,6 +201,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -204,17 +210,19 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         """Logits (B, num_labels) of each row's last real token (found from ``input_ids`` and
         ``config.pad_token_id``); with ``labels``, the loss of ``config.problem_type``."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
         if self.score is None:
             return out
         logits = self.score(out.last_hidden_state)  # (B, T, num_labels)
         pooled = logits[torch.arange(logits.shape[0], device=logits.device), self._last_token(input_ids, logits)]
         loss = sequence_classification_loss(pooled, labels, self.config, num_items_in_batch) if labels is not None else None
-        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, hidden_states=out.hidden_states,
+                                                attentions=out.attentions)
 
     def _last_token(self, input_ids: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
         """Index of each row's last non-padding token; works for left and right padding alike."""
@@ -241,6 +249,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -249,15 +258,16 @@ class GPTForTokenClassification(GPTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput:
         """Logits (B, T, num_labels); with ``labels`` (B, T, -100 ignored), the token cross-entropy."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
         if self.score is None:
             return out
         logits = self.score(self.dropout(out.last_hidden_state))
         loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
-        return TokenClassifierOutput(loss=loss, logits=logits)
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 class GPTForQuestionAnswering(GPTPreTrainedModel):
@@ -271,6 +281,7 @@ class GPTForQuestionAnswering(GPTPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -280,14 +291,16 @@ class GPTForQuestionAnswering(GPTPreTrainedModel):
         start_positions: torch.LongTensor | None = None,
         end_positions: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput:
         """Start and end logits (B, T); with ``start_positions`` and ``end_positions``, the span loss."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False)
+        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
         if self.qa_outputs is None:
             return out
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in self.qa_outputs(out.last_hidden_state).split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = question_answering_loss(start_logits, end_logits, start_positions, end_positions, num_items_in_batch)
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                            hidden_states=out.hidden_states, attentions=out.attentions)
