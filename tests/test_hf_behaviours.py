@@ -291,3 +291,9 @@ def test_generate_falls_back_when_transformers_private_helpers_change(folders, m
     with caplog.at_level("WARNING"):
         assert torch.equal(ours.generate(**ids, **kw), expected)
     assert "generate runs GenerationMixin's loop" in caplog.text
+
+
+def test_pipeline_of_a_loaded_model_object_finds_its_tokenizer(folders):
+    _, ours_dir = folders
+    pipe = mf.pipeline("text-generation", model=mf.AutoModelForCausalLM.from_pretrained(ours_dir))
+    assert pipe("def main", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("def main")
