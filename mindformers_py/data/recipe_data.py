@@ -109,9 +109,9 @@ def image_classification_data(data: Any, image_processor: Any, config: Any) -> R
     if data.source == "digits":
         splits = dict(digits_dataset())
     elif data.source == "imagefolder":
-        splits = {"train": imagefolder_dataset(data.train_files)}
+        splits = {"train": imagefolder_dataset(_one_folder(data.train_files, "train_files"))}
         if data.validation_files:
-            splits["validation"] = imagefolder_dataset(data.validation_files)
+            splits["validation"] = imagefolder_dataset(_one_folder(data.validation_files, "validation_files"))
     else:
         raise ConfigError(f"data.source={data.source!r} is not valid for image classification; choose one of: "
                           "'digits', 'imagefolder'")
@@ -132,6 +132,14 @@ def image_classification_data(data: Any, image_processor: Any, config: Any) -> R
 
     validation = wrap(splits["validation"], False) if "validation" in splits else None
     return RecipeData(wrap(splits["train"], data.augment), validation, updates)
+
+
+def _one_folder(value: Any, field: str) -> str:
+    """The one folder a ``data.*_files`` field names (a list of one is accepted, as flags give lists)."""
+    folders = value if isinstance(value, (list, tuple)) else [value]
+    if len(folders) != 1:
+        raise ConfigError(f"data.{field}={value!r} must name one folder of class sub-folders for source 'imagefolder'")
+    return str(folders[0])
 
 
 RECIPE_DATA = {"causal_lm_data": causal_lm_data, "sequence_classification_data": sequence_classification_data,
