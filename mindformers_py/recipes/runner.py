@@ -62,7 +62,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError(f"training.task={training['task']!r} contradicts the recipe's task={task.name!r}; keep one")
     training.setdefault("overwrite_output_dir", False)  # the CLI never trains over another run by accident
     args = TrainingArguments(**{**training, "task": task.name})  # field names and values, before anything slow
-    config, _, _ = resolve_config(name_or_path, **model_s)
+    config, family, _ = resolve_config(name_or_path, **model_s)
+    if task.name not in family.model_classes:
+        raise ConfigError(f"task={task.name!r} is not one the {family.name} family of model.name_or_path={name_or_path!r} "
+                          f"serves; its tasks: {', '.join(t for t in family.model_classes if t != 'base')}")
     if data_s.block_size > getattr(config, "max_position_embeddings", data_s.block_size):
         raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
                           f"max_position_embeddings={config.max_position_embeddings}; lower data.block_size")

@@ -97,7 +97,7 @@ class ViTModel(ViTPreTrainedModel):
             hidden_states = layer(hidden_states, mask)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        pooled = self.pooler(hidden_states) if getattr(self, "pooler", None) is not None else None
+        pooled = self.pooler(hidden_states) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
 
