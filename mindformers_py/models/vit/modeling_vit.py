@@ -35,7 +35,6 @@ class ViTPreTrainedModel(MindFormersPreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "pixel_values"
     input_modalities = ("image",)
-    _no_split_modules = ["PatchEmbedding", "TransformerBlock"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
