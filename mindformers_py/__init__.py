@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
+from .models import bert  # noqa: F401
 from .auto import (
     AutoConfig,
     AutoModel,
@@ -28,6 +29,15 @@ from .models.gpt import (
     GPTForTokenClassification,
     GPTModel,
 )
+from .models.bert import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
@@ -41,4 +51,6 @@ __all__ = [
     "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
+    "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
+    "BertForQuestionAnswering", "BertForPreTraining",
 ]

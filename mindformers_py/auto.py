@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -253,6 +254,9 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
     pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped; with
     ``ignore_mismatched_sizes`` a tensor of another shape (a classifier with other labels) is re-initialised too.
+    Extra tensors matching the model's ``_keys_to_ignore_on_load_unexpected`` (transformers' attribute: a BERT base
+    checkpoint's pooler, which an MLM head does not hold) are skipped as well, and body tensors matching
+    ``_keys_to_ignore_on_load_missing`` (a pooler an MLM checkpoint lacks) are initialised like a new head.
     Returns transformers' loading info (missing, unexpected and mismatched keys)."""
     prefix = f"{model.base_model_prefix}."
     if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
@@ -272,9 +276,11 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
                               f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
                               "ignore_mismatched_sizes=True to re-initialise them")
     state = {k: v for k, v in state.items() if k not in mismatched}
-    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
     missing = sorted(set(expected) - set(state))
-    missing_body = [k for k in missing if in_body(k) and k not in mismatched]
+    may_miss = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    missing_body = [k for k in missing if in_body(k) and k not in mismatched and not any(p.search(k) for p in may_miss)]
     if missing_body:
         raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
     if unexpected:
