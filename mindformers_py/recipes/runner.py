@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, check_choice
+from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
@@ -51,6 +52,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     name_or_path = model_s.pop("name_or_path", None)
     if name_or_path is None:
         raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
+    name_or_path = str(resolve_checkpoint_name(name_or_path))  # a packaged checkpoint's hub name -> its folder
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
