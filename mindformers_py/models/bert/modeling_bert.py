@@ -111,8 +111,9 @@ class BertModel(BertPreTrainedModel):
         else:
             if (input_ids is None) == (inputs_embeds is None):
                 raise MindFormersError("pass exactly one of input_ids or inputs_embeds")
+            # The length before the embedding norm: under sequence parallelism ``drop`` hands on a shard of it.
+            length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             hidden_states = self._embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, C)
-            length = hidden_states.shape[1]
         mask = build_attention_mask(attention_mask, query_length=length, kv_length=length, causal=False,
                                     device=hidden_states.device)
         for layer in self.layers:
