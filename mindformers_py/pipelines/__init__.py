@@ -12,6 +12,8 @@ from transformers import Pipeline, PreTrainedModel
 
 from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
+from .encoder import FeatureExtractionPipeline, FillMaskPipeline
+from .question_answering import QuestionAnsweringPipeline
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -19,6 +21,10 @@ register_pipeline(PipelineTask("text-classification", TextClassificationPipeline
                            aliases=("text_classification", "sentiment-analysis")))
 register_pipeline(PipelineTask("token-classification", TokenClassificationPipeline, "token_classification",
                            aliases=("token_classification", "ner")))
+register_pipeline(PipelineTask("fill-mask", FillMaskPipeline, "masked_lm", aliases=("fill_mask",)))
+register_pipeline(PipelineTask("feature-extraction", FeatureExtractionPipeline, "base", aliases=("feature_extraction",)))
+register_pipeline(PipelineTask("question-answering", QuestionAnsweringPipeline, "question_answering",
+                               aliases=("question_answering", "qa")))
 
 
 def pipeline(
@@ -49,4 +55,5 @@ def pipeline(
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
-           "TextGenerationPipeline", "TokenClassificationPipeline"]
+           "TextGenerationPipeline", "TokenClassificationPipeline", "FillMaskPipeline", "FeatureExtractionPipeline",
+           "QuestionAnsweringPipeline"]

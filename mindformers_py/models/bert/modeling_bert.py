@@ -53,8 +53,8 @@ class BertPreTrainedModel(MindFormersPreTrainedModel):
     base_model_prefix = "model"
     # Base checkpoints carry a pooler that heads without one (MLM, token classification, QA) do not use; MLM
     # checkpoints lack the one a classifier needs (it starts from random weights, as in transformers).
-    _keys_to_ignore_on_load_unexpected = [r"^model\.pooler\."]
-    _keys_to_ignore_on_load_missing = [r"^model\.pooler\."]
+    _keys_to_ignore_on_load_unexpected = [r"^(model\.)?pooler\."]
+    _keys_to_ignore_on_load_missing = [r"^(model\.)?pooler\."]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
