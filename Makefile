@@ -27,6 +27,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_bert.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 
 clean:
