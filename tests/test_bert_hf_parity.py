@@ -167,3 +167,15 @@ def test_conversion_refuses_what_it_cannot_represent():
         convert_bert.config_from_hf({**tiny_bert_config("bert").to_dict(), "is_decoder": True})
     with pytest.raises(mf.MindFormersError, match="norm_type"):
         convert_bert.config_to_hf(mf.BertConfig(norm_type="rmsnorm"))
+
+
+def test_peft_lora_wraps_our_bert_without_target_modules():
+    peft = pytest.importorskip("peft")
+    model = mf.BertForSequenceClassification(mf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, num_labels=3))
+    lora = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4))
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert any("q_proj.lora_A" in n for n in trainable) and any("classifier" in n for n in trainable)
+    out = lora(input_ids=torch.randint(0, VOCAB, (2, 7)), labels=torch.tensor([0, 2]))
+    out.loss.backward()
+    assert out.logits.shape == (2, 3)
