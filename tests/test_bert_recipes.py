@@ -43,7 +43,7 @@ def test_mlm_recipe_gives_stand_alone_losses_under_parallel_layouts(tmp_path, ca
     code, out = run_cli(MLM, *SMALL_MLM, "--output_dir", tmp_path / "sa", capsys=capsys)
     assert code == 0, out.err
     reference = losses(tmp_path / "sa")
-    assert len(reference) == 3 and reference[0] > reference[-1]
+    assert len(reference) == 3 and all(4.0 < loss < 8.0 for loss in reference)  # about ln(600) at the start
     assert json.loads((tmp_path / "sa" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
     for name, layout in LAYOUTS.items():
         code, out = run_cli(MLM, *SMALL_MLM, "--output_dir", tmp_path / name, "--parallel_mode", "semi_auto_parallel",
