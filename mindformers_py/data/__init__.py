@@ -1,4 +1,5 @@
-"""Data: the embedded default corpus (Python stdlib source), tokenizer training, packing, collators."""
+"""Data: the embedded default corpus (Python stdlib source), tokenizer training (BPE, WordPiece), packing, masked-LM
+blocks and per-sample masking, collators, the stdlib docstring classification task."""
 
 from mindformers_py.data.cache import default_cache_dir
 from mindformers_py.data.collators import DataCollatorForCausalLM, StackingCausalLMCollator
@@ -11,8 +12,13 @@ from mindformers_py.data.tokenizer import (
     PAD,
     default_tokenizer,
     default_tokenizer_path,
+    default_wordpiece_tokenizer,
     train_bpe_tokenizer,
+    train_wordpiece_tokenizer,
 )
+from mindformers_py.data.masking import DataCollatorForMaskedLM
+from mindformers_py.data.masked_lm import default_masked_lm_data, masked_lm_blocks
+from mindformers_py.data.docstrings import stdlib_docstrings
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
@@ -33,4 +39,10 @@ __all__ = [
     "stdlib_root",
     "tokenizer_fingerprint",
     "train_bpe_tokenizer",
+    "DataCollatorForMaskedLM",
+    "default_masked_lm_data",
+    "default_wordpiece_tokenizer",
+    "masked_lm_blocks",
+    "stdlib_docstrings",
+    "train_wordpiece_tokenizer",
 ]

@@ -26,6 +26,7 @@ def pack_dataset(
     text_column: str = "text",
     num_proc: int | None = None,
     docs_per_group: int | None = None,
+    separator_id: int | None = None,
 ) -> datasets.Dataset:
     """Tokenise ``dataset[text_column]`` and pack it into blocks of exactly ``block_size`` tokens.
 
@@ -39,6 +40,8 @@ def pack_dataset(
             dropped; needs ~16 bytes of memory per token). An integer packs each run of that many
             documents separately (bounded memory for huge corpora, parallel with ``num_proc``), dropping
             each run's tail.
+        separator_id: the token put after each document; None uses the tokenizer's eos token (BERT-style
+            tokenizers have none and pass their ``[SEP]``).
 
     Returns:
         A dataset with int64 columns ``input_ids`` and ``labels`` (equal to ``input_ids``; the model
@@ -54,7 +57,7 @@ def pack_dataset(
         raise MindFormersError(
             f"text_column={text_column!r} is not a column of the dataset; columns: {', '.join(dataset.column_names)}"
         )
-    if tokenizer.eos_token_id is None:
+    if separator_id is None and tokenizer.eos_token_id is None:
         raise MindFormersError(
             f"tokenizer {type(tokenizer).__name__} has no eos_token; set tokenizer.eos_token to separate documents"
         )
@@ -63,7 +66,8 @@ def pack_dataset(
         batched=True,
         num_proc=num_proc,
         remove_columns=dataset.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos_token_id": tokenizer.eos_token_id},
+        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column,
+                   "eos_token_id": tokenizer.eos_token_id if separator_id is None else separator_id},
         features=datasets.Features({"input_ids": datasets.List(datasets.Value("int64"))}),
         desc="Tokenizing",
     )

@@ -52,17 +52,46 @@ def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     return RecipeData(train, _cap(validation, data), {})
 
 
+def masked_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
+    """``[CLS] ... [SEP]`` blocks of ``block_size`` tokens from the standard library's source (``source: stdlib``,
+    split by file) or the recipe's files; the task's collator masks them per sample
+    (:class:`~mindformers_py.data.masking.DataCollatorForMaskedLM`)."""
+    from .masked_lm import default_masked_lm_data, masked_lm_blocks
+
+    if data.source == "stdlib":
+        train, validation = default_masked_lm_data(tokenizer, data.block_size, max_files=data.max_files)
+    elif data.source == "files":
+        def blocks(files):
+            return masked_lm_blocks(load_text_files(files, format=data.format), tokenizer, data.block_size,
+                                    text_column=data.text_column)
+
+        train = blocks(data.train_files)
+        validation = blocks(data.validation_files) if data.validation_files else None
+    else:
+        raise ConfigError(f"data.source={data.source!r} is not valid for masked language modelling; choose one of: "
+                          "'stdlib', 'files'")
+    return RecipeData(train, _cap(validation, data), {})
+
+
 def sequence_classification_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     """Rows of ``text_column`` (and ``text_pair_column``) with a ``label_column`` from the recipe's files (csv,
-    json/jsonl), tokenized and truncated to ``block_size`` tokens. String labels are numbered in sorted order and
-    become the config's ``id2label``; integer labels are taken as class ids; float labels make a regression."""
-    if data.source != "files":
+    json/jsonl), or the standard library's docstrings labelled by package (``source: stdlib_docstrings``,
+    :mod:`~mindformers_py.data.docstrings`), tokenized and truncated to ``block_size`` tokens (a text pair by
+    transformers' ``longest_first`` rule: the longer text loses tokens first). String labels are numbered in sorted
+    order and become the config's ``id2label``; integer labels are taken as class ids; float labels make a
+    regression."""
+    if data.source == "stdlib_docstrings":
+        from .docstrings import stdlib_docstrings
+
+        raw = dict(stdlib_docstrings())
+    elif data.source == "files":
+        splits = {"train": data.train_files}
+        if data.validation_files:
+            splits["validation"] = data.validation_files
+        raw = {name: load_text_files(files, format=data.format) for name, files in splits.items()}
+    else:
         raise ConfigError(f"data.source={data.source!r} is not valid for sequence classification; choose one of: "
-                          "'files' (with data.text_column and data.label_column)")
-    splits = {"train": data.train_files}
-    if data.validation_files:
-        splits["validation"] = data.validation_files
-    raw = {name: load_text_files(files, format=data.format) for name, files in splits.items()}
+                          "'files' (with data.text_column and data.label_column), 'stdlib_docstrings'")
     columns = [data.text_column, data.label_column] + ([data.text_pair_column] if data.text_pair_column else [])
     for name, split in raw.items():
         missing = [c for c in columns if c not in split.column_names]
@@ -142,6 +171,7 @@ def _one_folder(value: Any, field: str) -> str:
     return str(folders[0])
 
 
-RECIPE_DATA = {"causal_lm_data": causal_lm_data, "sequence_classification_data": sequence_classification_data,
+RECIPE_DATA = {"causal_lm_data": causal_lm_data, "masked_lm_data": masked_lm_data,
+               "sequence_classification_data": sequence_classification_data,
                "image_classification_data": image_classification_data}
 """Name (the task registry's ``recipe_data``) -> function."""

@@ -7,8 +7,11 @@ from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from .masks import build_attention_mask
 from .mlp import MLP
 from .norms import RMSNorm, build_norm
+from .embedding import EmbeddingNorm, padding_aware_position_ids
+from .heads import MaskedLMHead, Pooler
 
 __all__ = [
     "Attention", "attention_core", "TransformerBlock", "LearnedPositionEmbedding", "RotaryEmbedding",
     "apply_rotary", "IGNORE_INDEX", "causal_lm_loss", "shift_labels", "build_attention_mask", "MLP", "RMSNorm", "build_norm",
+    "EmbeddingNorm", "padding_aware_position_ids", "MaskedLMHead", "Pooler",
 ]

@@ -1,4 +1,5 @@
-"""The transformer layer shared by every family: pre-norm self-attention + MLP with residual connections.
+"""The transformer layer shared by every family: self-attention + MLP with residual connections, the norms before
+each sublayer (pre-norm: GPT-2, Llama, ViT, T5) or after each residual sum (post-norm: BERT, RoBERTa).
 
 A layer reads its sizes from any config that uses the common field names (``hidden_size``,
 ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``hidden_act``,
@@ -18,17 +19,22 @@ from .norms import build_norm
 
 
 class TransformerBlock(GradientCheckpointingLayer):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with ``post_norm``, ``norm(x + attn(x))`` then
+    ``norm(x + mlp(x))`` (the original Transformer's and BERT's order).
 
     Submodule names follow the Llama convention (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``,
     ``mlp``) so tensor-parallel plans and HF weight names line up. Being a ``GradientCheckpointingLayer``, it
-    honours HF's ``model.gradient_checkpointing_enable()``.
+    honours HF's ``model.gradient_checkpointing_enable()``. A post-norm block has no ``input_layernorm``; its
+    norms are ``post_attention_layernorm`` (after the attention's residual sum) and ``post_feedforward_layernorm``
+    (after the MLP's).
     """
 
-    def __init__(self, config, layer_idx: int, is_causal: bool = True) -> None:
+    def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False) -> None:
         super().__init__()
         norm = lambda: build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)  # noqa: E731
-        self.input_layernorm = norm()
+        self.post_norm = post_norm
+        if not post_norm:
+            self.input_layernorm = norm()
         self.self_attn = Attention(
             config.hidden_size,
             config.num_attention_heads,
@@ -44,6 +50,8 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, config.mlp_bias)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        if post_norm:
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -52,6 +60,10 @@ class TransformerBlock(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
     ) -> torch.Tensor:
+        if self.post_norm:
+            attn, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, past_key_values)
+            hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(attn))
+            return self.post_feedforward_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
         attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values)
         hidden_states = hidden_states + self.dropout(attn)
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))

@@ -1,4 +1,5 @@
-"""Position encodings: learned absolute positions (GPT-2, BERT, ViT) and rotary embeddings (Llama family).
+"""Position encodings: learned absolute positions (GPT-2, BERT, ViT; RoBERTa's padding-aware numbering) and rotary
+embeddings (Llama family); the norm + dropout of summed embeddings (BERT).
 
 Token embeddings are plain ``nn.Embedding`` modules owned by each model; their tensor-parallel style
 (``embedding_rowwise``, i.e. vocabulary-sharded) is declared in the model's plan, not here.
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .norms import build_norm
 
 
 class LearnedPositionEmbedding(nn.Embedding):
@@ -71,3 +74,28 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """Rotate ``q`` and ``k`` of shape (B, nh, T, hs) by ``cos``/``sin`` of shape (B, T, hs)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def padding_aware_position_ids(input_ids: torch.Tensor, padding_idx: int, past_length: int = 0) -> torch.Tensor:
+    """RoBERTa's absolute positions (fairseq's rule): the real tokens of a row are numbered ``padding_idx + 1``,
+    ``padding_idx + 2``, ... in order, padding tokens sit at ``padding_idx`` (a row of zeros in a table trained that
+    way). ``input_ids`` (B, T) -> position ids (B, T); ``past_length`` shifts the numbering of the real tokens."""
+    real = input_ids.ne(padding_idx).int()
+    return ((torch.cumsum(real, dim=1).type_as(real) + past_length) * real).long() + padding_idx
+
+
+class EmbeddingNorm(nn.Module):
+    """The norm and dropout applied to the summed token, position and token-type embeddings (BERT, RoBERTa).
+
+    One module, so sequence parallelism can split the sequence at its input: its norm then works on each rank's
+    share of the tokens, like every other norm of the model.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dropout: float = 0.0, norm_type: str = "layernorm",
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.norm = build_norm(norm_type, hidden_size, eps, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return self.dropout(self.norm(embeddings))

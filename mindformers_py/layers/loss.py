@@ -80,6 +80,7 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
         return _normalise(summed, num_items_in_batch, labels.numel())
     if problem == "single_label_classification":
         targets = labels.reshape(-1)
+        check_class_ids(targets, config.num_labels, "num_labels")
         summed = F.cross_entropy(logits.reshape(-1, config.num_labels), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return _normalise(summed, num_items_in_batch, (targets != IGNORE_INDEX).sum())
     if problem == "multi_label_classification":
@@ -103,3 +104,18 @@ def question_answering_loss(start_logits: torch.Tensor, end_logits: torch.Tensor
         summed = F.cross_entropy(logits.float(), target, ignore_index=length, reduction="sum")
         losses.append(_normalise(summed, num_items_in_batch, (target != length).sum()))
     return (losses[0] + losses[1]) / 2
+
+
+def check_class_ids(labels: torch.Tensor, num_classes: int, field: str = "num_labels") -> None:
+    """Refuse class-id labels outside ``[0, num_classes)`` (other than -100, ignored) with a one-line error naming
+    ``field``, instead of a bare index error from the cross-entropy. Skipped under ``torch.compile`` (it reads
+    values)."""
+    if torch.compiler.is_compiling() or labels.numel() == 0 or labels.is_floating_point():
+        return
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= num_classes))
+    if bool(bad.any()):
+        from ..errors import MindFormersError
+
+        value = int(labels[bad][0])
+        raise MindFormersError(f"label {value} is outside {field}={num_classes}: class ids must be in 0..{num_classes - 1} "
+                               f"(or {IGNORE_INDEX} to ignore a position); set {field} to the number of classes")

@@ -72,7 +72,13 @@ def build_attention_mask(
         # A left-padding query row would otherwise see no key at all and SDPA would return NaN; letting it see
         # itself keeps the numbers finite (its output is never used).
         own = k_pos[None, :] == q_pos[:, None]
-        mask = (mask & keep[:, None, None, :]) | own[None, None]
+        if causal:
+            mask = (mask & keep[:, None, None, :]) | own[None, None]
+        else:
+            # Bidirectional queries, padding ones included, see every real token of their row, as in transformers;
+            # only a row without any real token sees itself (and stays finite).
+            empty = ~keep.any(-1)
+            mask = (mask & keep[:, None, None, :]) | (own[None, None] & empty[:, None, None, None])
     return mask
 
 

@@ -1,7 +1,9 @@
 """Evaluation metrics as ``evaluate`` modules shipped inside the package, so they load without the hub.
 
 ``evaluate.load(metric_path("accuracy"))`` works like ``evaluate.load("accuracy")`` offline; :func:`load_metric`
-does that, and :func:`classification_metrics` turns a task's metric names into a Trainer ``compute_metrics``.
+does that, and :func:`classification_metrics` turns a task's metric names into a Trainer ``compute_metrics``
+(:func:`token_classification_metrics` for token classifiers, scored with ``seqeval``). ``squad`` scores extracted
+answers (exact match and F1).
 """
 
 from __future__ import annotations
@@ -50,4 +52,24 @@ def classification_metrics(names: Sequence[str]) -> Callable[[Any], dict[str, fl
     return compute
 
 
-__all__ = ["AVAILABLE", "classification_metrics", "load_metric", "metric_path"]
+def token_classification_metrics(id2label: dict[int, str], **seqeval_kwargs: Any) -> Callable[[Any], dict[str, float]]:
+    """A Trainer ``compute_metrics`` for token classifiers: each token's argmax, named by ``id2label`` (the model
+    config's), against the label ids, positions labelled -100 (padding, sub-word continuations) dropped, scored
+    by the shipped ``seqeval`` module (span-level precision/recall/F1 and tag accuracy; ``seqeval_kwargs`` such as
+    ``mode="strict", scheme="IOB2"`` are passed on). Returns the overall scores."""
+    module = load_metric("seqeval")
+
+    def compute(prediction: Any) -> dict[str, float]:
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        predicted = np.asarray(logits).argmax(-1)
+        labels = np.asarray(prediction.label_ids)
+        keep = labels != -100
+        predictions = [[id2label[int(p)] for p, k in zip(row, kept) if k] for row, kept in zip(predicted, keep)]
+        references = [[id2label[int(t)] for t, k in zip(row, kept) if k] for row, kept in zip(labels, keep)]
+        scores = module.compute(predictions=predictions, references=references, **seqeval_kwargs)
+        return {k: v for k, v in scores.items() if k.startswith("overall_")}
+
+    return compute
+
+
+__all__ = ["AVAILABLE", "classification_metrics", "load_metric", "metric_path", "token_classification_metrics"]

@@ -421,6 +421,14 @@ def _bert(cfg: Mapping[str, Any]) -> ModelShape:
     )
 
 
+@register_shape_reader("mindformers_bert")
+def _our_bert(cfg: Mapping[str, Any]) -> ModelShape:
+    """Our ``BertConfig`` (BERT and RoBERTa): the same shape as BERT's, its dropouts under our field names."""
+    renamed = {**cfg, "hidden_dropout_prob": cfg.get("hidden_dropout", 0.1),
+               "attention_probs_dropout_prob": cfg.get("attention_dropout", 0.1)}
+    return replace(_bert(renamed), model_type="mindformers_bert")
+
+
 @register_shape_reader("t5", "mt5")
 def _t5(cfg: Mapping[str, Any]) -> ModelShape:
     """``T5ForConditionalGeneration`` / ``MT5ForConditionalGeneration``: encoder and decoder stacks of RMS-normed
@@ -489,7 +497,7 @@ def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> Mo
     if model_type in SHAPE_READERS:  # a reader of its own (architectures beyond the GPT-style field set)
         return SHAPE_READERS[str(model_type)](cfg)
     if family is not None and family.converter is not None and model_type in family.hf_types:
-        return replace(ModelShape.from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
+        return replace(shape_from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
     if family is not None and model_type == family.config_class.model_type:
         return shape_from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
     known = sorted({*SHAPE_READERS, *registry.all_model_types()})

@@ -144,10 +144,11 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 class PipelineStageMixin:
     """Lets torch's ``PipelineStage`` call a model cut to one stage: it passes tensors and receives tensors.
 
-    ``forward(inputs, attention_mask=None, token_ids=None)``: ``inputs`` is the task's model input on the first
-    stage (token ids, pixel values) and the previous stage's hidden states elsewhere (which the model takes as
-    ``inputs_embeds``, its embeddings being absent); ``token_ids`` are the batch's token ids, handed to every stage
-    for heads that read them. A stage before the last returns its hidden states; the last returns the task's
+    ``forward(inputs, attention_mask=None, token_ids=None, token_type_ids=None)``: ``inputs`` is the task's model
+    input on the first stage (token ids, pixel values) and the previous stage's hidden states elsewhere (which the
+    model takes as ``inputs_embeds``, its embeddings being absent, with the positions of the whole sequence);
+    ``token_ids`` are the batch's token ids, handed to every stage for heads that read them; ``token_type_ids``
+    (segments of sentence pairs) go to the first stage's embeddings. A stage before the last returns its hidden states; the last returns the task's
     output fields (``logits``, or ``(start_logits, end_logits)``), on which the loss is computed.
 
     Attributes set by :func:`stage_view`: ``stage_index``, ``pp_rank``, ``layer_ids``, ``is_first``, ``is_last``,
@@ -157,14 +158,17 @@ class PipelineStageMixin:
     """
 
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                token_ids: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         spec: TaskSpec = self.pipeline_task
-        length = inputs.shape[1] if self.is_first else inputs.shape[1] * self.sequence_shards
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False,
-                                  "position_ids": torch.arange(length, device=inputs.device)[None]}
-        if self.is_first:
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
+        if self.is_first:  # the model numbers the positions itself (RoBERTa's count only real tokens)
             kwargs[spec.model_input] = inputs
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
         else:
+            length = inputs.shape[1] * self.sequence_shards
+            kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
             kwargs["inputs_embeds"] = inputs
             if token_ids is not None:
                 kwargs["input_ids"] = token_ids
@@ -361,6 +365,9 @@ class PipelineParallel:
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             kwargs[TOKEN_IDS_KEY] = ids
+        segments = batch.get("token_type_ids")
+        if isinstance(segments, torch.Tensor):
+            kwargs["token_type_ids"] = segments
         return ((inputs,) if self.has_first_stage else ()), kwargs
 
     def _target(self, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -24,8 +24,9 @@ Sequence parallelism (``use_seq_parallel``, torchtitan's recipe): between transf
 stream is split along the sequence (``Shard(1)``) across the tensor-parallel ranks. Every norm gets
 ``SequenceParallel``; the attention and MLP blocks get ``PrepareModuleInput`` that all-gathers the sequence before
 their column-parallel projections; their row-parallel projections reduce-scatter back to ``Shard(1)``. The
-stream is cut into sequence shards at the embedding dropout (``<base>.drop``), after the position embeddings
-were added, and the head (LM head, classifier, QA outputs) all-gathers it again.
+stream is cut into sequence shards at the embedding dropout (``<base>.drop``; BERT's is its embedding norm +
+dropout), after the position embeddings were added, and the head (LM head, classifier, QA outputs, MLM head) and a
+pooler all-gather it again; norms and vocabulary-parallel decoders inside such a head see the whole sequence.
 
 Model code never changes: layers compute with local sizes (``view(b, t, -1, head_dim)``), so a rank holding
 half the heads simply sees half the heads.
@@ -92,10 +93,18 @@ def _styles(
     seq = Shard(1)
     styles: dict[str, ParallelStyle] = {}
     block_inputs: set[str] = set()
+    whole = _whole_sequence_modules(model) if sequence_parallel else []
+    inside_whole = lambda name: any(name.startswith(f"{w}.") for w in whole)  # noqa: E731
     for key, kind in plan.items():
         if kind not in PLAN_STYLES:
             raise invalid_choice(f"tp_plan[{key!r}]", kind, PLAN_STYLES)
         for name in _matching(model, key):
+            if inside_whole(name):  # inside a head that gathers the sequence at its own input (BERT's MLM decoder)
+                if kind == "colwise_gather_output" and vocab_parallel:
+                    styles[name] = ColwiseParallel(input_layouts=Replicate(),
+                                                   output_layouts=Replicate() if gather_logits else Shard(-1),
+                                                   use_local_output=gather_logits)
+                continue
             if kind == "colwise":
                 styles[name] = ColwiseParallel()
                 block_inputs.add(name.rpartition(".")[0])
@@ -116,8 +125,10 @@ def _styles(
     if not sequence_parallel:
         return styles
     for name, module in model.named_modules():
-        if isinstance(module, NORM_TYPES):
-            styles[name] = SequenceParallel()
+        if isinstance(module, NORM_TYPES) and not inside_whole(name):
+            # Local outputs, like every other style here: residual sums then never mix DTensors with tensors
+            # (post-norm blocks add a norm's output to a sublayer's).
+            styles[name] = SequenceParallel(use_local_output=True)
     for block in block_inputs:
         # Only the first input (the hidden states) changes layout; the others (mask, rotary, cache) pass through.
         arity = _positional_arity(model.get_submodule(block))
@@ -126,23 +137,46 @@ def _styles(
             desired_input_layouts=(Replicate(),) + (None,) * (arity - 1),
             use_local_output=True,
         )
-    scatter = [f"{name}.{SEQUENCE_SCATTER_MODULE}" for name, child in model.named_children()
-               if isinstance(getattr(child, SEQUENCE_SCATTER_MODULE, None), nn.Module) and hasattr(child, "layers")]
-    if not scatter:
+    # A later pipeline stage holds no embeddings: its ``drop`` is None and its input arrives already split.
+    bases = [(name, child) for name, child in model.named_children() if hasattr(child, "layers")]
+    if not any(hasattr(child, SEQUENCE_SCATTER_MODULE) for _, child in bases):
         raise ConfigError(
             f"use_seq_parallel=True is not supported for {type(model).__name__}: its base model has no "
             f"'{SEQUENCE_SCATTER_MODULE}' module where the sequence could be split"
         )
-    for name in scatter:
-        styles[name] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
-                                          use_local_output=True)
-    # Task heads beside the base model (a classifier's ``score``, ``qa_outputs``) need the whole sequence too.
-    base = getattr(model, "base_model_prefix", None)
-    for name, child in model.named_children():
-        if name != base and name not in styles and any(True for _ in child.parameters()):
+    for name, child in bases:
+        if isinstance(getattr(child, SEQUENCE_SCATTER_MODULE, None), nn.Module):
+            styles[f"{name}.{SEQUENCE_SCATTER_MODULE}"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True)
+    # Task heads beside the base model (a classifier's ``score``, ``qa_outputs``, an MLM head) and a pooler need the
+    # whole sequence too.
+    for name in whole:
+        if name not in styles:
             styles[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
                                               use_local_output=True)
     return styles
+
+
+def _whole_sequence_modules(model: nn.Module) -> list[str]:
+    """Modules that take the whole sequence under sequence parallelism: the heads beside the base model that read
+    its hidden states (a head declared in ``_pp_plan`` with other inputs, such as a classifier of the pooled
+    output, is left alone) and the base model's modules after its layers other than norms (a pooler)."""
+    base = getattr(model, "base_model_prefix", None)
+    head_plan = getattr(model, "_pp_plan", None) or {}
+    names = []
+    for name, child in model.named_children():
+        if name == base or child is None or not any(True for _ in child.parameters()):
+            continue
+        if "hidden_states" in head_plan.get(name, (["hidden_states"], []))[0]:
+            names.append(name)
+    base_module = getattr(model, base, None) if base else None
+    base_plan = list(getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {})
+    if base_module is not None and "layers" in base_plan:
+        for part in base_plan[base_plan.index("layers") + 1:]:
+            module = getattr(base_module, part, None)
+            if isinstance(module, nn.Module) and not isinstance(module, NORM_TYPES):
+                names.append(f"{base}.{part}")
+    return names
 
 
 def _positional_arity(module: nn.Module) -> int:

@@ -13,6 +13,8 @@ from transformers import Pipeline, PreTrainedModel
 from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
 from .image_classification import ImageClassificationPipeline
+from .encoder import FeatureExtractionPipeline, FillMaskPipeline
+from .question_answering import QuestionAnsweringPipeline
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -22,6 +24,10 @@ register_pipeline(PipelineTask("token-classification", TokenClassificationPipeli
                            aliases=("token_classification", "ner")))
 register_pipeline(PipelineTask("image-classification", ImageClassificationPipeline, "image_classification",
                                aliases=("image_classification",), preprocessor="image_processor"))
+register_pipeline(PipelineTask("fill-mask", FillMaskPipeline, "masked_lm", aliases=("fill_mask",)))
+register_pipeline(PipelineTask("feature-extraction", FeatureExtractionPipeline, "base", aliases=("feature_extraction",)))
+register_pipeline(PipelineTask("question-answering", QuestionAnsweringPipeline, "question_answering",
+                               aliases=("question_answering", "qa")))
 
 
 def pipeline(
@@ -52,4 +58,5 @@ def pipeline(
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
-           "TextGenerationPipeline", "TokenClassificationPipeline", "ImageClassificationPipeline"]
+           "TextGenerationPipeline", "TokenClassificationPipeline", "ImageClassificationPipeline", "FillMaskPipeline",
+           "FeatureExtractionPipeline", "QuestionAnsweringPipeline"]

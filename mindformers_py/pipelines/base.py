@@ -44,7 +44,8 @@ class PipelineTask:
     pipeline_class: type[Pipeline]
     """The transformers ``Pipeline`` (sub)class that runs the task."""
     task: str
-    """The task registry name of the models it runs (``"causal_lm"``); its Auto class loads them."""
+    """The task registry name of the models it runs (``"causal_lm"``; ``"base"`` for bare models); its Auto class
+    loads them."""
     aliases: tuple[str, ...] = ()
     """Other accepted names (MindFormers' ``"text_generation"``)."""
     preprocessor: str = "tokenizer"

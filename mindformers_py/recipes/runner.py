@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, check_choice
+from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
@@ -51,6 +52,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     name_or_path = model_s.pop("name_or_path", None)
     if name_or_path is None:
         raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
+    name_or_path = str(resolve_checkpoint_name(name_or_path))  # a packaged checkpoint's hub name -> its folder
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
@@ -141,15 +143,21 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from transformers import AutoTokenizer
 
     from ..data import default_tokenizer, load_text_files, train_bpe_tokenizer
+    from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
-        return AutoTokenizer.from_pretrained(tok_s.name_or_path)
+        return AutoTokenizer.from_pretrained(str(resolve_checkpoint_name(tok_s.name_or_path)))
     if Path(name_or_path, "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(name_or_path)
+    wordpiece = tok_s.type == "wordpiece"
     if data_s.source == "stdlib":  # trained once per (vocab, file list), then cached
-        return default_tokenizer(vocab_size=tok_s.vocab_size, max_files=data_s.max_files)
+        cached = default_wordpiece_tokenizer if wordpiece else default_tokenizer
+        return cached(vocab_size=tok_s.vocab_size, max_files=data_s.max_files)
+    if data_s.source != "files":
+        raise ConfigError(f"tokenizer.name_or_path is required with data.source={data_s.source!r} (or a model folder "
+                          "that holds a tokenizer)")
     texts = load_text_files(data_s.train_files, format=data_s.format)[data_s.text_column]
-    return train_bpe_tokenizer(texts, tok_s.vocab_size)
+    return (train_wordpiece_tokenizer if wordpiece else train_bpe_tokenizer)(texts, tok_s.vocab_size)
 
 
 def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: TaskSpec) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from ..errors import ConfigError, check_choice
 from ..utils.typed_values import coerce_fields
 
 RUN_MODES = ("train", "finetune", "eval", "predict")
-DATA_SOURCES = ("stdlib", "files", "digits", "imagefolder")
+DATA_SOURCES = ("stdlib", "files", "stdlib_docstrings", "digits", "imagefolder")
+TOKENIZER_TYPES = ("bpe", "wordpiece")
 
 
 @dataclass
@@ -22,6 +23,12 @@ class TokenizerSection:
     """A tokenizer folder; None trains (once, then cached) a byte-level BPE on the training corpus."""
     vocab_size: int = 8192
     """Vocabulary size of the tokenizer trained when ``name_or_path`` is None."""
+    type: str = "bpe"
+    """Which tokenizer is trained when ``name_or_path`` is None: ``bpe`` (byte-level, GPT-2's) or ``wordpiece``
+    (BERT's, with ``[CLS]``/``[SEP]``/``[MASK]``, for masked language models)."""
+
+    def __post_init__(self) -> None:
+        check_choice("tokenizer.type", self.type, TOKENIZER_TYPES)
 
 
 @dataclass
@@ -29,9 +36,10 @@ class DataSection:
     """Where training and evaluation text comes from and how it is cut into blocks."""
 
     source: str = "stdlib"
-    """``stdlib`` (the running interpreter's standard library source, split by file) or ``files``; for images,
-    ``digits`` (scikit-learn's bundled handwritten digits, a fixed 80/20 split) or ``imagefolder`` (folders of class
-    sub-folders of images)."""
+    """``stdlib`` (the running interpreter's standard library source, split by file), ``files``, or
+    ``stdlib_docstrings`` (classification: the standard library's docstrings labelled by their package); for
+    images, ``digits`` (scikit-learn's bundled handwritten digits, a fixed 80/20 split) or ``imagefolder`` (folders
+    of class sub-folders of images)."""
     train_files: list[str] | str | None = None
     """Training files or glob(s) when ``source: files`` (text, json/jsonl or csv); the training image folder when
     ``source: imagefolder``."""

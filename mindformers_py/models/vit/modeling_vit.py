@@ -20,7 +20,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from ...errors import MindFormersError
 from ...layers import TransformerBlock, build_attention_mask, build_norm
-from ...layers.cls_pooler import ClsPooler
+from ...layers.heads import Pooler
 from ...layers.loss import IGNORE_INDEX, sequence_classification_loss
 from ...layers.patch_embedding import PatchEmbedding
 from ..modeling_base import MindFormersPreTrainedModel
@@ -57,7 +57,8 @@ class ViTModel(ViTPreTrainedModel):
         self.drop = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(config, i, is_causal=False) for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
-        self.pooler = ClsPooler(config.hidden_size, config.pooler_output_size, config.pooler_act) if add_pooling_layer else None
+        self.pooler = Pooler(config.hidden_size, out_size=config.pooler_output_size, act=config.pooler_act) \
+            if add_pooling_layer else None
         self.gradient_checkpointing = False
         self.post_init()
 
