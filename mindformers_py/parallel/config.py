@@ -20,7 +20,7 @@ parameters in backward), and ``mp_comm_recompute``/``recompute_slice_activation`
 tune MindSpore graph passes that torch's checkpointing has no switch for.
 
 ``RecomputeConfig`` lives in :mod:`.recompute_config`, ``MoEConfig`` in :mod:`.moe_config` and the shared section
-machinery in :mod:`.config_base`; all are re-exported here, so this module stays the import path.
+machinery in :mod:`mindformers_py.utils.config_section`; all are re-exported here, so this module stays the import path.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError, invalid_choice
-from .config_base import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _prefixed, _require_int, _Section, _to_bool,
+from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _prefixed, _require_int, _Section, _to_bool,
                           _to_choice, _to_int)
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
