@@ -63,17 +63,19 @@ def test_logits_router_logits_and_loss_match_hf(hf_dir):
 
 
 def test_gradients_match_hf(hf_dir):
-    """Through the loss with the router loss: router, experts (stacked as transformers stacks them in memory),
-    attention."""
+    """Through the loss with the router loss: router, experts (transformers stacks them in memory, gate rows above
+    up rows), attention."""
     ours, hf = _pair(hf_dir)
     ids = torch.randint(3, VOCAB, (2, 12))
     ours(ids, labels=ids, output_router_logits=True).loss.backward()
     hf(ids, labels=ids, output_router_logits=True).loss.backward()
-    theirs = dict(hf.named_parameters())
-    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-                 "model.layers.0.mlp.experts.down_proj", "model.layers.0.self_attn.q_proj.weight"):
+    theirs = {name: p.grad for name, p in hf.named_parameters()}
+    experts = "model.layers.0.mlp.experts."
+    theirs[experts + "gate_proj"], theirs[experts + "up_proj"] = theirs[experts + "gate_up_proj"].chunk(2, dim=1)
+    for name in ("model.layers.0.mlp.gate.weight", experts + "gate_proj", experts + "up_proj", experts + "down_proj",
+                 "model.layers.0.self_attn.q_proj.weight"):
         mine = ours.get_parameter(name).grad
-        assert (mine - theirs[name].grad).abs().max().item() <= 1e-5 * max(1.0, theirs[name].grad.abs().max().item()), name
+        assert (mine - theirs[name]).abs().max().item() <= 1e-5 * max(1.0, theirs[name].abs().max().item()), name
 
 
 def test_greedy_generation_token_identical(hf_dir):

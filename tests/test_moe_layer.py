@@ -38,7 +38,7 @@ def reference(moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset(
             if (t, c) in drop:
                 continue
             e = int(chosen[t, c])
-            gate, up = (moe.experts.gate_up_proj[e] @ flat[t]).chunk(2)
+            gate, up = moe.experts.gate_proj[e] @ flat[t], moe.experts.up_proj[e] @ flat[t]
             out[t] += weights[t, c] * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     if moe.shared_expert is not None:
         shared = moe.shared_expert(flat)

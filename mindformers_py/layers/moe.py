@@ -80,9 +80,10 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """``num_experts`` MLPs as stacked weights, run together on a buffer of shape (experts, tokens, hidden).
 
-    Gated (SwiGLU): ``gate_up_proj`` (E, 2·I, H) holds each expert's gate and up projections one above the other
-    (transformers' layout), ``down_proj`` (E, H, I); otherwise ``up_proj`` (E, I, H) and ``down_proj``. Experts
-    have no biases.
+    ``gate_proj`` and ``up_proj`` (E, I, H) (``gate_proj`` only when gated: SwiGLU), ``down_proj`` (E, H, I): each
+    expert's ``nn.Linear`` weights stacked. Experts have no biases. Tensor parallelism splits the ``I`` dimension of
+    all three (each rank then returns a partial sum), expert parallelism the ``E`` dimension; either way the code
+    below runs on the local part.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu",
@@ -90,23 +91,16 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.gated = gated
-        rows = 2 * intermediate_size if gated else intermediate_size
         if gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
-        else:
-            self.up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+            self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = _activation(act)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (E_local, C, H) -> (E_local, C, H): row c of expert e goes through expert e."""
-        w_in = _local(self.gate_up_proj if self.gated else self.up_proj)
-        h = torch.bmm(tokens, w_in.transpose(1, 2))  # (E, C, 2I) or (E, C, I)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
+        up = torch.bmm(tokens, _local(self.up_proj).transpose(1, 2))  # (E, C, I)
+        h = self.act(torch.bmm(tokens, _local(self.gate_proj).transpose(1, 2))) * up if self.gated else self.act(up)
         return torch.bmm(h, _local(self.down_proj).transpose(1, 2))  # (E, C, H)
 
 

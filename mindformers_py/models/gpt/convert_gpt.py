@@ -256,8 +256,9 @@ _HF_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
 
 
 def _stack_experts(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``hf_state`` with per-expert tensors stacked into our ``mlp.experts.gate_up_proj`` (E, 2I, H) and
-    ``mlp.experts.down_proj`` (E, H, I), and Mixtral's ``block_sparse_moe`` renamed ``mlp``."""
+    """``hf_state`` with per-expert tensors stacked into our ``mlp.experts.{gate,up,down}_proj`` (E, out, in), a
+    stacked ``gate_up_proj`` (transformers 5's own layout, gate rows above up rows) split in two, and Mixtral's
+    ``block_sparse_moe`` renamed ``mlp``."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for key, value in hf_state.items():
@@ -265,13 +266,15 @@ def _stack_experts(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         if m:
             parts = experts.setdefault(m["prefix"], {})
             parts.setdefault(_EXPERT_PARTS[m["part"]], {})[int(m["j"])] = value
+        elif key.endswith(".experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            stem = key.removesuffix("gate_up_proj").replace(".block_sparse_moe.", ".mlp.")
+            out[stem + "gate_proj"], out[stem + "up_proj"] = gate.contiguous(), up.contiguous()
         else:
             out[key.replace(".block_sparse_moe.", ".mlp.")] = value
     for prefix, parts in experts.items():
-        count = len(parts.get("down", {}))
-        stacked = {part: torch.stack([tensors[j] for j in range(count)]) for part, tensors in parts.items()}
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([stacked["gate"], stacked["up"]], dim=1)
-        out[f"{prefix}.mlp.experts.down_proj"] = stacked["down"]
+        for part, tensors in parts.items():
+            out[f"{prefix}.mlp.experts.{part}_proj"] = torch.stack([tensors[j] for j in range(len(tensors))])
     return out
 
 
@@ -281,19 +284,14 @@ def _split_experts(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch
     block = "block_sparse_moe" if kind == "mixtral" else "mlp"
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        m = re.match(r"^(.*layers\.\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$", key)
+        m = re.match(r"^(.*layers\.\d+)\.mlp\.(experts\.(gate|up|down)_proj|gate\.weight)$", key)
         if m is None:
             out[key] = value
         elif m[2] == "gate.weight":
             out[f"{m[1]}.{block}.gate.weight"] = value
-        elif m[3] == "down_proj":
-            for j, tensor in enumerate(value.unbind(0)):
-                out[f"{m[1]}.{block}.experts.{j}.{names['down']}.weight"] = tensor.contiguous()
         else:
             for j, tensor in enumerate(value.unbind(0)):
-                gate, up = tensor.chunk(2, dim=0)
-                out[f"{m[1]}.{block}.experts.{j}.{names['gate']}.weight"] = gate.contiguous()
-                out[f"{m[1]}.{block}.experts.{j}.{names['up']}.weight"] = up.contiguous()
+                out[f"{m[1]}.{block}.experts.{j}.{names[m[3]]}.weight"] = tensor.contiguous()
     return out
 
 
