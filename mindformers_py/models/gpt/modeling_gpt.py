@@ -257,31 +257,34 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
                                          router_logits=out.router_logits, router_stats=out.router_stats)
 
     def router_loss(self, router_stats: torch.Tensor, labels: torch.Tensor | None = None,
-                    num_items_in_batch: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_items_in_batch: int | torch.Tensor | None = None,
+                    counted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(aux_loss, loss)``: this forward's load-balancing loss (transformers' ``aux_loss``) and the router
         losses to add to the language-model loss, ``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss.
 
         With ``labels`` the added losses are this batch's share of the step's, weighted by its label tokens out of
         ``num_items_in_batch`` (see :func:`~mindformers_py.layers.moe.router_losses`), so gradient accumulation and
-        data-parallel or pipeline splits add up to the step's; in training they are then counted for the logs."""
+        data-parallel or pipeline splits add up to the step's; in training they are then counted for the logs
+        (unless ``counted`` is False)."""
         moe = self.config.moe
         aux, z = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope)
         if labels is None:
             return aux, moe.aux_loss_factor * aux + moe.z_loss_factor * z
         items = (shift_labels(labels) != IGNORE_INDEX).sum(-1).to(router_stats.device)
         aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
-        if self.training and self.training_metrics is not None:
+        if counted and self.training and self.training_metrics is not None:
             self.training_metrics.add(router_stats, aux_share, z_share)
         return aux, moe.aux_loss_factor * aux_share + moe.z_loss_factor * z_share
 
     def carried_loss(self, carried: dict[str, torch.Tensor], labels: tuple[torch.Tensor, ...],
-                     num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor | None:
+                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True) -> torch.Tensor | None:
         """On the last pipeline stage: the router losses computed from the ``router_stats`` the stages carried
-        (see :attr:`pipeline_carry`), or None when they are not part of the loss."""
+        (see :attr:`pipeline_carry`), or None when they are not part of the loss. ``counted=False``: a call on
+        placeholder tensors, kept out of the logged metrics."""
         stats = carried.get("router_stats")
         if stats is None or not self.config.output_router_logits:
             return None
-        return self.router_loss(stats, labels[0], num_items_in_batch)[1]
+        return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):
