@@ -248,8 +248,9 @@ class RouterMetrics:
     postfix_keys = ("aux_loss", "load_imbalance")
     """Values worth a place in the progress bar beside the loss."""
 
-    def __init__(self, num_experts: int, top_k: int, moe_layers: list[int], capacity_limited: bool,
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, moe_layers: list[int], capacity_limited: bool,
                  z_loss: bool) -> None:
+        self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
         self.moe_layers = list(moe_layers)
@@ -265,10 +266,10 @@ class RouterMetrics:
         for key, value in new.items():
             self._sums[key] = self._sums[key] + value if key in self._sums else value
 
-    def pop(self, device: torch.device | str, num_layers: int) -> dict[str, torch.Tensor]:
+    def pop(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The sums since the last call (zeros of the same shapes when nothing ran here, e.g. on a pipeline stage
         without the loss), on ``device``; resets them."""
-        zeros = {"router_stats": torch.zeros(num_layers, stat_width(self.num_experts), dtype=torch.float64),
+        zeros = {"router_stats": torch.zeros(self.num_layers, stat_width(self.num_experts), dtype=torch.float64),
                  "aux_loss": torch.zeros((), dtype=torch.float64), "z_loss": torch.zeros((), dtype=torch.float64)}
         out = {key: self._sums.get(key, zero).to(device) for key, zero in zeros.items()}
         self._sums = {}

@@ -23,8 +23,9 @@ from .checkpoint import CURVE_NAME, LOG_NAME
 
 
 class ProgressCallback(TrainerCallback):
-    """A tqdm bar over the optimizer steps showing loss, learning rate and tokens/s at each log; evaluation
-    results are printed under it. With ``disable_tqdm`` each log is printed as one line instead."""
+    """A tqdm bar over the optimizer steps showing loss, learning rate and tokens/s at each log, and the values the
+    model's ``training_metrics`` name in ``postfix_keys`` (an MoE model's router loss and load imbalance);
+    evaluation results are printed under it. With ``disable_tqdm`` each log is printed as one line instead."""
 
     def __init__(self) -> None:
         self.bar: tqdm | None = None
@@ -45,6 +46,10 @@ class ProgressCallback(TrainerCallback):
             postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0.0):.2e}"}
             if "tokens_per_second" in logs:
                 postfix["tok/s"] = f"{logs['tokens_per_second']:.0f}"
+            tracker = getattr(kwargs.get("model"), "training_metrics", None)
+            for key in getattr(tracker, "postfix_keys", ()):
+                if key in logs:
+                    postfix[key] = f"{logs[key]:.4g}"
             self.bar.set_postfix(postfix, refresh=False)
             return
         line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())

@@ -204,7 +204,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         moe = config.moe
         # The Trainer's ``training_metrics`` hook: router loads and losses of the training steps, for the logs.
         self.training_metrics = None if moe is None else RouterMetrics(
-            moe.expert_num, moe.num_experts_chosen, config.moe_layers(), moe.routing_policy == "topk",
+            config.num_hidden_layers, moe.expert_num, moe.num_experts_chosen, config.moe_layers(), moe.routing_policy == "topk",
             moe.z_loss_factor > 0)
         self.post_init()
 
