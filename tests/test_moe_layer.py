@@ -70,7 +70,7 @@ def test_capacity_drops_later_tokens_and_second_choices_first():
         moe.gate.weight.zero_()
         moe.gate.weight[0, 0], moe.gate.weight[1, 0] = 2.0, 1.0
     x = torch.randn(1, 8, H).abs() + 0.1  # positive feature 0: logits order expert 0 > 1 > 2 = 3
-    assert moe.capacity(8, 8) == 4
+    assert moe.capacity(8) == 4
     out, stats = moe(x)
     dropped = {(t, c) for t in range(4, 8) for c in (0, 1)}
     assert (out - reference(moe, x, dropped)).abs().max().item() <= 1e-5

@@ -2,18 +2,20 @@
 probabilities (Switch Transformer, GShard, Mixtral, Qwen-MoE), optionally beside shared experts every token uses.
 
 Expert compute groups tokens by expert, never loops over tokens: the (token, choice) assignments are sorted by
-expert, each takes a slot ``(expert, position)`` in a buffer of ``expert_num x capacity`` rows, all experts run as
-two batched matrix products over that buffer (``torch.bmm`` over stacked expert weights), and each token gathers
-its k results back, weighted. ``capacity`` is the Switch-style limit with ``routing_policy="topk"`` (assignments
-past it are dropped; first choices claim slots before second choices, earlier tokens before later ones, as in
-GShard) and the largest expert load with ``"dropless"`` (nothing dropped; the buffer is padded to that load).
+expert (a stable sort, so first choices come before second choices and earlier tokens before later ones, as GShard
+orders them), the tokens are gathered in that order, each expert runs its matrix products on its contiguous rows
+(:class:`GroupedExperts`: a grouped matrix product, one slice per expert, over stacked expert weights), and each
+token sums its k results back, weighted. Nothing is padded: ``routing_policy="dropless"`` computes exactly the
+``k`` rows of every token; ``"topk"`` keeps at most ``capacity`` rows per expert (Switch Transformer) and drops the
+rest of that expert's queue (those assignments add nothing; the residual carries the token).
 
 Expert parallelism needs nothing from this file: ``mindformers_py.parallel`` shards the stacked expert weights
-and wraps :class:`GroupedExperts` with an all-to-all before and after it, which the fixed-shape buffer makes a
-uniform exchange. Layers compute with local sizes, so an expert-parallel rank simply sees fewer experts.
+and wraps :class:`GroupedExperts` with an all-to-all before and after it (rows grouped by expert travel to the
+rank holding the expert, with the per-expert counts). Layers compute with local sizes, so an expert-parallel rank
+simply sees fewer experts.
 
 Router losses are computed where the loss is, from per-sequence statistics each MoE layer returns
-(:func:`router_statistics`, columns laid out by :data:`STAT_COLUMNS`): top-k counts, summed probabilities, routed
+(:func:`router_statistics`, columns laid out by :func:`stat_columns`): top-k counts, summed probabilities, routed
 tokens, summed squared log-sum-exp and dropped assignments per expert and sequence. They are small and add up over
 layers and sequences, so a pipeline stage hands them to the next (the loss sits on the last one), and both the
 load-balancing loss over all layers at once (transformers' ``load_balancing_loss_func``) and a sequence-wise one
@@ -78,7 +80,7 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` MLPs as stacked weights, run together on a buffer of shape (experts, tokens, hidden).
+    """``num_experts`` MLPs as stacked weights, run on rows grouped by expert: ``forward(tokens, counts)``.
 
     ``gate_proj`` and ``up_proj`` (E, I, H) (``gate_proj`` only when gated: SwiGLU), ``down_proj`` (E, H, I): each
     expert's ``nn.Linear`` weights stacked. Experts have no biases. Tensor parallelism splits the ``I`` dimension of
@@ -97,11 +99,20 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = _activation(act)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` (E_local, C, H) -> (E_local, C, H): row c of expert e goes through expert e."""
-        up = torch.bmm(tokens, _local(self.up_proj).transpose(1, 2))  # (E, C, I)
-        h = self.act(torch.bmm(tokens, _local(self.gate_proj).transpose(1, 2))) * up if self.gated else self.act(up)
-        return torch.bmm(h, _local(self.down_proj).transpose(1, 2))  # (E, C, H)
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (R, H), the rows of expert 0 first, then expert 1's, ...; ``counts`` (E_local,) how many each
+        expert has -> (R, H): every row through its expert. One matrix product per expert and projection over that
+        expert's contiguous rows (a grouped GEMM); the stacked weights are split once, so backward stacks their
+        gradients once."""
+        ups = _local(self.up_proj).unbind(0)  # (I, H) each
+        gates = _local(self.gate_proj).unbind(0) if self.gated else ups
+        downs = _local(self.down_proj).unbind(0)  # (H, I) each
+        out = []
+        for rows, up_w, gate_w, down_w in zip(tokens.split(counts.tolist()), ups, gates, downs):
+            up = rows @ up_w.t()
+            h = self.act(rows @ gate_w.t()) * up if self.gated else self.act(up)
+            out.append(h @ down_w.t())
+        return torch.cat(out)
 
 
 class MoE(nn.Module):
@@ -152,34 +163,30 @@ class MoE(nn.Module):
         stats = router_statistics(logits, probs, chosen, dropped, token_mask, b)
         return out.view(b, t, h), stats
 
-    def capacity(self, num_tokens: int, largest_load: int) -> int:
-        """Buffer rows per expert: the Switch capacity with token dropping, else the largest load (dropless)."""
+    def capacity(self, num_tokens: int) -> int | None:
+        """Rows one expert takes from ``num_tokens`` tokens: the Switch capacity with token dropping, None for
+        dropless routing."""
         if self.capacity_factor is None:
-            return max(largest_load, 1)
+            return None
         return max(math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts), 1)
 
     def _route(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dispatch tokens to their experts, run the experts, combine; returns the output (N, H) and the dropped
         assignments per token (N,)."""
         n, k = chosen.shape
-        e = self.num_experts
         flat = chosen.t().reshape(-1)  # (k·N,) all first choices, then all second choices, ...
         order = torch.argsort(flat, stable=True)  # grouped by expert; within one, by choice rank then token
-        counts = torch.bincount(flat, minlength=e)
-        expert = flat[order]
-        position = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts)[expert]
-        largest = int(counts.max())
-        capacity = self.capacity(n, largest)
+        counts = torch.bincount(flat, minlength=self.num_experts)
         token, choice = order % n, order // n
         dropped = x.new_zeros(n, dtype=torch.float32)
-        if capacity < largest:
-            keep = position < capacity
+        capacity = self.capacity(n)
+        if capacity is not None and capacity < int(counts.max()):
+            position = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            keep = position < capacity  # each expert's queue, cut at its capacity
             dropped = dropped.index_add(0, token[~keep], torch.ones_like(token[~keep], dtype=torch.float32))
-            expert, position, token, choice = expert[keep], position[keep], token[keep], choice[keep]
-        slot = expert * capacity + position
-        buffer = x.new_zeros(e * capacity, x.shape[-1]).index_copy(0, slot, x[token])
-        done = self.experts(buffer.view(e, capacity, -1)).reshape(e * capacity, -1)
-        mixed = (done[slot].float() * weights[token, choice].unsqueeze(-1)).to(x.dtype)
+            token, choice, counts = token[keep], choice[keep], counts.clamp(max=capacity)
+        done = self.experts(x[token], counts)  # (rows, H), grouped by expert
+        mixed = (done.float() * weights[token, choice].unsqueeze(-1)).to(x.dtype)
         return x.new_zeros(x.shape).index_add(0, token, mixed), dropped
 
 

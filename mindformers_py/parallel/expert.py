@@ -1,20 +1,20 @@
 """Expert parallelism: the routed experts of every MoE layer split over ranks, tokens sent to them by all-to-all.
 
-Model code stays single-device (:mod:`mindformers_py.layers.moe`): an MoE layer fills a buffer of shape
-``(experts, capacity, hidden)`` with the tokens routed to each expert and calls its
-:class:`~mindformers_py.layers.moe.GroupedExperts` on it. This module, applied by
-:func:`~.parallelize.parallelize` right after tensor parallelism, changes only what happens around that call:
+Model code stays single-device (:mod:`mindformers_py.layers.moe`): an MoE layer sorts its (token, choice) rows by
+expert and calls its :class:`~mindformers_py.layers.moe.GroupedExperts` with those rows and the count of each
+expert. This module, applied by :func:`~.parallelize.parallelize` right after tensor parallelism, changes only
+what happens around that call:
 
 * **sharding.** The stacked expert weights become DTensors on :attr:`~.mesh.ParallelMesh.expert_mesh`:
   ``Shard(0)`` over ``"ep"`` (each expert-parallel rank holds ``experts / ep`` whole experts) and, under tensor
   parallelism, ``Shard`` of the intermediate dimension over ``"tp"`` (expert tensor parallelism follows the dense
   layers', Megatron's default). The experts' forward runs on the local parts.
-* **dispatch / combine.** A forward pre-hook pads the buffer to the largest capacity in the expert-parallel group
-  (one all-reduce of an integer; dropless routing's capacity is the data-dependent largest load) and exchanges it
-  with ``all_to_all_single`` (autograd, equal splits): rank ``r`` receives the rows for its experts from every rank,
-  ``(experts / ep, ep * capacity, hidden)``. A forward hook sends the results back the same way and cuts the padding.
-  Under tensor parallelism the input is marked replicated (its gradient is summed over ``"tp"`` in backward) and
-  the partial sums the intermediate-dimension shards return are all-reduced over ``"tp"``.
+* **dispatch / combine.** A forward pre-hook exchanges the per-expert counts (a small all-to-all), then the rows
+  themselves with ``all_to_all_single`` (autograd, uneven splits: exactly the routed rows travel, nothing is
+  padded), and regroups what arrived by local expert; a forward hook puts the results back in arrival order and
+  returns them to their ranks the same way. Under tensor parallelism the input is marked replicated (its gradient
+  is summed over ``"tp"`` in backward) and the partial sums the intermediate-dimension shards return are
+  all-reduced over ``"tp"``.
 * **gradients.** Every rank's loss is its share of the global loss, scaled by the data-parallel size for the data
   parallel engines' averaging (see :mod:`mindformers_py.engine.distributed`). An expert's gradient already holds
   the contributions of all ``ep`` ranks it served, so it is reduced over the ``dp / ep`` ranks holding the same
@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.fsdp import fully_shard
@@ -98,42 +97,42 @@ def _shard(experts: GroupedExperts, mesh: ParallelMesh) -> None:
 
 
 class _ExpertRouting:
-    """The all-to-all around one experts module (its forward pre-hook and hook), and the tensor-parallel marks."""
+    """The all-to-all around one experts module (its forward pre-hook and hook), and the tensor-parallel marks.
+    What the dispatch learns (split sizes, arrival order) is kept for the combine of the same call."""
 
     def __init__(self, num_experts: int, mesh: ParallelMesh) -> None:
         self.ep = mesh.ep
         self.local_experts = num_experts // mesh.ep
         self.ep_group = mesh.ep_mesh.get_group() if mesh.ep > 1 else None
         self.tp_group = mesh.tp_mesh.get_group() if mesh.tp > 1 else None
-        self.capacity = self.local_capacity = 0
+        self.sent: list[int] = []
+        self.received: list[int] = []
+        self.restore: torch.Tensor | None = None
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple:
-        tokens = args[0]  # (E, C, H): this rank's tokens for every expert
+        tokens, counts = args  # (R, H) grouped by expert; (E,) rows per expert
         if self.ep_group is not None:
-            experts, capacity, hidden = tokens.shape
-            largest = torch.tensor([capacity], device=tokens.device)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.ep_group)
-            self.local_capacity, self.capacity = capacity, int(largest)
-            tokens = F.pad(tokens, (0, 0, 0, self.capacity - capacity))
-            received = funcol.all_to_all_single_autograd(tokens.reshape(-1, hidden), None, None, self.ep_group)
-            # (source rank, local expert, slot, H) -> (local expert, source rank x slot, H)
-            tokens = received.view(self.ep, self.local_experts, self.capacity, hidden).transpose(0, 1)
-            tokens = tokens.reshape(self.local_experts, self.ep * self.capacity, hidden)
+            arriving = torch.empty_like(counts)
+            dist.all_to_all_single(arriving, counts, group=self.ep_group)
+            arriving = arriving.view(self.ep, self.local_experts)  # rows from each rank for each local expert
+            self.sent = counts.view(self.ep, self.local_experts).sum(1).tolist()
+            self.received = arriving.sum(1).tolist()
+            rows = funcol.all_to_all_single_autograd(tokens, self.received, self.sent, self.ep_group)
+            # Rows arrive grouped by source rank, then by local expert; the experts want them by local expert.
+            expert = torch.arange(self.local_experts, device=counts.device).repeat(self.ep)
+            order = torch.argsort(expert.repeat_interleave(arriving.reshape(-1)), stable=True)
+            self.restore = torch.argsort(order)
+            tokens, counts = rows[order], arriving.sum(0)
         if self.tp_group is not None:
             tokens = _ReplicatedInput.apply(tokens, self.tp_group)
-        return (tokens, *args[1:])
+        return tokens, counts
 
     def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if self.tp_group is not None:
             output = _SumPartials.apply(output, self.tp_group)
         if self.ep_group is None:
             return output
-        hidden = output.shape[-1]
-        # (local expert, source rank x slot, H) -> (source rank, local expert, slot, H), back to where it came from
-        outgoing = output.view(self.local_experts, self.ep, self.capacity, hidden).transpose(0, 1).reshape(-1, hidden)
-        back = funcol.all_to_all_single_autograd(outgoing, None, None, self.ep_group)
-        # A fresh tensor, not a view: FSDP2 hooks the experts' output for backward, and views of it are fragile.
-        return back.view(self.ep * self.local_experts, self.capacity, hidden)[:, :self.local_capacity].clone()
+        return funcol.all_to_all_single_autograd(output[self.restore], self.sent, self.received, self.ep_group)
 
 
 class _ReplicatedInput(torch.autograd.Function):
