@@ -204,3 +204,44 @@ def test_gpt_config_moe_errors(fields, fragment):
     with pytest.raises(ConfigError) as err:
         mf.GPTConfig(flavour="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **fields)
     assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("moe", [
+    {"expert_num": 8, "num_experts_chosen": 2, "moe_intermediate_size": 48},
+    {"expert_num": 4, "num_experts_chosen": 2, "moe_intermediate_size": 24, "shared_expert_num": 2,
+     "use_shared_expert_gating": True, "mlp_only_layers": [1]},
+])
+def test_planner_reads_gpt_moe_configs(moe):
+    """The planner's shape of a GPT-MoE config counts the model's parameters exactly, and expert parallelism
+    divides the expert state it holds per rank."""
+    from mindformers_py.parallel import ParallelConfig
+    from mindformers_py.parallel.model_shape import as_shape
+    from mindformers_py.parallel.planner import estimate_memory
+
+    config = mf.GPTConfig(flavour="llama", vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, moe_config=moe)
+    shape = as_shape(config)
+    model = mf.GPTForCausalLM(config)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    assert shape.expert_stack_params() == experts and shape.num_moe_layers == len(config.moe_layers())
+    plain = estimate_memory(config, ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=4), 1, 16)
+    split = estimate_memory(config, ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=4,
+                                                   expert_parallel=4), 1, 16)
+    assert plain.parameters - split.parameters == 4 * experts * 3 // 4  # fp32: three quarters of the experts less
+
+
+def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
+    """Where torch has no grouped-GEMM kernel the experts run one product per expert: same outputs and gradients."""
+    import mindformers_py.layers.moe as moe_module
+
+    results = []
+    for kernel in (True, False):
+        monkeypatch.setattr(moe_module, "_grouped_mm_runs", lambda *args, kernel=kernel: kernel)
+        moe = make_moe(routing_policy="dropless")
+        x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out, _ = moe(x)
+        (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+        results.append((out.detach(), x.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
+    for grouped, looped in zip(*results):
+        assert (grouped - looped).abs().max().item() <= 1e-5

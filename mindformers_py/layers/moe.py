@@ -56,6 +56,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
+def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` has a kernel for these tensors: on CPU from torch 2.11 (2.10's
+    wants 16-byte aligned storage), on CUDA for bf16 on compute capability 8.0 and up."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if tokens.device.type == "cpu":
+        return _TORCH_VERSION >= (2, 11)
+    if tokens.device.type == "cuda":
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (8, 0)
+    return False
+
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def _activation(act: str):
     check_choice("hidden_act", act, sorted(ACT2FN.keys()))
     return functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
@@ -101,12 +116,25 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``tokens`` (R, H), the rows of expert 0 first, then expert 1's, ...; ``counts`` (E_local,) how many each
-        expert has -> (R, H): every row through its expert. One matrix product per expert and projection over that
-        expert's contiguous rows (a grouped GEMM); the stacked weights are split once, so backward stacks their
-        gradients once."""
-        ups = _local(self.up_proj).unbind(0)  # (I, H) each
-        gates = _local(self.gate_proj).unbind(0) if self.gated else ups
-        downs = _local(self.down_proj).unbind(0)  # (H, I) each
+        expert has -> (R, H): every row through its expert, as grouped matrix products (``F.grouped_mm`` where
+        torch has the kernel, else one product per expert over its contiguous rows)."""
+        weights = [_local(self.up_proj), _local(self.down_proj)] + ([_local(self.gate_proj)] if self.gated else [])
+        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]):
+            dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
+                else weights[0].dtype  # the kernel is not autocast-aware: cast as autocast would
+            offsets = counts.cumsum(0).to(torch.int32)
+            # Gate and up in one product: copying the weights side by side costs far less than a second GEMM pass.
+            w_in = torch.cat([weights[2], weights[0]], dim=1) if self.gated else weights[0]  # (E, 2I or I, H)
+            h = F.grouped_mm(tokens.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offsets)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            return F.grouped_mm(h, weights[1].to(dtype).transpose(-2, -1), offs=offsets)
+        # One product per expert; the stacked weights are split once, so backward stacks their gradients once.
+        ups, downs = weights[0].unbind(0), weights[1].unbind(0)
+        gates = weights[2].unbind(0) if self.gated else ups
         out = []
         for rows, up_w, gate_w, down_w in zip(tokens.split(counts.tolist()), ups, gates, downs):
             up = rows @ up_w.t()
@@ -194,15 +222,20 @@ def router_statistics(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.T
                       token_mask: torch.Tensor | None, batch: int) -> torch.Tensor:
     """Per-sequence statistics of one MoE layer, (B, :func:`stat_width`) in float32 (see :func:`stat_columns`):
     how many top-k choices went to each expert, the summed router probabilities of each expert (the only part
-    with a gradient), routed tokens, summed squared log-sum-exp of the logits and dropped assignments, all over the
-    tokens ``token_mask`` (B, T) keeps."""
+    with a gradient, with the log-sum-exp's), routed tokens, summed squared log-sum-exp of the logits and dropped
+    assignments, all over the tokens ``token_mask`` (B, T) keeps."""
     n, e = probs.shape
     t, k = n // batch, chosen.shape[-1]
     mask = torch.ones(batch, t, device=probs.device) if token_mask is None \
         else token_mask.reshape(batch, t).to(device=probs.device, dtype=torch.float32)
-    counts = probs.new_zeros(batch, e).scatter_add(1, chosen.reshape(batch, t * k), mask.repeat_interleave(k, dim=1))
+    rows = torch.arange(batch, device=probs.device).repeat_interleave(t * k)  # the sequence of each choice
+    counts = torch.bincount(rows * e + chosen.reshape(-1), weights=mask.repeat_interleave(k, dim=1).reshape(-1),
+                            minlength=batch * e).view(batch, e).float()
     prob_sums = (probs.view(batch, t, e) * mask.unsqueeze(-1)).sum(1)
-    z = (torch.logsumexp(logits.float(), dim=-1).view(batch, t).square() * mask).sum(1)
+    # log-sum-exp from the softmax already taken: lse = top logit - log(top probability), which is at least 1/E.
+    top = chosen[:, :1]
+    lse = logits.float().gather(1, top).squeeze(1) - probs.gather(1, top).squeeze(1).log()
+    z = (lse.view(batch, t).square() * mask).sum(1)
     drops = (dropped.view(batch, t) * mask).sum(1)
     return torch.cat([counts, prob_sums, mask.sum(1, keepdim=True), z.unsqueeze(1), drops.unsqueeze(1)], dim=1)
 
