@@ -245,3 +245,18 @@ def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
         results.append((out.detach(), x.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
     for grouped, looped in zip(*results):
         assert (grouped - looped).abs().max().item() <= 1e-5
+
+
+def test_peft_lora_trains_a_gpt_moe():
+    """peft's defaults for our model type (Llama's q_proj/v_proj) apply to GPT-MoE; the router loss trains through
+    the adapters and only they get gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    model = mf.AutoModelForCausalLM.from_pretrained("gpt_moe_tiny", num_hidden_layers=2, hidden_size=64, vocab_size=128)
+    peft_model = get_peft_model(model, LoraConfig(r=4))
+    ids = torch.randint(0, 128, (2, 12))
+    out = peft_model(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None
+    out.loss.backward()
+    trained = {n for n, p in peft_model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)

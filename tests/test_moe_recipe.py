@@ -110,3 +110,23 @@ def test_progress_bar_shows_the_router_values():
     postfix = callback.bar.postfix
     callback.on_train_end(Args, state, TrainerControl())
     assert "aux_loss=2.031" in postfix and "load_imbalance=1.25" in postfix and "expert_load" not in postfix
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--model.moe_config.num_experts_chosen", "9"], ["num_experts_chosen=9", "expert_num=4"]),
+    (["--model.moe_config.routing_policy", "topk", "--model.moe_config.capacity_factor", "0.5"],
+     ["capacity_factor=0.5", "routing_policy='topk'"]),
+    (["--parallel_mode", "semi_auto_parallel", "--data_parallel", "4", "--expert_parallel", "4",
+      "--model.moe_config.expert_num", "6"], ["expert_parallel=4", "moe_config.expert_num=6", "choose one of: 1, 2"]),
+    (["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--model_parallel", "2", "--expert_parallel", "4"],
+     ["expert_parallel=4", "data_parallel=2"]),
+    (["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2",
+      "--model.moe_config", "null"], ["expert_parallel=2", "without experts"]),  # a dense model
+    (["--parallel_mode", "semi_auto_parallel", "--model_parallel", "2", "--use_seq_parallel", "true"],
+     ["use_seq_parallel=True", "experts"]),
+])
+def test_bad_moe_settings_are_refused_in_one_line(files, tmp_path, capsys, flags, fragments):
+    """Refused before any process starts, with the field at fault and what would be valid."""
+    assert run(files, tmp_path / "out", *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and all(f in err for f in fragments) and "Traceback" not in err, err

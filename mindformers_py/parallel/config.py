@@ -311,7 +311,7 @@ class ParallelConfig(_Section):
                 f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "
                 f"{', '.join(str(d) for d in _divisors(experts) if self.dp % d == 0)}"
             )
-        if experts is not None and self.sequence_parallel and moe is not None:
+        if experts is not None and self.sequence_parallel:
             raise ConfigError("use_seq_parallel=True is not supported for a model with experts (MoE): the router "
                               "statistics need whole sequences on each rank; set use_seq_parallel=false")
 
