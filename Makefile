@@ -26,6 +26,8 @@ bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_train.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py --moe
+	$(PY) benchmarks/bench_moe.py block
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -130,3 +130,23 @@ def test_exports_hf_cannot_represent_are_refused(tmp_path):
                            moe_config={"expert_num": 4, "routing_policy": "dropless", "shared_expert_num": 1})
     with pytest.raises(MindFormersError, match="gated shared expert"):
         config_to_hf(ungated)
+
+
+def test_hidden_states_attentions_and_tuples_as_transformers(hf_dir):
+    ours, hf = _pair(hf_dir)
+    ours.set_attn_implementation("eager")
+    hf.set_attn_implementation("eager")
+    ids = torch.randint(3, VOCAB, (2, 10))
+    with torch.no_grad():
+        a = ours(ids, output_hidden_states=True, output_attentions=True)
+        b = hf(ids, output_hidden_states=True, output_attentions=True)
+        assert len(a.hidden_states) == len(b.hidden_states) and len(a.attentions) == len(b.attentions)
+        for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
+            assert (x - y).abs().max().item() <= 1e-4
+        mine = ours(ids, labels=ids, output_router_logits=True, return_dict=False)
+        theirs = hf(ids, labels=ids, output_router_logits=True, return_dict=False)
+    # transformers' fields in transformers' order (loss, aux_loss, logits, cache, router logits), ours adding the
+    # router statistics last
+    assert len(mine) == len(theirs) + 1
+    for x, y in zip(mine[:3], theirs[:3]):
+        assert (x - y).abs().max().item() <= 1e-4
