@@ -12,8 +12,9 @@ the same matrix work per token, five times the MLP parameters) trained with the 
 (``tasks/gpt_moe/pretrain_tiny.yaml``: data, tokenizer, optimizer, schedule, seed) on the default corpus (the
 Python standard library's source). Every ``--eval-every`` steps both models are scored on the same validation
 blocks with the cross-entropy alone (``output_router_logits=False``: the router loss is a training device, not
-part of the language model's quality); training time excludes those evaluations. Reported: validation loss at
-equal steps, and at equal time (each run's loss at the last evaluation before the faster run's end).
+part of the language model's quality); training time is this process's CPU time (steadier than wall time when
+other jobs share the cores) and excludes those evaluations. Reported: validation loss at equal steps, and at equal
+time (each run's loss at the last evaluation before the faster run's end).
 
     python benchmarks/bench_moe.py block                       # defaults: hidden 512, expert 1024, 4096 tokens, 1 thread
     python benchmarks/bench_moe.py block --threads 2 --repeats 9
@@ -113,7 +114,7 @@ def bench_block(args: argparse.Namespace) -> None:
 
 
 class HeldOutLoss(transformers.TrainerCallback):
-    """Every ``every`` steps: the cross-entropy alone on fixed validation blocks, and the training time so far
+    """Every ``every`` steps: the cross-entropy alone on fixed validation blocks, and the training CPU time so far
     (evaluation time excluded)."""
 
     def __init__(self, validation, every: int, batch: int) -> None:
@@ -123,15 +124,15 @@ class HeldOutLoss(transformers.TrainerCallback):
         self.start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+        self.start = time.process_time()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every and state.global_step != state.max_steps:
             return
-        began = time.perf_counter()
+        began = time.process_time()
         seconds = began - self.start - self.paused
         self.points.append((state.global_step, seconds, self.evaluate(model)))
-        self.paused += time.perf_counter() - began
+        self.paused += time.process_time() - began
 
     @torch.no_grad()
     def evaluate(self, model) -> float:
@@ -179,7 +180,7 @@ def pretrain(name: str, recipe: dict, args: argparse.Namespace) -> HeldOutLoss:
         active += experts * moe.num_experts_chosen // moe.expert_num
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
           f"{active / 1e6:.2f} M active per token (without embeddings), "
-          f"{clock.points[-1][1]:.0f} s for {args.steps} steps")
+          f"{clock.points[-1][1]:.0f} CPU s for {args.steps} steps")
     return clock
 
 
@@ -190,9 +191,9 @@ def bench_pretrain(args: argparse.Namespace) -> None:
     recipe = load_recipe(ROOT / "tasks" / "gpt_moe" / "pretrain_tiny.yaml")
     runs = {name: pretrain(name, recipe, args) for name in ("dense", "moe")}
     dense, moe = runs["dense"].points, runs["moe"].points
-    print(f"{'step':>6}{'dense s':>10}{'dense loss':>12}{'MoE s':>10}{'MoE loss':>11}")
+    print(f"{'step':>6}{'dense CPU s':>13}{'dense loss':>12}{'MoE CPU s':>11}{'MoE loss':>11}")
     for (step, ds, dl), (_, ms, ml) in zip(dense, moe):
-        print(f"{step:>6}{ds:>10.0f}{dl:>12.4f}{ms:>10.0f}{ml:>11.4f}")
+        print(f"{step:>6}{ds:>13.0f}{dl:>12.4f}{ms:>11.0f}{ml:>11.4f}")
     budget = min(dense[-1][1], moe[-1][1])
 
     def at(points):
@@ -202,7 +203,7 @@ def bench_pretrain(args: argparse.Namespace) -> None:
     (ds, dt, dl), (ms, mt, ml) = at(dense), at(moe)
     print(f"equal steps ({dense[-1][0]}): dense {dense[-1][2]:.4f}, MoE {moe[-1][2]:.4f} (MoE - dense = "
           f"{moe[-1][2] - dense[-1][2]:+.4f})")
-    print(f"equal time ({budget:.0f} s of training): dense {dl:.4f} (step {ds}), MoE {ml:.4f} (step {ms}) "
+    print(f"equal time ({budget:.0f} CPU s of training): dense {dl:.4f} (step {ds}), MoE {ml:.4f} (step {ms}) "
           f"(MoE - dense = {ml - dl:+.4f})")
 
 
