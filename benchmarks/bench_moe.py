@@ -173,13 +173,14 @@ def pretrain(name: str, recipe: dict, args: argparse.Namespace) -> HeldOutLoss:
     clock = HeldOutLoss(data.validation, args.eval_every, recipe["training"]["per_device_eval_batch_size"])
     Trainer(model=model, args=TrainingArguments(**training), train_dataset=data.train, processing_class=tokenizer,
             callbacks=[clock]).train()
-    active = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed" not in n)
+    active = sum(p.numel() for n, p in model.named_parameters()
+                 if ".experts." not in n and "embed" not in n and "lm_head" not in n)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     if experts:
         moe = model.config.moe
         active += experts * moe.num_experts_chosen // moe.expert_num
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-          f"{active / 1e6:.2f} M active per token (without embeddings), "
+          f"{active / 1e6:.2f} M active per token (without embeddings and head), "
           f"{clock.points[-1][1]:.0f} CPU s for {args.steps} steps")
     return clock
 
