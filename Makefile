@@ -25,6 +25,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_vit.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py --moe
 	$(PY) benchmarks/bench_moe.py block

@@ -3,10 +3,11 @@
 Importing the package registers our model types with transformers' Auto classes.
 """
 
-from transformers import AutoTokenizer
+from transformers import AutoImageProcessor, AutoTokenizer
 
 from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
+from .models import vit  # noqa: F401
 from .auto import (
     AutoConfig,
     AutoModel,
@@ -28,6 +29,7 @@ from .models.gpt import (
     GPTForTokenClassification,
     GPTModel,
 )
+from .models.vit import ViTConfig, ViTForImageClassification, ViTModel
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
@@ -41,4 +43,5 @@ __all__ = [
     "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
+    "AutoImageProcessor", "ViTConfig", "ViTModel", "ViTForImageClassification",
 ]

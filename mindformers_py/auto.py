@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -274,7 +275,9 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     state = {k: v for k, v in state.items() if k not in mismatched}
     unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
     missing = sorted(set(expected) - set(state))
-    missing_body = [k for k in missing if in_body(k) and k not in mismatched]
+    # transformers' list of keys a checkpoint may lack (initialised instead, e.g. a pooler the checkpoint's head had not)
+    optional = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    missing_body = [k for k in missing if in_body(k) and k not in mismatched and not any(p.search(k) for p in optional)]
     if missing_body:
         raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
     if unexpected:

@@ -92,6 +92,10 @@ class TaskSpec:
     """``collator(tokenizer_or_None)``: the default collator of the task's batches."""
     recipe_data: str | None = None
     """Name of the function in :mod:`mindformers_py.data.recipe_data` that prepares a recipe's datasets."""
+    processor: str = "tokenizer"
+    """The task's processing class, which a recipe loads (from the checkpoint, else made for the model), hands to
+    the data preparation and the Trainer (which saves it with every checkpoint) and gives the pipeline:
+    ``"tokenizer"`` or ``"image_processor"``."""
 
     def count_items(self, batch: Mapping[str, Any]) -> int | None:
         """Items of this task's loss in one batch (None when the batch has no labels): label entries that are not
@@ -229,7 +233,7 @@ for _spec in (
     TaskSpec("image_classification", "AutoModelForImageClassification", ("ForImageClassification",), ("labels",),
              ("logits",), ImageClassifierOutput, _sequence_level, "images", model_input="pixel_values",
              aliases=("image-classification",), pipeline="image-classification", metrics=("accuracy",),
-             collator=_stacking_collator),
+             collator=_stacking_collator, recipe_data="image_classification_data", processor="image_processor"),
 ):
     register_task(_spec)
 

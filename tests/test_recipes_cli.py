@@ -196,5 +196,7 @@ def test_sequence_classification_recipe_trains_evaluates_and_predicts(tmp_path, 
 
 
 def test_a_task_without_recipe_data_is_refused(recipe, capsys):
-    code, out = run_cli(recipe, "--task", "image_classification", capsys=capsys)
-    assert code == 2 and "task='image_classification'" in out.err and "causal_lm" in out.err
+    code, out = run_cli(recipe, "--task", "question_answering", capsys=capsys)
+    assert code == 2 and "task='question_answering'" in out.err and "causal_lm" in out.err
+    code, out = run_cli(recipe, "--task", "image_classification", capsys=capsys)  # a task GPT models do not serve
+    assert code == 2 and "gpt family" in out.err and "Traceback" not in out.err

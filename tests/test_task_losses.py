@@ -22,7 +22,7 @@ from mindformers_py.trainer import Trainer, TrainingArguments
 
 VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
-         "hf_sequence_classifier", "moe_causal_lm"]
+         "hf_sequence_classifier", "image_classification", "moe_causal_lm"]
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
        "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
 
@@ -48,6 +48,9 @@ def make_model(head: str) -> torch.nn.Module:
         return mf.GPTForTokenClassification(_config(num_labels=5))
     if head == "question_answering":
         return mf.GPTForQuestionAnswering(_config())
+    if head == "image_classification":  # 12x12 images in 4x4 patches: 10 tokens, which tp2 splits evenly
+        return mf.ViTForImageClassification(mf.ViTConfig(image_size=12, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=4, intermediate_size=64, num_labels=3))
     # transformers' own classifier, whose loss is a batch mean whatever num_items_in_batch says
     return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
@@ -59,6 +62,9 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     lengths = [12, 5, 9, 3, 12, 7, 4, 10]
     rows = []
+    if head == "image_classification":  # one ignored label, so micro-batches hold different numbers of images
+        return [{"pixel_values": torch.randn(3, 12, 12, generator=g),
+                 "labels": torch.tensor(-100 if i == 2 else i % 3)} for i in range(N)]
     for i, length in enumerate(lengths):
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
         ids[length:] = 0

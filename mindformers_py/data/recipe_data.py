@@ -2,7 +2,8 @@
 
 Each function takes the recipe's ``data`` section (any object with its fields: ``source``, ``train_files``,
 ``validation_files``, ``format``, ``text_column``, ``text_pair_column``, ``label_column``, ``block_size``,
-``max_files``, ``max_eval_samples``), the tokenizer and the model config, and returns a :class:`RecipeData`.
+``max_files``, ``max_eval_samples``, and for images ``image_column``, ``augment``, ``augment_seed``), the task's
+processing class (the tokenizer, or the image processor) and the model config, and returns a :class:`RecipeData`.
 """
 
 from __future__ import annotations
@@ -98,5 +99,49 @@ def sequence_classification_data(data: Any, tokenizer: Any, config: Any) -> Reci
     return RecipeData(encoded["train"], _cap(encoded.get("validation"), data), updates)
 
 
-RECIPE_DATA = {"causal_lm_data": causal_lm_data, "sequence_classification_data": sequence_classification_data}
+def image_classification_data(data: Any, image_processor: Any, config: Any) -> RecipeData:
+    """Images with class labels: scikit-learn's bundled digits (``source: digits``) or the recipe's folders of class
+    sub-folders (``source: imagefolder``, ``train_files``/``validation_files`` are folders), processed by the model's
+    image processor; training images augmented when ``data.augment`` (seeded per image and epoch). The class names
+    become the config's ``id2label``."""
+    from .images import ImageClassificationDataset, RandomAffine, digits_dataset, imagefolder_dataset, label_names
+
+    if data.source == "digits":
+        splits = dict(digits_dataset())
+    elif data.source == "imagefolder":
+        splits = {"train": imagefolder_dataset(_one_folder(data.train_files, "train_files"))}
+        if data.validation_files:
+            splits["validation"] = imagefolder_dataset(_one_folder(data.validation_files, "validation_files"))
+    else:
+        raise ConfigError(f"data.source={data.source!r} is not valid for image classification; choose one of: "
+                          "'digits', 'imagefolder'")
+    names = label_names(splits["train"], data.label_column)
+    if names is not None:
+        updates = {"num_labels": len(names), "id2label": dict(enumerate(names)),
+                   "label2id": {n: i for i, n in enumerate(names)}}
+    else:
+        updates = {"num_labels": max(splits["train"][data.label_column]) + 1}
+    if "validation" in splits and data.max_eval_samples is not None:
+        splits["validation"] = splits["validation"].select(range(min(len(splits["validation"]), data.max_eval_samples)))
+
+    def wrap(split, augment: bool) -> ImageClassificationDataset:
+        return ImageClassificationDataset(split, image_processor, num_channels=config.num_channels,
+                                          num_labels=updates["num_labels"], image_column=data.image_column,
+                                          label_column=data.label_column,
+                                          augmentation=RandomAffine() if augment else None, seed=data.augment_seed)
+
+    validation = wrap(splits["validation"], False) if "validation" in splits else None
+    return RecipeData(wrap(splits["train"], data.augment), validation, updates)
+
+
+def _one_folder(value: Any, field: str) -> str:
+    """The one folder a ``data.*_files`` field names (a list of one is accepted, as flags give lists)."""
+    folders = value if isinstance(value, (list, tuple)) else [value]
+    if len(folders) != 1:
+        raise ConfigError(f"data.{field}={value!r} must name one folder of class sub-folders for source 'imagefolder'")
+    return str(folders[0])
+
+
+RECIPE_DATA = {"causal_lm_data": causal_lm_data, "sequence_classification_data": sequence_classification_data,
+               "image_classification_data": image_classification_data}
 """Name (the task registry's ``recipe_data``) -> function."""

@@ -1,8 +1,8 @@
-"""The distributed training engine: the :class:`~.engine.Engine` seam on torch.distributed.
+"""The distributed training engine: the :class:`~.base.Engine` seam on torch.distributed.
 
 Serves ``parallel_mode="data_parallel"`` and ``"semi_auto_parallel"`` (registered on import). It joins the process
-group (torchrun's environment), builds the :class:`~.mesh.ParallelMesh`, applies the layout with
-:func:`~.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
+group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh.ParallelMesh`, applies the layout with
+:func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
 * **Loss normalisation.** The Trainer hands over the label-token count of the whole global batch (summed over
@@ -70,7 +70,7 @@ class DistributedEngine(Engine):
     portable_checkpoints: bool = True
     portable_optimizer: bool = True
     runs_pipelines: bool = False
-    """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline_engine.PipelineEngine` does)."""
+    """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline.PipelineEngine` does)."""
 
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
@@ -136,7 +136,7 @@ class DistributedEngine(Engine):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),
-        or its ZeRO-1 wrapper (:func:`~.data.shard_optimizer`)."""
+        or its ZeRO-1 wrapper (:func:`~mindformers_py.parallel.data.shard_optimizer`)."""
         optimizer = super().build_optimizer(model)
         _fit_multi_tensor_kernels(optimizer)
         return shard_optimizer(optimizer, self.mesh, self.parallel_config)

@@ -42,7 +42,7 @@ class PipelineEngine(DistributedEngine):
     """Pipeline parallelism (with any data/tensor parallelism, ZeRO and recompute) on torch.distributed.
 
     Attributes (beyond :class:`DistributedEngine`'s):
-        pipeline: this rank's :class:`~.pipeline.PipelineParallel` (after :meth:`prepare_model`).
+        pipeline: this rank's :class:`~mindformers_py.parallel.pipeline.PipelineParallel` (after :meth:`prepare_model`).
     """
 
     runs_pipelines = True

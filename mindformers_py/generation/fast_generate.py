@@ -105,7 +105,8 @@ class FastGenerationMixin(GenerationMixin):
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         request = None
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-            request = self._resolve_request(input_ids, generation_config, kwargs)  # raises if it cannot fit the context
+            # Raises if the request cannot fit the context; None if transformers' private helpers changed.
+            request = _guarded(self._resolve_request, input_ids, generation_config, kwargs)
         lean_arguments = (
             not logits_processor and not stopping_criteria and prefix_allowed_tokens_fn is None and not synced_gpus
             and assistant_model is None and negative_prompt_ids is None and negative_prompt_attention_mask is None
@@ -115,7 +116,9 @@ class FastGenerationMixin(GenerationMixin):
             config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
                 mask, tokenizer = model_kwargs.get("attention_mask"), kwargs.get("tokenizer")
-                return self._lean_generate(input_ids, mask, config, has_default_max_length, streamer, tokenizer)
+                plan = _guarded(self._lean_setup, input_ids, mask, config, has_default_max_length, tokenizer)
+                if plan is not None:
+                    return _decode(self, *plan, streamer)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
@@ -147,16 +150,17 @@ class FastGenerationMixin(GenerationMixin):
         )
         return config, model_kwargs, has_default_max_length
 
-    def _lean_generate(
+    def _lean_setup(
         self,
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None,
         config: GenerationConfig,
         has_default_max_length: bool,
-        streamer,
         tokenizer,
-    ) -> torch.LongTensor:
-        """Greedy/sampling decode with a preallocated cache; returns prompt + generated tokens like ``generate``."""
+    ) -> tuple:
+        """What the lean loop needs, prepared by transformers' own helpers: the (expanded) prompt, its mask (None if
+        unpadded) and positions, the length limit, logits processors, stopping criteria, the sampling flag and the
+        pad token. Has no side effect, so a failure here (a changed private helper) can fall back cleanly."""
         device = input_ids.device
         batch, prompt_length = input_ids.shape
         self._prepare_special_tokens(config, attention_mask is not None, device=device, batch_size=batch)
@@ -178,8 +182,6 @@ class FastGenerationMixin(GenerationMixin):
             input_ids, attention_mask, position_ids = (
                 t.repeat_interleave(expand, dim=0) for t in (input_ids, attention_mask, position_ids)
             )
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
         self._validate_generated_length(config, prompt_length, has_default_max_length)
         processors = self._get_logits_processor(
             generation_config=config, input_ids_seq_length=prompt_length, encoder_input_ids=prompt,
@@ -187,10 +189,27 @@ class FastGenerationMixin(GenerationMixin):
             model_kwargs={"attention_mask": attention_mask if padded else None},
         )
         criteria = self._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=tokenizer)
-        return _decode(
-            self, input_ids, attention_mask if padded else None, position_ids, config.max_length, processors, criteria,
-            config.do_sample, pad, streamer,
-        )
+        return (input_ids, attention_mask if padded else None, position_ids, config.max_length, processors, criteria,
+                config.do_sample, pad)
+
+
+# Errors a changed private transformers helper raises (renamed: AttributeError; new signature: TypeError).
+_DRIFT_ERRORS = (AttributeError, TypeError)
+_drift_reported = False
+
+
+def _guarded(step, *args):
+    """``step(*args)``, or None when it fails the way a changed private transformers helper would: then generate
+    takes ``GenerationMixin``'s own path (which raises the error again if it was the caller's). Reported once."""
+    global _drift_reported
+    try:
+        return step(*args)
+    except _DRIFT_ERRORS as err:
+        if not _drift_reported:
+            logger.warning("the lean decode loop cannot use this transformers version's generation helpers (%s: %s); "
+                           "generate runs GenerationMixin's loop", type(err).__name__, err)
+            _drift_reported = True
+        return None
 
 
 def _lean_supports(
@@ -199,7 +218,10 @@ def _lean_supports(
     """Whether the lean loop reproduces ``GenerationMixin`` for this request (else it falls back)."""
     mask = model_kwargs.get("attention_mask")
     return (
-        config.get_generation_mode() in _LEAN_MODES
+        # peft's prompt learning (and others) patch prepare_inputs_for_generation on the instance to add their
+        # virtual tokens; only GenerationMixin's loop calls it.
+        "prepare_inputs_for_generation" not in vars(model)
+        and config.get_generation_mode() in _LEAN_MODES
         and not config.return_dict_in_generate
         and config.use_cache
         and config.cache_implementation is None
@@ -312,6 +334,8 @@ def _decode(
     ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
     """
     batch, prompt_length = input_ids.shape
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
     # Buffers handed back to the caller are made outside inference mode, so they stay ordinary tensors.
     inputs = _DecodeInputs(model, input_ids, attention_mask, position_ids, max_length)
     stop = _StopRule(criteria, pad, batch, input_ids.device)

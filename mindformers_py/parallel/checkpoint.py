@@ -48,6 +48,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..auto import auto_class_for, resolve_config
 from ..convert import checkpoint_task
 from ..errors import CheckpointError
+from ..task_registry import task_for_class_name
 from ..utils.safetensors_io import atomic_folder
 
 MODEL_KEY, OPTIM_KEY = "model", "optimizer"
@@ -124,7 +125,7 @@ def _write_config(model: nn.Module, folder: Path) -> None:
         return
     data = json.loads(config.to_json_string(use_diff=False))
     arch = _architecture(model)
-    if arch and arch.endswith(("ForCausalLM", "Model", "ForSequenceClassification")):
+    if arch and (arch.endswith("Model") or task_for_class_name(arch) is not None):  # a base model or any task's head
         data["architectures"] = [arch]  # the model's own class, whatever a wrapped save_pretrained wrote before
     (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True))
 

@@ -241,8 +241,9 @@ class ParallelConfig(_Section):
         """Check the config against a run: ``world_size`` processes, a model config and batch sizes.
 
         ``model_config`` is any object with ``num_attention_heads``, ``num_key_value_heads`` (None = heads),
-        ``intermediate_size``, ``vocab_size``, ``num_hidden_layers`` and, for MoE, ``num_experts`` /
-        ``expert_num`` / ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
+        ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``fixed_sequence_length`` (models whose every
+        input has that many tokens, such as ViT) and, for MoE, ``num_experts`` / ``expert_num`` /
+        ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
         ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
         all data-parallel ranks (before gradient accumulation). In ``auto_parallel`` mode only ``world_size`` is
         checked: validate the planner's :meth:`with_layout` result instead.
@@ -293,6 +294,12 @@ class ParallelConfig(_Section):
                     f"model_parallel={tp} does not divide the model's {name}={size}; "
                     f"choose one of: {', '.join(map(str, allowed))}"
                 )
+        tokens = getattr(cfg, "fixed_sequence_length", None)  # models whose every input has this many tokens (ViT)
+        if self.sequence_parallel and isinstance(tokens, int) and tokens % tp:
+            raise ConfigError(
+                f"use_seq_parallel=True splits the model's {tokens} tokens per sample over model_parallel={tp} ranks, "
+                f"which does not divide them; choose a model_parallel dividing {tokens}, another image_size/patch_size, "
+                "or use_seq_parallel=False")
         num_layers = getattr(cfg, "num_hidden_layers", None)
         chunks = self.pp * self.vpp
         if isinstance(num_layers, int) and num_layers < chunks:

@@ -422,7 +422,8 @@ def _bert(cfg: Mapping[str, Any]) -> ModelShape:
         norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), learned_positions=True,
         act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"), causal=False,
+        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob", "hidden_dropout", "attention_dropout"),
+        causal=False,
         token_types=cfg.get("type_vocab_size", 2), head="mlm", post_norm=True, final_norm=False,
         model_type=str(cfg.get("model_type")),
     )
@@ -447,10 +448,11 @@ def _t5(cfg: Mapping[str, Any]) -> ModelShape:
     )
 
 
-@register_shape_reader("vit")
+@register_shape_reader("vit", "mindformers_vit")
 def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     """``ViTForImageClassification``: pre-norm encoder over image patches plus a class token, a linear
-    classifier on the class token."""
+    classifier on the class token. Reads transformers' names and our ``ViTConfig``'s (``attention_bias``,
+    ``hidden_dropout``, ``attention_dropout``)."""
     hidden, layers, heads, image, patch = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads",
                                                    "image_size", "patch_size")
     channels = cfg.get("num_channels", 3)
@@ -459,10 +461,12 @@ def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     return ModelShape(
         hidden=hidden, layers=layers, heads=heads, kv_heads=heads, head_dim=hidden // heads,
         ffn=cfg.get("intermediate_size") or 4 * hidden, vocab=0, max_positions=patches + 1, gated_mlp=False,
-        rope=False, rms_norm=False, norm_bias=True, qkv_bias=bool(cfg.get("qkv_bias", True)), out_bias=True,
+        rope=False, rms_norm=False, norm_bias=True, qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", True))),
+        out_bias=True,
         mlp_bias=True, tied_embeddings=False, learned_positions=True,
         act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"), causal=False,
+        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob", "hidden_dropout", "attention_dropout"),
+        causal=False,
         head="classifier", num_labels=len(cfg.get("id2label") or {}) or 2, patch_inputs=channels * patch * patch,
         model_type="vit",
     )
@@ -490,12 +494,12 @@ def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> Mo
     """
     model_type = cfg.get("model_type")
     family = registry.family_for_model_type(str(model_type)) if model_type else None
+    if model_type in SHAPE_READERS:  # a reader of its own (architectures beyond the GPT-style field set)
+        return SHAPE_READERS[str(model_type)](cfg)
     if family is not None and family.converter is not None and model_type in family.hf_types:
         return replace(ModelShape.from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
     if family is not None and model_type == family.config_class.model_type:
         return shape_from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
-    if model_type in SHAPE_READERS:
-        return SHAPE_READERS[str(model_type)](cfg)
     known = sorted({*SHAPE_READERS, *registry.all_model_types()})
     raise ConfigError(f"model_type={model_type!r} in {where} is not one the planner reads; choose one of: "
                       f"{', '.join(known)}")

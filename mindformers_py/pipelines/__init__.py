@@ -12,6 +12,7 @@ from transformers import Pipeline, PreTrainedModel
 
 from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
+from .image_classification import ImageClassificationPipeline
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -19,6 +20,8 @@ register_pipeline(PipelineTask("text-classification", TextClassificationPipeline
                            aliases=("text_classification", "sentiment-analysis")))
 register_pipeline(PipelineTask("token-classification", TokenClassificationPipeline, "token_classification",
                            aliases=("token_classification", "ner")))
+register_pipeline(PipelineTask("image-classification", ImageClassificationPipeline, "image_classification",
+                               aliases=("image_classification",), preprocessor="image_processor"))
 
 
 def pipeline(
@@ -49,4 +52,4 @@ def pipeline(
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
-           "TextGenerationPipeline", "TokenClassificationPipeline"]
+           "TextGenerationPipeline", "TokenClassificationPipeline", "ImageClassificationPipeline"]

@@ -62,8 +62,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError(f"training.task={training['task']!r} contradicts the recipe's task={task.name!r}; keep one")
     training.setdefault("overwrite_output_dir", False)  # the CLI never trains over another run by accident
     args = TrainingArguments(**{**training, "task": task.name})  # field names and values, before anything slow
-    config, _, _ = resolve_config(name_or_path, **model_s)
-    if data_s.block_size > config.max_position_embeddings:
+    config, family, _ = resolve_config(name_or_path, **model_s)
+    if task.name not in family.model_classes:
+        raise ConfigError(f"task={task.name!r} is not one the {family.name} family of model.name_or_path={name_or_path!r} "
+                          f"serves; its tasks: {', '.join(t for t in family.model_classes if t != 'base')}")
+    if data_s.block_size > getattr(config, "max_position_embeddings", data_s.block_size):
         raise ConfigError(f"data.block_size={data_s.block_size} exceeds the model's context length "
                           f"max_position_embeddings={config.max_position_embeddings}; lower data.block_size")
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
@@ -71,12 +74,16 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
     per_device_batch = args.per_device_train_batch_size
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
-    parallel = auto_parallel(parallel, config, world, per_device_batch, data_s.block_size)
+    # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
+    seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
+    parallel = auto_parallel(parallel, config, world, per_device_batch, seq_length)
     recipe["parallel"] = parallel.to_dict()
 
-    # Tokenizer and data are prepared (and cached) here, once, before any worker starts.
-    tokenizer = _load_tokenizer(tok_s, data_s, name_or_path)
-    if not Path(name_or_path).is_dir():  # a preset: size the vocabulary and special tokens to the tokenizer
+    # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
+    # before any worker starts.
+    tokenizer = _load_processing_class(task, tok_s, data_s, name_or_path, config)
+    if not Path(name_or_path).is_dir() and task.processor == "tokenizer":  # a preset: size the vocabulary and
+        # special tokens to the tokenizer
         model_s.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             model_s.setdefault(name, getattr(tokenizer, name))
@@ -101,7 +108,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     model = auto.from_pretrained(name_or_path, **model_s)
-    if model.config.vocab_size < len(tokenizer):
+    if task.processor == "tokenizer" and model.config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}; set model.vocab_size")
 
     results: dict[str, Any] = {}
@@ -113,6 +120,20 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         # Ranks hold shards of the model; rank 0 runs the pipeline on the consolidated checkpoint just saved.
         results["samples"] = run_pipeline(task, auto.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
     return results
+
+
+def _load_processing_class(task: TaskSpec, tok_s: TokenizerSection, data_s: DataSection, name_or_path: str, config):
+    """The task's processing class: the tokenizer (:func:`_load_tokenizer`), or the image processor saved with the
+    checkpoint, else one made for the model's image size and channels."""
+    if task.processor == "tokenizer":
+        return _load_tokenizer(tok_s, data_s, name_or_path)
+    from transformers import AutoImageProcessor
+
+    from ..data.images import default_image_processor
+
+    if Path(name_or_path, "preprocessor_config.json").is_file():
+        return AutoImageProcessor.from_pretrained(name_or_path)
+    return default_image_processor(config)
 
 
 def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: str):
@@ -159,11 +180,12 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
 
 
 def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[Any]:
-    """Run the task's pipeline on each of ``gen_s.prompts`` (generation settings apply to text generation); print
-    the results and save ``samples.txt``."""
+    """Run the task's pipeline on each of ``gen_s.prompts`` (texts, or image files for image tasks; generation
+    settings apply to text generation) with the task's processing class ``tokenizer``; print the results and save
+    ``samples.txt``."""
     from ..pipelines import pipeline
 
-    pipe = pipeline(task.pipeline, model=model, tokenizer=tokenizer)
+    pipe = pipeline(task.pipeline, model=model, **{task.processor: tokenizer})
     kwargs: dict[str, Any] = {}
     if task.name == "causal_lm":
         kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample,

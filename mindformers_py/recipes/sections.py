@@ -11,7 +11,7 @@ from ..errors import ConfigError, check_choice
 from ..utils.typed_values import coerce_fields
 
 RUN_MODES = ("train", "finetune", "eval", "predict")
-DATA_SOURCES = ("stdlib", "files")
+DATA_SOURCES = ("stdlib", "files", "digits", "imagefolder")
 
 
 @dataclass
@@ -29,11 +29,15 @@ class DataSection:
     """Where training and evaluation text comes from and how it is cut into blocks."""
 
     source: str = "stdlib"
-    """``stdlib`` (the running interpreter's standard library source, split by file) or ``files``."""
+    """``stdlib`` (the running interpreter's standard library source, split by file) or ``files``; for images,
+    ``digits`` (scikit-learn's bundled handwritten digits, a fixed 80/20 split) or ``imagefolder`` (folders of class
+    sub-folders of images)."""
     train_files: list[str] | str | None = None
-    """Training files or glob(s) when ``source: files`` (text, json/jsonl or csv)."""
+    """Training files or glob(s) when ``source: files`` (text, json/jsonl or csv); the training image folder when
+    ``source: imagefolder``."""
     validation_files: list[str] | str | None = None
-    """Validation files or glob(s) when ``source: files``; None holds out nothing."""
+    """Validation files or glob(s) when ``source: files`` (the validation image folder for ``imagefolder``); None
+    holds out nothing."""
     format: str | None = None
     """Loader for ``files``: text, json or csv; None infers it from the extension."""
     text_column: str = "text"
@@ -49,11 +53,18 @@ class DataSection:
     """Use at most this many stdlib files per split (quick runs); None uses all."""
     max_eval_samples: int | None = None
     """Evaluate on at most this many validation blocks; None uses all."""
+    image_column: str = "image"
+    """Column holding the image (image classification)."""
+    augment: bool = False
+    """Augment the training images with a random rotation, shift and zoom (image classification), seeded per image
+    and epoch, so every layout sees the same images."""
+    augment_seed: int = 0
+    """Seed of the augmentation."""
 
     def __post_init__(self) -> None:
         check_choice("data.source", self.source, DATA_SOURCES)
-        if self.source == "files" and not self.train_files:
-            raise ConfigError("data.train_files is required when data.source is 'files'")
+        if self.source in ("files", "imagefolder") and not self.train_files:
+            raise ConfigError(f"data.train_files is required when data.source is {self.source!r}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"data.block_size={self.block_size!r} must be an integer >= 2")
 

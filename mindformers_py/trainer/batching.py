@@ -79,7 +79,8 @@ def build_dataloader(dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: 
     between a resumed and an uninterrupted run)."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
-        kwargs["persistent_workers"] = persistent
+        # Workers hold copies of the dataset: one that follows the epoch (set_epoch) needs fresh copies each epoch.
+        kwargs["persistent_workers"] = persistent and not hasattr(dataset, "set_epoch")
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
@@ -125,8 +126,11 @@ class EpochBatches:
         return self.sampler.batches_per_epoch()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on (without loading the skipped ones)."""
+        """Iterate epoch ``epoch`` from its micro-batch ``skip_batches`` on (without loading the skipped ones); a
+        dataset with a ``set_epoch`` (epoch-seeded augmentation) is told the epoch too, as accelerate does."""
         self.sampler.set_epoch(epoch, skip_batches)
+        if hasattr(self.loader.dataset, "set_epoch"):
+            self.loader.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)

@@ -23,9 +23,10 @@ from .checkpoint import CURVE_NAME, LOG_NAME
 
 
 class ProgressCallback(TrainerCallback):
-    """A tqdm bar over the optimizer steps showing loss, learning rate and tokens/s at each log, and the values the
-    model's ``training_metrics`` name in ``postfix_keys`` (an MoE model's router loss and load imbalance);
-    evaluation results are printed under it. With ``disable_tqdm`` each log is printed as one line instead."""
+    """A tqdm bar over the optimizer steps showing loss, learning rate and tokens/s (images/s for image tasks) at
+    each log, and the values the model's ``training_metrics`` name in ``postfix_keys`` (an MoE model's router loss
+    and load imbalance); evaluation results are printed under it. With ``disable_tqdm`` each log is printed as one
+    line instead."""
 
     def __init__(self) -> None:
         self.bar: tqdm | None = None
@@ -44,8 +45,9 @@ class ProgressCallback(TrainerCallback):
             return
         if self.bar is not None and "loss" in logs:
             postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0.0):.2e}"}
-            if "tokens_per_second" in logs:
-                postfix["tok/s"] = f"{logs['tokens_per_second']:.0f}"
+            if "tokens_per_second" in logs:  # the task's throughput unit: images for image tasks
+                unit = "img/s" if _counts_images(args, kwargs.get("model")) else "tok/s"
+                postfix[unit] = f"{logs['tokens_per_second']:.0f}"
             tracker = getattr(kwargs.get("model"), "training_metrics", None)
             for key in getattr(tracker, "postfix_keys", ()):
                 if key in logs:
@@ -179,6 +181,14 @@ def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
         callbacks.append(TensorBoardCallback())
     callbacks.append(LossCurveCallback())
     return callbacks
+
+
+def _counts_images(args: TrainingArguments, model: Any) -> bool:
+    """Whether the run's task (``args.task``, else the model's) counts its throughput in images."""
+    from ..task_registry import get_task, task_of_model
+
+    spec = get_task(args.task) if args.task else task_of_model(model) if model is not None else None
+    return spec is not None and spec.items == "images"
 
 
 def _step_of(line: str) -> float:

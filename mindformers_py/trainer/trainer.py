@@ -655,13 +655,14 @@ def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[A
 def _sequence_length(dataset: Any, model: nn.Module) -> int | None:
     """Length of the first training example's model input (what the ``auto_parallel`` planner plans for), else
     the model's context length."""
-    try:
-        first = dataset[0] if dataset is not None else None
-        ids = first.get("input_ids") if isinstance(first, Mapping) else None
-        if ids is not None:
-            return len(ids)
-    except (TypeError, KeyError, IndexError):
-        pass
+    if dataset is not None and not is_stream(dataset):
+        try:
+            first = dataset[0]
+            ids = first.get("input_ids") if isinstance(first, Mapping) else None
+            if ids is not None:
+                return len(ids)
+        except (TypeError, KeyError, IndexError, NotImplementedError):
+            pass
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 from transformers import PretrainedConfig
 
@@ -36,6 +37,9 @@ class GPTConfig(PretrainedConfig):
 
     model_type = "mindformers_gpt"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Not remote code: our classes are registered with transformers' Auto classes on import. Tools that resolve a
+    # non-transformers architecture through ``config.auto_map`` (trl) then fall back to those Auto classes.
+    auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})
     attribute_map: ClassVar[dict[str, str]] = {
         "num_layers": "num_hidden_layers",
         "num_heads": "num_attention_heads",
