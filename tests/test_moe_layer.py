@@ -125,15 +125,30 @@ def test_batch_aux_loss_is_transformers_load_balancing_loss():
         assert abs(aux.item() - expected.item()) <= 1e-5
 
 
-def test_sequence_aux_loss_and_z_loss():
+def test_sequence_aux_loss_is_per_layer_and_sequence_and_z_loss():
+    """DeepSeek-V3's sequence-wise balance: transformers' formula for one layer and one sequence, averaged."""
     moe = make_moe(routing_policy="dropless")
     x = torch.randn(4, 6, H)
     stats, logits = _layers_stats(moe, x, None)
     aux, z = router_losses(stats, E, "sequence")
-    per_row = [load_balancing_loss_func(tuple(l.view(4, 6, E)[b] for l in logits), E, 2).item() for b in range(4)]
-    assert abs(aux.item() - sum(per_row) / 4) <= 1e-5
+    per_row_layer = [load_balancing_loss_func((l.view(4, 6, E)[b],), E, 2).item() for b in range(4) for l in logits]
+    assert abs(aux.item() - sum(per_row_layer) / len(per_row_layer)) <= 1e-5
     lse = torch.stack([torch.logsumexp(l, -1) for l in logits])
     assert abs(z.item() - lse.square().mean().item()) <= 1e-5
+
+
+def test_sequence_scope_sees_imbalance_hidden_across_layers():
+    """Two layers of 8 tokens, each sending every choice and all probability to one expert, a different one each:
+    transformers' cross-layer formula adds the layers up and sees two experts sharing the load (E * 2 * 1/4 = 2),
+    the per-layer loss sees each layer's collapse (E * 1 = 4)."""
+    stats = torch.zeros(1, 2, 2 * E + 3)
+    cols = stat_columns(E)
+    for layer, expert in ((0, 0), (1, 1)):
+        stats[0, layer, cols["counts"].start + expert] = 8.0
+        stats[0, layer, cols["probs"].start + expert] = 8.0
+        stats[0, layer, cols["tokens"]] = 8.0
+    assert router_losses(stats, E, "batch")[0].item() == pytest.approx(2.0)
+    assert router_losses(stats, E, "sequence")[0].item() == pytest.approx(4.0)
 
 
 def test_sequence_shares_add_up_over_any_split():

@@ -244,10 +244,12 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
                   num_items_in_batch: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The load-balancing loss and the z-loss from router statistics (B, layers, :func:`stat_width`).
 
-    ``scope="batch"``: over all tokens of all MoE layers at once, ``E · Σ_e f_e · P_e`` with ``f_e`` the share of
-    top-k choices and ``P_e`` the mean probability of expert ``e`` (transformers' ``load_balancing_loss_func``,
-    exactly); ``"sequence"``: the same per sequence, then averaged over sequences. The z-loss is the mean over
-    routed tokens (and layers) of the squared log-sum-exp of the router logits.
+    ``scope="batch"``: transformers' ``load_balancing_loss_func`` exactly, ``E · Σ_e f_e · P_e`` with ``f_e`` the
+    share of top-k choices and ``P_e`` the mean probability of expert ``e`` over all tokens of all MoE layers at
+    once (so layers that favour different experts can look balanced together). ``"sequence"``: the same per MoE
+    layer and sequence (DeepSeek-V3's sequence-wise balance loss), averaged over the layers, then over the
+    sequences. The z-loss is the mean over routed tokens (and layers) of the squared log-sum-exp of the router
+    logits.
 
     ``row_weights`` (B,) are the loss items of each sequence and ``num_items_in_batch`` those of the whole step:
     then each loss is this batch's share of the step's (a sequence-weighted mean, times the batch's share of the
@@ -265,9 +267,10 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
             share = row_weights.sum() / _as_tensor(num_items_in_batch, stats)
             aux, z = aux * share, z * share
         return aux, z
-    routed = tokens.sum(1).clamp(min=1.0)  # (B,)
-    aux_rows = num_experts * ((counts.sum(1) / routed[:, None]) * (probs.sum(1) / routed[:, None])).sum(-1)
-    z_rows = z_sums.sum(1) / routed
+    routed = tokens.clamp(min=1.0).unsqueeze(-1)  # (B, layers, 1)
+    per_layer = num_experts * ((counts / routed) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
+    aux_rows = per_layer.sum(1) / (tokens > 0).sum(1).clamp(min=1)  # mean over the layers that routed the row
+    z_rows = z_sums.sum(1) / tokens.sum(1).clamp(min=1.0)
     if row_weights is None:
         return aux_rows.mean(), z_rows.mean()
     weights = row_weights.to(stats.dtype)
