@@ -30,6 +30,8 @@ bench: setup
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_bert.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py --moe
+	$(PY) benchmarks/bench_moe.py block
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

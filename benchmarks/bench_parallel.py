@@ -21,6 +21,8 @@ next to the busiest rank's measured peak (params in bwd + grads + optim + activa
 
     python benchmarks/bench_parallel.py              # defaults: 4 layers, hidden 256, seq 256, batch 4
     python benchmarks/bench_parallel.py --layers 2 --hidden 128 --seq 128
+    python benchmarks/bench_parallel.py --moe        # a GPT-MoE of the same shape (8 experts of half the MLP,
+                                                     # top-2, dropless) under expert-parallel layouts (MOE_LAYOUTS)
 
 Adding a layout: append a row to ``LAYOUTS``. Layouts whose model is not one module on each rank (pipeline
 parallelism) plug in through ``BUILDERS``: a function of (model, config, mesh) that returns a :class:`Training`.
@@ -69,6 +71,27 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 
 
+# The same, for the GPT-MoE model (--moe): expert parallelism borrowed from data parallelism, alone and with
+# ZeRO, tensor parallelism and pipeline stages.
+MOE_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "stand_alone": (1, {}),
+    "dp2": (2, {"parallel_mode": "semi_auto_parallel", "data_parallel": 2}),
+    "dp2 ep2": (2, {"parallel_mode": "semi_auto_parallel", "data_parallel": 2, "expert_parallel": 2}),
+    "ZeRO-3 dp2 ep2": (2, {"parallel_mode": "semi_auto_parallel", "data_parallel": 2, "expert_parallel": 2,
+                           "optimizer_shard": 3}),
+    "tp2": (2, {"parallel_mode": "semi_auto_parallel", "model_parallel": 2}),
+    "pp2 1f1b": (2, {"parallel_mode": "semi_auto_parallel", "pipeline_stage": 2, "micro_batch_num": 4}),
+    "dp4 ep4": (4, {"parallel_mode": "semi_auto_parallel", "data_parallel": 4, "expert_parallel": 4}),
+    "dp2 tp2 ep2": (4, {"parallel_mode": "semi_auto_parallel", "data_parallel": 2, "model_parallel": 2,
+                        "expert_parallel": 2}),
+}
+
+
+def layouts_of(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
+    """The layouts this run measures."""
+    return MOE_LAYOUTS if args.moe else LAYOUTS
+
+
 @dataclass
 class Training:
     """What one layout trains: the module(s) this rank runs, its optimizer and one step over a batch."""
@@ -106,13 +129,15 @@ def build_pipelined(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh
                           parallelize=lambda part: parallelize(part, config, mesh, stage=part.pp_rank))
     optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=1e-4, foreach=False)
 
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return pipe.step({"input_ids": ids, "labels": ids})
+
     def warmup(ids: torch.Tensor) -> None:
         # torch infers the stages' activation shapes with an extra forward on the first step; measure a later one.
-        pipe.step(ids, ids)
+        step(ids)
         optimizer.zero_grad(set_to_none=True)
 
-    return Training(pipe.model_parts, optimizer, lambda ids: pipe.step(ids, ids), backward=lambda loss: None,
-                    warmup=warmup)
+    return Training(pipe.model_parts, optimizer, step, backward=lambda loss: None, warmup=warmup)
 
 
 # (predicate on the config, builder): the first whose predicate holds builds the layout.
@@ -189,9 +214,16 @@ class SavedActivations:
 
 
 def model_config(args: argparse.Namespace) -> mf.GPTConfig:
+    """The Llama-flavour GPT, or with ``--moe`` its GPT-MoE twin: every MLP 8 experts of half its width, top-2,
+    dropless (the padded dispatch buffer holds the largest expert load for every expert)."""
+    moe = {}
+    if args.moe:
+        dense = mf.GPTConfig(flavour="llama", hidden_size=args.hidden, num_attention_heads=args.heads).intermediate_size
+        moe = dict(output_router_logits=True, moe_config={"expert_num": 8, "num_experts_chosen": 2,
+                                                          "routing_policy": "dropless", "moe_intermediate_size": dense // 2})
     return mf.GPTConfig(flavour="llama", vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
-                        max_position_embeddings=args.seq)
+                        max_position_embeddings=args.seq, **moe)
 
 
 def measure(name: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[str, int]:
@@ -232,7 +264,8 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
 
     results: dict[str, list[dict[str, int]]] = {}
     by_world: dict[int, dict[str, dict[str, Any]]] = {}
-    for name, (world, fields) in LAYOUTS.items():
+    layouts_all = layouts_of(args)
+    for name, (world, fields) in layouts_all.items():
         by_world.setdefault(world, {})[name] = fields
     for world, layouts in sorted(by_world.items()):
         if world == 1:
@@ -241,7 +274,7 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
             per_rank = launch(_job, world, layouts, args)
         for name in layouts:
             results[name] = [per_rank[rank][name] for rank in sorted(per_rank)]
-    return {name: results[name] for name in LAYOUTS}
+    return {name: results[name] for name in layouts_all}
 
 
 COLUMNS = ("params", "params in bwd", "grads", "optim", "activations")
@@ -250,7 +283,7 @@ COLUMNS = ("params", "params in bwd", "grads", "optim", "activations")
 def planner_estimate(name: str, args: argparse.Namespace) -> int:
     """The planner's peak bytes for layout ``name``'s busiest rank, less full recompute's transient layer (which
     the saved-tensor count does not see)."""
-    estimate = estimate_memory(model_config(args), ParallelConfig(**LAYOUTS[name][1]), args.batch, args.seq)
+    estimate = estimate_memory(model_config(args), ParallelConfig(**layouts_of(args)[name][1]), args.batch, args.seq)
     return estimate.total - estimate.recompute
 
 
@@ -287,10 +320,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    parser.add_argument("--moe", action="store_true", help="a GPT-MoE model under the expert-parallel MOE_LAYOUTS")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_all(args)
     print(table(results, args))
+    if args.moe:
+        stand, ep4 = results["stand_alone"][0], results["dp4 ep4"][0]
+        print(f"dp4 ep4 state (params+grads+optim) / stand-alone: "
+              f"{sum(ep4[k] for k in ('params', 'grads', 'optim')) / sum(stand[k] for k in ('params', 'grads', 'optim')):.3f}")
+        return
     stand, zero3 = results["stand_alone"][0], results["ZeRO-3 dp2"][0]
     state = ("params", "grads", "optim")
     print(f"ZeRO-3 dp2 state (params+grads+optim) / stand-alone: "

@@ -20,6 +20,13 @@ def tiny_hf_config(kind: str):
         return transformers.MistralConfig(sliding_window=None, **llama_like)
     if kind == "qwen2":
         return transformers.Qwen2Config(**llama_like)
+    if kind == "mixtral":  # 4 experts, top-2; every MLP routed
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                          router_aux_loss_coef=0.02, **{**llama_like, "intermediate_size": 48})
+    if kind == "qwen2_moe":  # 4 experts of 24, top-2, raw top-k probabilities, a gated shared expert; layer 1 dense
+        return transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1],
+                                           router_aux_loss_coef=0.02, **{**llama_like, "num_hidden_layers": 3})
     raise ValueError(kind)
 
 

@@ -53,7 +53,7 @@ def test_from_dict_none_gives_defaults():
 
 def test_to_dict_round_trips_through_yaml():
     cfg = semi(data_parallel=2, model_parallel=2, pipeline_stage=2, micro_batch_num=4,
-               pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2, expert_parallel=4,
+               pipeline_schedule="interleaved_1f1b", virtual_pipeline_stages=2, expert_parallel=2,
                optimizer_shard=3, use_seq_parallel=True, vocab_emb_dp=False, recompute=[2, 1])
     text = yaml.safe_dump(cfg.to_dict())
     data = yaml.safe_load(text)
@@ -245,8 +245,10 @@ def test_moe_validate_after_mutation():
      ["virtual_pipeline_stages=2", "pipeline_schedule='1f1b'", "interleaved_1f1b"]),
     ({"pipeline_stage": 4, "micro_batch_num": 9, "pipeline_schedule": "interleaved_1f1b",
       "virtual_pipeline_stages": 2}, ["micro_batch_num=9", "pipeline_stage=4", "multiple of", "= 2", "8 or 12"]),
-    ({"data_parallel": 2, "model_parallel": 2, "expert_parallel": 3},
-     ["expert_parallel=3", "data_parallel*model_parallel", "= 4", "1, 2, 4"]),
+    ({"data_parallel": 4, "model_parallel": 2, "expert_parallel": 3},
+     ["expert_parallel=3", "borrowed from data parallelism", "data_parallel=4", "1, 2, 4"]),
+    ({"data_parallel": 2, "model_parallel": 2, "expert_parallel": 4},  # ranks are borrowed from dp, not dp x mp
+     ["expert_parallel=4", "data_parallel=2", "1, 2"]),
     ({"pipeline_stage": 2, "micro_batch_num": 2, "recompute": [1, 1, 1]},
      ["recompute.recompute_num_layers=[1, 1, 1]", "pipeline_stage=2"]),
 ])
@@ -341,7 +343,7 @@ def test_layers_against_pipeline_stages():
 
 
 def test_experts_against_expert_parallel():
-    ep4 = semi(data_parallel=2, model_parallel=2, expert_parallel=4)
+    ep4 = semi(data_parallel=4, expert_parallel=4)
     ep4.validate_for(4, model(num_experts=8))
     for source in ("num_experts", "expert_num", "num_local_experts"):
         config_error(lambda: ep4.validate_for(4, model(**{source: 6})),

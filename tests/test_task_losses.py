@@ -1,5 +1,7 @@
 """Loss normalisation for every task head: the same 8 samples give the same gradients and the same logged loss
 whether they are one batch of 8, 2 × 4 or 8 × 1 accumulated micro-batches, or split over 2 data-parallel ranks.
+The MoE causal LM's loss includes its router losses (sequence-wise load balancing and z-loss), whose micro-batch
+shares must add up the same way, also over expert-parallel ranks.
 
 Gradients are compared (not AdamW losses, which are nearly blind to a constant factor), with clipping off. The
 micro-batches hold different numbers of items (padding, ignored labels), so a per-micro-batch mean would show.
@@ -21,7 +23,9 @@ from mindformers_py.trainer import Trainer, TrainingArguments
 VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
          "hf_sequence_classifier", "image_classification", "bert_masked_lm", "bert_single_label",
-         "bert_token_classification", "bert_question_answering"]
+         "bert_token_classification", "bert_question_answering", "moe_causal_lm"]
+MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
+       "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
 
 
 def _config(**extra) -> mf.GPTConfig:
@@ -43,6 +47,8 @@ def make_model(head: str) -> torch.nn.Module:
                 "bert_question_answering": mf.BertForQuestionAnswering}[head](_bert_config(num_labels=3 if head == "bert_single_label" else 5))
     if head == "causal_lm":
         return mf.GPTForCausalLM(_config())
+    if head == "moe_causal_lm":
+        return mf.GPTForCausalLM(_config(moe_config=MOE, output_router_logits=True))
     if head == "single_label":
         return mf.GPTForSequenceClassification(_config(num_labels=3))
     if head == "multi_label":
@@ -75,7 +81,7 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
         ids[length:] = 0
         mask = (torch.arange(SEQ) < length).long()
         row = {"input_ids": ids, "attention_mask": mask}
-        kind = head
+        kind = "causal_lm" if head == "moe_causal_lm" else head
         if head.startswith("bert_"):  # sentence pairs: the second half of each row is segment B
             row["token_type_ids"] = ((torch.arange(SEQ) >= length // 2) & (mask == 1)).long()
             kind = head.removeprefix("bert_").replace("masked_lm", "mlm")
@@ -163,26 +169,36 @@ OUR_HEADS = [h for h in HEADS if h != "hf_sequence_classifier"]  # transformers'
 LAYOUTS = {
     "pp2": dict(pipeline_stage=2, micro_batch_num=2),
     "tp2_sequence_parallel": dict(model_parallel=2, use_seq_parallel=True),
+    "dp2_ep2": dict(data_parallel=2, expert_parallel=2),
 }
+
+
+def _heads_for(layout: dict) -> list[str]:
+    """Expert parallelism needs experts; sequence parallelism is refused with them."""
+    if layout.get("expert_parallel", 1) > 1:
+        return ["moe_causal_lm"]
+    return [h for h in OUR_HEADS if not (layout.get("use_seq_parallel") and h == "moe_causal_lm")]
 
 
 def _layout_job(rank: int, world: int, folder: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
-        for head in OUR_HEADS:
-            grads, loss = first_step(head, N, 2, f"{folder}/{name}-{head}",
+        for head in _heads_for(layout):
+            batch = N // layout.get("data_parallel", 1)
+            grads, loss = first_step(head, batch, 2, f"{folder}/{name}-{head}",
                                      mf.ParallelConfig(parallel_mode="semi_auto_parallel", **layout))
             out[name, head] = ({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grads.items()}, loss)
     return out
 
 
 def test_pipeline_and_tensor_parallel_layouts_give_stand_alone_gradients_for_every_head(tmp_path):
-    """pp2 (each rank holds half the parameters) and tp2 with sequence parallelism, with accumulation 2."""
+    """pp2 (each rank holds half the parameters), tp2 with sequence parallelism and, for the MoE head, dp2 with its
+    experts split over the 2 ranks, with accumulation 2."""
     results = run_workers(_layout_job, 2, str(tmp_path))
     for head in OUR_HEADS:
         ref_grads, ref_loss = first_step(head, N, 1, str(tmp_path / f"ref-{head}"))
         for rank in range(2):
-            for name in LAYOUTS:
+            for name in (n for n, layout in LAYOUTS.items() if head in _heads_for(layout)):
                 grads, loss = results[rank][name, head]
                 # a stage holding only the tied copy of an embedding (BERT's MLM decoder) names it as the copy
                 held = {k: ref_grads[k if k in ref_grads else TIED[k]] for k in grads}

@@ -190,6 +190,11 @@ class Engine:
         """Mean of ``tensor`` over the data-parallel ranks (itself here)."""
         return tensor
 
+    def reduce_metrics(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Totals of a model's running sums (its ``training_metrics`` hook: router loads, ...) over the ranks that
+        saw different data (the sums themselves here)."""
+        return dict(sums)
+
     def gather_for_metrics(self, value: Any) -> list[Any]:
         """Every data-parallel rank's ``value`` (CPU tensors or nests of them) for one global batch, in rank
         order, so that concatenating them gives the batch in dataset order (``[value]`` here)."""

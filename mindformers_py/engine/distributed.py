@@ -211,6 +211,21 @@ class DistributedEngine(Engine):
         out = self.all_reduce_sum(tensor)
         return out / self.dp_size if out.is_floating_point() else out.float() / self.dp_size
 
+    def reduce_metrics(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Totals of a model's running sums over every rank, divided by the tensor-parallel size: tensor-parallel
+        ranks count the same tokens, and pipeline stages without the loss hold zeros. One all-reduce."""
+        names = list(sums)
+        flat = torch.cat([sums[k].detach().to(self.device, torch.float64).reshape(-1) for k in names]) if names \
+            else torch.zeros(0, dtype=torch.float64, device=self.device)
+        dist.all_reduce(flat)
+        flat /= self.parallel_config.tp
+        out, start = {}, 0
+        for name in names:
+            size = sums[name].numel()
+            out[name] = flat[start:start + size].view(sums[name].shape)
+            start += size
+        return out
+
     def gather_for_metrics(self, value: Any) -> list[Any]:
         """Every data-parallel rank's ``value`` (any picklable object), in rank order."""
         if self.dp_size == 1:

@@ -5,6 +5,9 @@ A layer reads its sizes from any config that uses the common field names (``hidd
 ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``hidden_act``,
 ``gated_mlp``, ``attention_bias``, ``attention_out_bias``, ``mlp_bias``, ``norm_type``, ``norm_eps``,
 ``norm_bias``, ``attention_dropout``, ``hidden_dropout``), so families differ by config values, not code.
+
+A mixture-of-experts layer is the same block with a :class:`~mindformers_py.layers.moe.MoE` given as ``mlp``; it
+then also returns that layer's router statistics.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import Attention
 from .mlp import MLP
+from .moe import MoE
 from .norms import build_norm
 
 
@@ -27,9 +31,13 @@ class TransformerBlock(GradientCheckpointingLayer):
     honours HF's ``model.gradient_checkpointing_enable()``. A post-norm block has no ``input_layernorm``; its
     norms are ``post_attention_layernorm`` (after the attention's residual sum) and ``post_feedforward_layernorm``
     (after the MLP's).
+
+    ``mlp`` replaces the config's MLP with another feed-forward module: an :class:`MoE` makes this a
+    mixture-of-experts layer, whose ``forward`` returns ``(hidden_states, router statistics)``.
     """
 
-    def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False) -> None:
+    def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         norm = lambda: build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)  # noqa: E731
         self.post_norm = post_norm
@@ -48,10 +56,13 @@ class TransformerBlock(GradientCheckpointingLayer):
             config=config,
         )
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, config.mlp_bias)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, config.mlp_bias) \
+            if mlp is None else mlp
         self.dropout = nn.Dropout(config.hidden_dropout)
         if post_norm:
             self.post_feedforward_layernorm = norm()
+        self.layer_idx = layer_idx
+        self.routed = isinstance(self.mlp, MoE)  # read at build time: recompute may wrap ``mlp`` later
 
     def forward(
         self,
@@ -59,11 +70,24 @@ class TransformerBlock(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
-    ) -> torch.Tensor:
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``token_mask`` (B, T) marks real tokens for an MoE layer's router statistics."""
         if self.post_norm:
             attn, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, past_key_values)
             hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(attn))
-            return self.post_feedforward_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
-        attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, past_key_values)
-        hidden_states = hidden_states + self.dropout(attn)
-        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+            fed, stats = self._feed_forward(hidden_states, token_mask)
+            hidden_states = self.post_feedforward_layernorm(hidden_states + self.dropout(fed))
+        else:
+            attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings,
+                                     past_key_values)
+            hidden_states = hidden_states + self.dropout(attn)
+            fed, stats = self._feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
+            hidden_states = hidden_states + self.dropout(fed)
+        return (hidden_states, stats) if self.routed else hidden_states
+
+    def _feed_forward(self, x: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP's output and, for an MoE layer, its router statistics."""
+        if self.routed:
+            return self.mlp(x, token_mask)
+        return self.mlp(x), None

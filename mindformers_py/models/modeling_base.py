@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from transformers import PreTrainedModel
+from transformers.utils.output_capturing import OutputRecorder
 
 from ..layers import Attention, TransformerBlock
+from ..layers.moe import Router
 from .registry import register_with_peft
 
 
@@ -15,7 +17,8 @@ class MindFormersPreTrainedModel(PreTrainedModel):
       whole optimizer step), so transformers' Trainer and ours pass it and do not rescale the loss.
     * ``_can_record_outputs``: transformers' output recording: ``output_hidden_states`` collects each layer's input
       and output (the last replaced by the normed last hidden state), ``output_attentions`` each attention's weights
-      (computed under ``attn_implementation="eager"``, as in transformers).
+      (computed under ``attn_implementation="eager"``, as in transformers), ``output_router_logits`` each MoE
+      router's logits (tokens, experts).
     * models register the family with peft's defaults when they are built (peft may be imported after us).
     """
 
@@ -23,7 +26,8 @@ class MindFormersPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TransformerBlock"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
-    _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention}
+    _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
+                           "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
 
     def post_init(self) -> None:

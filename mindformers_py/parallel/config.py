@@ -7,7 +7,7 @@ reported before anything expensive starts.
 Checking happens in two phases:
 
 * construction (and :meth:`ParallelConfig.validate`) checks what the config says on its own: types, ranges,
-  known modes and schedules, micro-batches against pipeline stages, expert parallel against dp x mp;
+  known modes and schedules, micro-batches against pipeline stages, expert parallel dividing data parallel;
 * :meth:`ParallelConfig.validate_for` checks the config against the run: the world size, a model config
   (heads, FFN size, vocabulary, layers and experts against the shard sizes) and the batch size.
 
@@ -20,7 +20,7 @@ parameters in backward), and ``mp_comm_recompute``/``recompute_slice_activation`
 tune MindSpore graph passes that torch's checkpointing has no switch for.
 
 ``RecomputeConfig`` lives in :mod:`.recompute_config`, ``MoEConfig`` in :mod:`.moe_config` and the shared section
-machinery in :mod:`.config_base`; all are re-exported here, so this module stays the import path.
+machinery in :mod:`mindformers_py.utils.config_section`; all are re-exported here, so this module stays the import path.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError, invalid_choice
-from .config_base import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _prefixed, _require_int, _Section, _to_bool,
+from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _prefixed, _require_int, _Section, _to_bool,
                           _to_choice, _to_int)
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
+from ..layers.moe_config import moe_config_of
 from .moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig, _expert_count  # noqa: F401
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
 
@@ -93,7 +94,10 @@ class ParallelConfig(_Section):
     virtual_pipeline_stages: int = 1
     """Model chunks per pipeline rank; >= 2 with ``interleaved_1f1b`` (smaller bubble), otherwise 1."""
     expert_parallel: int = 1
-    """Expert-parallel size: ranks, taken from the data x model parallel ranks, that split the experts."""
+    """Expert-parallel size: ranks that split each MoE layer's experts among them, borrowed from data parallelism
+    (MindFormers' and torchtitan's meaning): it divides ``data_parallel``; tokens travel to their experts' ranks by
+    all-to-all, and each expert's gradients are reduced over the ``data_parallel / expert_parallel`` ranks that
+    hold it."""
     optimizer_shard: bool | int | str = 0
     """ZeRO stage over the data-parallel ranks: 0/False none, 1 optimizer state, 2 + gradients, 3 + parameters
     (FSDP2); True means 1, as in MindFormers."""
@@ -218,12 +222,11 @@ class ParallelConfig(_Section):
                         f"{name}={getattr(self, name)} is not valid with parallel_mode='data_parallel' (expected 1); "
                         "use parallel_mode='semi_auto_parallel' for model, pipeline or expert parallelism"
                     )
-        dp_mp = self.data_parallel * self.model_parallel
-        if dp_mp % self.expert_parallel:
+        if self.data_parallel % self.expert_parallel:
             raise ConfigError(
-                f"expert_parallel={self.expert_parallel} is not valid; it must divide data_parallel*model_parallel = "
-                f"{self.data_parallel}*{self.model_parallel} = {dp_mp}; choose one of: "
-                f"{', '.join(map(str, _divisors(dp_mp)))}"
+                f"expert_parallel={self.expert_parallel} is not valid; expert ranks are borrowed from data "
+                f"parallelism, so it must divide data_parallel={self.data_parallel}; choose one of: "
+                f"{', '.join(map(str, _divisors(self.data_parallel)))}"
             )
 
     # -- phase (b): the config against a run --------------------------------------------------------------------
@@ -276,6 +279,11 @@ class ParallelConfig(_Section):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         sharded = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
                    "intermediate_size": getattr(cfg, "intermediate_size", None)}
+        moe = moe_config_of(cfg)
+        if moe is not None:  # tensor parallelism splits routed and shared experts like the MLP
+            sharded["moe_config.moe_intermediate_size"] = moe.expert_size(cfg.intermediate_size)
+            if moe.shared_expert_num:
+                sharded["moe_config.shared_expert_intermediate_size"] = moe.shared_expert_size(cfg.intermediate_size)
         if self.vocab_parallel:
             sharded["vocab_size"] = getattr(cfg, "vocab_size", None)
         sharded = {k: v for k, v in sharded.items() if isinstance(v, int)}
@@ -308,8 +316,11 @@ class ParallelConfig(_Section):
         if experts is not None and experts % self.ep:
             raise ConfigError(
                 f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "
-                f"{', '.join(str(d) for d in _divisors(experts) if (self.dp * self.tp) % d == 0)}"
+                f"{', '.join(str(d) for d in _divisors(experts) if self.dp % d == 0)}"
             )
+        if experts is not None and self.sequence_parallel:
+            raise ConfigError("use_seq_parallel=True is not supported for a model with experts (MoE): the router "
+                              "statistics need whole sequences on each rank; set use_seq_parallel=false")
 
     def _validate_batch(self, per_device_batch: int | None, global_batch: int | None) -> None:
         if per_device_batch is not None:
@@ -400,13 +411,13 @@ class ParallelConfig(_Section):
     @property
     def data_parallel_engine(self) -> str:
         """What serves the data parallelism applied: ``"none"`` (one data-parallel rank), ``"replicate"`` (stage
-        0), ``"ddp_zero1"`` (stage 1 without tensor parallelism) or ``"fsdp"`` (stages 2/3, and stage 1 under
-        tensor parallelism, where ZeroRedundancyOptimizer cannot update DTensor parameters)."""
+        0), ``"ddp_zero1"`` (stage 1 without tensor or expert parallelism) or ``"fsdp"`` (stages 2/3, and stage 1
+        under tensor or expert parallelism, where ZeroRedundancyOptimizer cannot update DTensor parameters)."""
         if self.dp == 1:
             return NONE
         if self.zero_stage == 0:
             return REPLICATE
-        if self.zero_stage == 1 and self.tp == 1:
+        if self.zero_stage == 1 and self.tp == 1 and self.ep == 1:
             return DDP_ZERO1
         return FSDP
 

@@ -4,8 +4,13 @@ One 4-D world mesh ``("pp", "dp_replicate", "dp_shard", "tp")`` (torchtitan's la
 dimension can always be named) covers every layout. Data parallelism is split in two so that ZeRO and HSDP are
 the same mesh read differently: ``dp_shard`` ranks shard parameters, gradients and optimizer state (FSDP2), and
 ``dp_replicate`` ranks hold replicas that all-reduce their gradients; the flattened ``"dp"`` dimension is the
-whole data-parallel group (it splits the batch and averages metrics). Expert parallelism is folded into the
-data x model parallel ranks as MindFormers does, so it has no dimension of its own here.
+whole data-parallel group (it splits the batch and averages metrics).
+
+Expert parallelism borrows its ranks from data parallelism (MindFormers' and torchtitan's meaning): with
+``expert_parallel > 1`` a second mesh over the same ranks, ``("pp", "dp_mod_ep", "ep", "tp")``
+(:data:`EXPERT_MESH_DIMS`), splits the data-parallel index ``d`` into ``d // ep`` and ``d % ep``. Experts are
+sharded over ``"ep"`` (and over ``"tp"`` by tensor parallelism), tokens travel by all-to-all within ``"ep"``, and an
+expert's gradients are reduced over ``"dp_mod_ep"``, the data-parallel ranks holding the same experts.
 
 The backend is NCCL on CUDA and gloo on CPU; tests run every layout on CPU with gloo.
 """
@@ -24,6 +29,7 @@ from ..errors import ConfigError
 from .config import FSDP, ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
 DEFAULT_TIMEOUT_S = 600
 
 
@@ -69,6 +75,8 @@ class ParallelMesh:
         dp_replicate: data-parallel replicas (DDP, or the replicate dimension of HSDP).
         dp_shard: data-parallel ranks that shard state (FSDP2); 1 without ZeRO stages 2/3.
         tp: tensor-parallel size.
+        ep: expert-parallel size (a divisor of the data-parallel size).
+        expert_world: the 4-D mesh over :data:`EXPERT_MESH_DIMS` when ``ep > 1``, else None.
     """
 
     world: DeviceMesh | None
@@ -76,6 +84,8 @@ class ParallelMesh:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
+    expert_world: DeviceMesh | None = None
 
     @property
     def dp(self) -> int:
@@ -117,6 +127,25 @@ class ParallelMesh:
         if self.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The mesh routed experts are split over: ``("ep", "tp")`` (or ``"ep"`` / ``"tp"`` alone when the other
+        is 1); None when neither splits them."""
+        if self.ep > 1:
+            return self.expert_world["ep", "tp"] if self.tp > 1 else self.expert_world["ep"]
+        return self.tp_mesh if self.tp > 1 else None
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks that exchange tokens by all-to-all (None without expert parallelism)."""
+        return self.expert_world["ep"] if self.ep > 1 else None
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the data-parallel ranks that hold the same experts (``dp / ep`` of them), over which the
+        experts' gradients are reduced (None without expert parallelism)."""
+        return self.expert_world["dp_mod_ep"] if self.ep > 1 else None
 
     def local_rank(self, dim: str) -> int:
         """This process's coordinate along ``dim`` (``"pp"``, ``"dp"``, ``"tp"``, ...); 0 for a single process."""
@@ -173,6 +202,13 @@ def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_typ
         return ParallelMesh(world=None, **{k: 1 for k in sizes})
     init_distributed()
     config.validate_for(dist.get_world_size())
+    device_type = device_type or default_device_type()
     shape = tuple(sizes[d] for d in MESH_DIMS)
-    world = init_device_mesh(device_type or default_device_type(), shape, mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(world=world, **sizes)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    experts = None
+    if config.ep > 1:
+        # The same ranks, data parallelism split the other way: rank order (pp, dp, tp) with dp = dp_mod_ep * ep + ep
+        # index equals the world mesh's dp = dp_replicate * dp_shard + shard index, so both meshes agree on dp ranks.
+        experts = init_device_mesh(device_type, (config.pp, config.dp // config.ep, config.ep, config.tp),
+                                   mesh_dim_names=EXPERT_MESH_DIMS)
+    return ParallelMesh(world=world, ep=config.ep, expert_world=experts, **sizes)

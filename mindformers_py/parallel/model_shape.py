@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..layers.moe_config import moe_config_of
 from ..models import registry  # the package's import registers every family in it
 from .config import RecomputeConfig
 
@@ -114,7 +115,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
-        """Read a GPT-style config (HF field names; missing fields take GPT-2 defaults)."""
+        """Read a GPT-style config (HF field names; missing fields take GPT-2 defaults), with the experts of its
+        ``moe_config`` section (GPT-MoE)."""
         hidden = cfg.hidden_size
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or hidden // heads
@@ -123,17 +125,23 @@ class ModelShape:
         position = getattr(cfg, "position_embedding_type", "learned")
         dropout = any(float(getattr(cfg, name, 0.0) or 0.0) > 0
                       for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"))
+        ffn = getattr(cfg, "intermediate_size", None) or 4 * hidden
+        moe = moe_config_of(cfg)
+        experts = {} if moe is None else dict(
+            experts=moe.expert_num, top_k=moe.num_experts_chosen, expert_ffn=moe.expert_size(ffn),
+            shared_expert_ffn=moe.shared_expert_size(ffn), shared_expert_gate=moe.use_shared_expert_gating,
+            moe_layers=sum(1 for i in range(cfg.num_hidden_layers) if i not in moe.mlp_only_layers))
         return cls(
             hidden=hidden, layers=cfg.num_hidden_layers, heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            ffn=getattr(cfg, "intermediate_size", None) or 4 * hidden, vocab=cfg.vocab_size,
+            ffn=ffn, vocab=cfg.vocab_size,
             max_positions=getattr(cfg, "max_position_embeddings", 1024), gated_mlp=gated,
             rope=position == "rope", rms_norm=getattr(cfg, "norm_type", "layernorm") == "rmsnorm",
             norm_bias=bool(getattr(cfg, "norm_bias", True)), qkv_bias=bool(getattr(cfg, "attention_bias", True)),
             out_bias=bool(getattr(cfg, "attention_out_bias", True)), mlp_bias=bool(getattr(cfg, "mlp_bias", True)),
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), learned_positions=position == "learned",
             act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED), dropout=dropout,
-            model_type=getattr(cfg, "model_type", "") or "",
+            model_type=getattr(cfg, "model_type", "") or "", **experts,
         )
 
     # -- sizes ---------------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """``parallelize``: apply a :class:`ParallelConfig` to a model in torchtitan's fixed order.
 
 1. tensor parallelism (and sequence / vocabulary parallelism) from the model's declared plans (:mod:`.tensor`);
-2. activation recomputation around whole layers or parts of them (:mod:`.recompute`);
-3. optionally ``torch.compile`` of each transformer layer;
-4. data parallelism: DDP, ZeRO-1, FSDP2 or HSDP over the data-parallel ranks (:mod:`.data`).
+2. expert parallelism: MoE experts sharded over the expert (and tensor) parallel ranks, tokens exchanged by
+   all-to-all (:mod:`.expert`);
+3. activation recomputation around whole layers or parts of them (:mod:`.recompute`);
+4. optionally ``torch.compile`` of each transformer layer;
+5. data parallelism: first each experts module over the ranks holding the same experts, then DDP, ZeRO-1, FSDP2
+   or HSDP over the data-parallel ranks (:mod:`.expert`, :mod:`.data`).
 
-The order matters: FSDP2 must see the final (DTensor, checkpoint-wrapped) parameters so it shards what tensor
-parallelism left on each rank and gathers around the recomputed regions. Pipeline parallelism cuts the model
+The order matters: FSDP2 must see the final (DTensor, checkpoint-wrapped) parameters so it shards what tensor and
+expert parallelism left on each rank and gathers around the recomputed regions. Pipeline parallelism cuts the model
 first and calls :func:`parallelize` on each stage module (``stage`` its index, for per-stage recompute counts).
 """
 
@@ -17,6 +20,7 @@ from torch import nn
 
 from .config import ParallelConfig
 from .data import apply_data_parallel, layer_modules
+from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
 from .recompute import apply_recompute
 from .tensor import apply_tensor_parallel
@@ -47,9 +51,11 @@ def parallelize(
     if mesh.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
                               vocab_parallel=parallel_config.vocab_parallel)
+    apply_expert_parallel(model, mesh)
     apply_recompute(model, parallel_config.recompute, stage)
     if compile_layers:
         for layer in layer_modules(model):
             layer.compile(mode=compile_mode)
+    apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model

@@ -22,6 +22,14 @@ The loss of a micro-batch is the task's loss (:mod:`mindformers_py.task_registry
 divided by the items of the whole batch (``num_items_in_batch``), and gradients are not rescaled by the
 schedule, so a pipelined step computes the same loss and gradients as one stand-alone forward/backward of the
 whole batch.
+
+**Extra loss state travels with the hidden states.** A model may name, in ``pipeline_carry``, base-model outputs
+that later stages need (an MoE model's per-layer router statistics, from which the router loss is computed): each
+stage then takes them as keyword arguments and returns them beside its hidden states (torch's ``PipelineStage``
+sends every tensor of a tuple on, and their gradients back), and the last stage adds the model's
+``carried_loss(carried, labels, num_items_in_batch, counted)`` to the task's loss. ``counted`` is False for the
+one call torch makes on placeholder tensors when a schedule first runs (to infer gradient shapes), so a model that
+counts its micro-batches for the logs leaves it out.
 """
 
 from __future__ import annotations
@@ -144,7 +152,7 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 class PipelineStageMixin:
     """Lets torch's ``PipelineStage`` call a model cut to one stage: it passes tensors and receives tensors.
 
-    ``forward(inputs, attention_mask=None, token_ids=None, token_type_ids=None)``: ``inputs`` is the task's model
+    ``forward(inputs, *carried, attention_mask=None, token_ids=None, token_type_ids=None)``: ``inputs`` is the task's model
     input on the first stage (token ids, pixel values) and the previous stage's hidden states elsewhere (which the
     model takes as ``inputs_embeds``, its embeddings being absent, with the positions of the whole sequence);
     ``token_ids`` are the batch's token ids, handed to every stage for heads that read them; ``token_type_ids``
@@ -155,12 +163,17 @@ class PipelineStageMixin:
     ``pipeline_task`` (the :class:`~mindformers_py.task_registry.TaskSpec`) and ``sequence_shards`` (the
     tensor-parallel size under sequence parallelism: the hidden states a later stage receives are that many times
     shorter than the sequence, which positions and masks must cover).
+
+    With carried state (the model's ``pipeline_carry`` names), ``carried`` are the previous stage's tensors of
+    those names (none on the first stage), and every stage returns them after its hidden states (the last stage:
+    after the task's outputs).
     """
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         spec: TaskSpec = self.pipeline_task
+        names = carried_names(self)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
         if self.is_first:  # the model numbers the positions itself (RoBERTa's count only real tokens)
             kwargs[spec.model_input] = inputs
@@ -170,13 +183,23 @@ class PipelineStageMixin:
             length = inputs.shape[1] * self.sequence_shards
             kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
             kwargs["inputs_embeds"] = inputs
+            kwargs.update(zip(names, carried))
             if token_ids is not None:
                 kwargs["input_ids"] = token_ids
         out = super().forward(**kwargs)
+        state = tuple(out[name] for name in names)
         if not self.is_last:
-            return out.last_hidden_state
-        fields = spec.outputs_of(out)
+            return (out.last_hidden_state, *state) if state else out.last_hidden_state
+        fields = (*spec.outputs_of(out), *state)
         return fields[0] if len(fields) == 1 else fields
+
+
+def carried_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of the tensors ``model`` carries from pipeline stage to stage besides its hidden states (its
+    ``pipeline_carry``; needs a ``carried_loss`` to use them on the last stage)."""
+    if not callable(getattr(model, "carried_loss", None)):
+        return ()
+    return tuple(getattr(model, "pipeline_carry", ()) or ())
 
 
 _STAGE_CLASSES: dict[type, type] = {}
@@ -224,14 +247,31 @@ def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size
 
 
 def _pipeline_loss(output: Any, target: torch.Tensor, task: TaskSpec, config: Any, num_items_in_batch: Any = None,
-                   loss_scale: float = 1.0) -> torch.Tensor:
+                   loss_scale: float = 1.0, last_stage: nn.Module | None = None, counted: bool = True) -> torch.Tensor:
     """Loss of one micro-batch on the last stage: the task's loss summed over the micro-batch's items and divided by
-    the whole batch's ``num_items_in_batch``, times ``loss_scale`` (a data-parallel engine that averages gradients
-    over N ranks passes N). Several label tensors arrive stacked on the last dimension."""
+    the whole batch's ``num_items_in_batch``, plus the ``carried_loss`` of the state the stages carried (see
+    :class:`PipelineStageMixin`), times ``loss_scale`` (a data-parallel engine that averages gradients over N ranks
+    passes N). Several label tensors arrive stacked on the last dimension."""
     outputs = output if isinstance(output, tuple) else (output,)
     labels = target.unbind(-1) if len(task.label_names) > 1 else (target,)
-    loss = task.compute_loss(outputs, labels, config, num_items_in_batch)
+    count = len(task.output_fields)
+    loss = task.compute_loss(outputs[:count], labels, config, num_items_in_batch)
+    extra = _carried_loss(last_stage, outputs[count:], labels, num_items_in_batch, counted)
+    if extra is not None:
+        loss = loss + extra
     return loss * loss_scale if loss_scale != 1.0 else loss
+
+
+def _carried_loss(stage: nn.Module | None, carried: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+                  num_items_in_batch: Any, counted: bool = True) -> torch.Tensor | None:
+    """The last stage's model's loss from the carried state, or None. State it leaves out of the loss still
+    joins the graph (times zero), so every carried tensor gets a gradient to send back."""
+    if stage is None or not carried:
+        return None
+    extra = stage.carried_loss(dict(zip(carried_names(stage), carried)), tuple(labels), num_items_in_batch,
+                               counted=counted)
+    unused = sum(t.sum() * 0.0 for t in carried if t.requires_grad)
+    return unused if extra is None else extra + unused
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -290,6 +330,9 @@ class PipelineParallel:
         self._tied_group = tied_group
         self._tied_names = list(tied_names)
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        # Loss calls still to come on placeholder tensors: a new training schedule's first step infers the gradient
+        # shapes by running the stages and the loss once on empty tensors (torch's dynamic metadata inference).
+        self._placeholder_losses = 0
 
     # -- parameters and modes ---------------------------------------------------------------------------------
 
@@ -334,7 +377,14 @@ class PipelineParallel:
 
     def _loss(self, output: Any, target: torch.Tensor, num_items_in_batch: Any = None,
               loss_scale: float = 1.0) -> torch.Tensor:
-        return _pipeline_loss(output, target, self.task, self.config, num_items_in_batch, loss_scale)
+        counted = self._placeholder_losses == 0
+        self._placeholder_losses = max(self._placeholder_losses - 1, 0)
+        return _pipeline_loss(output, target, self.task, self.config, num_items_in_batch, loss_scale, self._last_part(),
+                              counted)
+
+    def _last_part(self) -> nn.Module | None:
+        """The model part holding the last stage (None on other ranks)."""
+        return self.model_parts[-1] if self.has_last_stage else None
 
     def _schedule_for(self, shape: tuple[int, ...], training: bool) -> Any:
         key = (*shape, training)
@@ -352,6 +402,8 @@ class PipelineParallel:
                 schedule = self._schedule_cls(stages[0], **common)
             else:
                 schedule = self._schedule_cls(stages, **common)
+            if training and self.has_last_stage:
+                self._placeholder_losses = 1
         self._schedules[key] = schedule  # most recently used last
         return schedule
 
@@ -435,10 +487,14 @@ class PipelineParallel:
         schedule = self._schedule_for(tuple(tensors[self.task.model_input].shape), training=False)
         output = schedule.eval(*args, **kwargs)
         outputs = [t[:rows] for t in self._broadcast_outputs(output)]
+        count = len(self.task.output_fields)
         fields = dict(zip(self.task.output_fields, outputs))
         if all(isinstance(batch.get(name), torch.Tensor) for name in self.task.label_names):
             labels = [batch[name] for name in self.task.label_names]
-            fields["loss"] = self.task.compute_loss(outputs, labels, self.config, num_items_in_batch)
+            fields["loss"] = self.task.compute_loss(outputs[:count], labels, self.config, num_items_in_batch)
+            extra = _carried_loss(self.model_parts[0], outputs[count:], labels, num_items_in_batch)
+            if extra is not None:  # the carried state came to every rank with the outputs
+                fields["loss"] = fields["loss"] + extra
         return self.task.output_class(**fields)
 
     def _broadcast_outputs(self, output: Any) -> list[torch.Tensor]:

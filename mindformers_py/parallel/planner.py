@@ -374,8 +374,8 @@ class _Search:
         if not micro_choices:
             return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
         extra: dict[str, Any] = {}
-        if self.full_search and tp > 1:
-            extra = {"use_seq_parallel": True, "vocab_emb_dp": False}
+        if self.full_search and tp > 1:  # no sequence parallelism for experts: their router statistics need whole sequences
+            extra = {"use_seq_parallel": not self.shape.is_moe, "vocab_emb_dp": False}
         out: list[LayoutEstimate] = []
         reason = ""
         for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):

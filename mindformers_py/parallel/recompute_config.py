@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, invalid_choice
-from .config_base import _FALSE_STRINGS, _TRUE_STRINGS, _Section, _split_list, _to_int
+from ..utils.config_section import _FALSE_STRINGS, _TRUE_STRINGS, _Section, _split_list, _to_int
 
 RECOMPUTE_MODES = (False, "full", "selective")
 # Parts of a TransformerBlock that selective recompute can checkpoint: the free function

@@ -24,8 +24,9 @@ from .checkpoint import CURVE_NAME, LOG_NAME
 
 class ProgressCallback(TrainerCallback):
     """A tqdm bar over the optimizer steps showing loss, learning rate and tokens/s (images/s for image tasks) at
-    each log; evaluation
-    results are printed under it. With ``disable_tqdm`` each log is printed as one line instead."""
+    each log, and the values the model's ``training_metrics`` name in ``postfix_keys`` (an MoE model's router loss
+    and load imbalance); evaluation results are printed under it. With ``disable_tqdm`` each log is printed as one
+    line instead."""
 
     def __init__(self) -> None:
         self.bar: tqdm | None = None
@@ -47,6 +48,10 @@ class ProgressCallback(TrainerCallback):
             if "tokens_per_second" in logs:  # the task's throughput unit: images for image tasks
                 unit = "img/s" if _counts_images(args, kwargs.get("model")) else "tok/s"
                 postfix[unit] = f"{logs['tokens_per_second']:.0f}"
+            tracker = getattr(kwargs.get("model"), "training_metrics", None)
+            for key in getattr(tracker, "postfix_keys", ()):
+                if key in logs:
+                    postfix[key] = f"{logs[key]:.4g}"
             self.bar.set_postfix(postfix, refresh=False)
             return
         line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())

@@ -434,7 +434,7 @@ class Trainer:
             self._total_loss += loss * steps
             now = time.perf_counter()
             tokens = int(self.engine.all_reduce_sum(torch.tensor(self._tokens_since_log, device=self.engine.device)))
-            logs: dict[str, float] = {"loss": loss}
+            logs: dict[str, float] = {"loss": loss, **self._model_metrics(steps)}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
@@ -453,6 +453,15 @@ class Trainer:
             self._save_checkpoint()
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         self._log_clock += time.perf_counter() - paused  # tokens/s counts training time only
+
+    def _model_metrics(self, steps: int) -> dict[str, float]:
+        """What the model counts itself over the training steps since the last log (its ``training_metrics``:
+        ``pop(device)`` running sums, totalled over the ranks by the engine, then ``summarize(totals, steps)``; an
+        MoE model's router loss and expert loads), logged beside the loss."""
+        tracker = getattr(self.model, "training_metrics", None)
+        if tracker is None:
+            return {}
+        return tracker.summarize(self.engine.reduce_metrics(tracker.pop(self.engine.device)), steps)
 
     def _update_best_metric(self, metrics: dict[str, float]) -> None:
         """Track ``metric_for_best_model`` in ``state.best_metric`` / ``best_global_step`` (HF's rule)."""

@@ -1,4 +1,4 @@
-"""GPT family (GPT-2 and Llama flavours)."""
+"""GPT family (GPT-2 and Llama flavours; GPT-MoE with a ``moe_config``)."""
 
 from .configuration_gpt import GPTConfig
 from .modeling_gpt import (
@@ -17,14 +17,19 @@ __all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassificat
 from .. import registry as _registry
 from . import convert_gpt as _convert
 
-_HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _HF_SEQ_CLS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
-               "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}
-_HF_BASE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model"}
+               "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+               "mixtral": "MixtralForSequenceClassification", "qwen2_moe": "Qwen2MoeForSequenceClassification"}
+_HF_BASE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model",
+            "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel"}
 _HF_TOKEN_CLS = {"gpt2": "GPT2ForTokenClassification", "llama": "LlamaForTokenClassification",
-                 "mistral": "MistralForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
+                 "mistral": "MistralForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
+                 "mixtral": "MixtralForTokenClassification", "qwen2_moe": "Qwen2MoeForTokenClassification"}
 _HF_QA = {"gpt2": "GPT2ForQuestionAnswering", "llama": "LlamaForQuestionAnswering",
-          "mistral": "MistralForQuestionAnswering", "qwen2": "Qwen2ForQuestionAnswering"}
+          "mistral": "MistralForQuestionAnswering", "qwen2": "Qwen2ForQuestionAnswering",
+          "mixtral": "MixtralForQuestionAnswering", "qwen2_moe": "Qwen2MoeForQuestionAnswering"}
 
 _registry.register_family(_registry.Family(
     name="gpt",

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Mapping
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError, check_choice
+from ...layers.moe_config import MoEConfig, moe_config_of
 
 # Defaults that differ between the flavours. A field left as None takes its flavour's value, so
 # `GPTConfig(flavour="llama", attention_bias=True)` is a Qwen2-like model and explicit values always win.
@@ -30,7 +31,8 @@ class GPTConfig(PretrainedConfig):
     ``GPTConfig(flavour="gpt2", ...)`` gives learned positions, LayerNorm, GELU, biases and tied embeddings;
     ``GPTConfig(flavour="llama", ...)`` gives RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases and an
     untied head. MindFormers-style names (``num_layers``, ``num_heads``, ``seq_length``, ...) are accepted as
-    aliases of the HF names.
+    aliases of the HF names. A ``moe_config`` section with ``expert_num > 1`` makes it a mixture-of-experts model
+    (GPT-MoE; transformers' Mixtral and Qwen-MoE shapes).
     """
 
     model_type = "mindformers_gpt"
@@ -55,6 +57,10 @@ class GPTConfig(PretrainedConfig):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+        # MoE layers: the shared expert shards like an MLP; routed experts are split by expert parallelism instead.
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
     }
     # How pipeline parallelism cuts the base model: module name -> (inputs, outputs).
     base_model_pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
@@ -124,15 +130,27 @@ class GPTConfig(PretrainedConfig):
     """End-of-sequence token id(s)."""
     pad_token_id: int | None = None
     """Padding token id (used by sequence classification to find the last real token)."""
+    moe_config: dict | None = None
+    """Mixture of experts (GPT-MoE): the fields of :class:`~mindformers_py.layers.moe_config.MoEConfig`
+    (``expert_num``, ``num_experts_chosen``, ``routing_policy``, ``capacity_factor``, ``aux_loss_factor``, shared
+    experts, ...); stored validated, as a plain dict. None or ``expert_num=1``: every layer has a dense MLP."""
+    output_router_logits: bool = False
+    """Return each MoE layer's router logits and the load-balancing ``aux_loss``, and add the router losses
+    (``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss) to the training loss (transformers' switch
+    of the same name; our MoE presets turn it on)."""
     hf_architecture: str | None = None
-    """The HF ``model_type`` this config was converted from (``gpt2``, ``llama``, ``mistral``, ``qwen2``); export
-    goes back to it. None means: pick from the flavour."""
+    """The HF ``model_type`` this config was converted from (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
+    ``mixtral``, ``qwen2_moe``); export goes back to it. None means: pick from the flavour."""
 
     def __post_init__(self, **kwargs: Any) -> None:
         # MindFormers aliases arrive as extra kwargs; apply them before deriving head_dim & co. from them.
         for alias in [k for k in kwargs if k in self.attribute_map]:
             setattr(self, alias, kwargs.pop(alias))
         check_choice("flavour", self.flavour, FLAVOURS)
+        if self.moe_config is not None:
+            self.moe_config = MoEConfig.coerce(self.moe_config, "moe_config").to_dict()
+            if moe_config_of(self) is not None and self.mlp_bias is None:
+                self.mlp_bias = False  # experts have no biases; nor, then, do the dense layers beside them
         for name, value in FLAVOURS[self.flavour].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -158,7 +176,28 @@ class GPTConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        moe = moe_config_of(self)
+        if moe is not None:
+            outside = [i for i in moe.mlp_only_layers if i >= self.num_hidden_layers]
+            if outside:
+                raise ConfigError(f"moe_config.mlp_only_layers={list(moe.mlp_only_layers)} is not valid: layer {outside[0]} "
+                                  f"does not exist (num_hidden_layers={self.num_hidden_layers}); use indices 0..{self.num_hidden_layers - 1}")
+            if self.mlp_bias:
+                raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
+                                  "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The mixture-of-experts settings, or None for a dense model."""
+        return moe_config_of(self)
+
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers whose MLP is a mixture of experts (none for a dense model)."""
+        moe = self.moe
+        if moe is None:
+            return []
+        return [i for i in range(self.num_hidden_layers) if i not in moe.mlp_only_layers]
 
 
 def _default_intermediate_size(hidden_size: int, gated: bool) -> int:

@@ -1,7 +1,12 @@
-"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral and Qwen2 checkpoints.
+"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE
+checkpoints.
 
 Our module names follow Llama's, so Llama-like checkpoints map almost one to one; GPT-2's fused, transposed
-``Conv1D`` q/k/v projection is split into ``q_proj``/``k_proj``/``v_proj`` (and fused back on export).
+``Conv1D`` q/k/v projection is split into ``q_proj``/``k_proj``/``v_proj`` (and fused back on export). MoE
+checkpoints keep one tensor per expert (Mixtral's ``block_sparse_moe.experts.{j}.w1/w2/w3``, Qwen2-MoE's
+``mlp.experts.{j}.gate_proj/up_proj/down_proj``): they are stacked into our experts' ``gate_up_proj`` / ``down_proj``
+and split again on export, which writes the per-expert layout transformers itself saves. Checkpoints that
+transformers 5 saved with ``save_original_format=False`` (already stacked) load too.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import torch
 from ...errors import ConfigError, MindFormersError
 from .configuration_gpt import GPTConfig
 
-SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MOE_HF_TYPES = ("mixtral", "qwen2_moe")
 # Config fields copied as-is between our config and Llama-like HF configs.
 _LLAMA_LIKE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -62,6 +68,8 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope["rope_theta"] = hf.get("rope_theta", 10000.0)
         kwargs["rope_parameters"] = rope
+    if kind in MOE_HF_TYPES:
+        return _moe_config_from_hf(hf, kind, kwargs)
     if kind == "llama":
         kwargs["attention_bias"] = kwargs["attention_out_bias"] = hf.get("attention_bias", False)
         kwargs["mlp_bias"] = hf.get("mlp_bias", False)
@@ -76,10 +84,39 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
     return GPTConfig(flavour="llama", hf_architecture=kind, **kwargs)
 
 
+def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -> GPTConfig:
+    """Mixtral and Qwen2-MoE: a Llama-like model whose layers route to experts (transformers routes dropless, in
+    the hidden states' dtype, and adds the router loss only with ``output_router_logits``)."""
+    layers = hf.get("num_hidden_layers", 32)
+    moe: dict[str, Any] = dict(routing_policy="dropless", router_dense_type="auto", aux_loss_scope="batch",
+                               num_experts_chosen=hf.get("num_experts_per_tok", 2),
+                               aux_loss_factor=hf.get("router_aux_loss_coef", 0.001))
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ConfigError(f"mixtral checkpoints with router_jitter_noise={hf['router_jitter_noise']} are not supported; "
+                              "set router_jitter_noise=0 in config.json")
+        moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True)
+        kwargs["sliding_window"] = hf.get("sliding_window")
+    else:  # qwen2_moe: experts of their own size, a gated shared expert, some layers possibly dense
+        if hf.get("use_sliding_window"):
+            raise ConfigError("qwen2_moe checkpoints with use_sliding_window=true are not supported")
+        step = hf.get("decoder_sparse_step", 1)
+        dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
+        moe.update(expert_num=hf.get("num_experts", 60), norm_topk_prob=hf.get("norm_topk_prob", False),
+                   moe_intermediate_size=hf.get("moe_intermediate_size", 1408), shared_expert_num=1,
+                   shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 5632),
+                   use_shared_expert_gating=True, mlp_only_layers=dense)
+        kwargs["attention_bias"] = hf.get("qkv_bias", True)
+    return GPTConfig(flavour="llama", hf_architecture=kind, moe_config=moe,
+                     output_router_logits=bool(hf.get("output_router_logits", False)), **kwargs)
+
+
 def hf_type_for(config: GPTConfig) -> str:
     """The HF architecture a config exports to: where it came from, else the closest one by its features."""
     if config.hf_architecture:
         return config.hf_architecture
+    if config.moe is not None:
+        return "qwen2_moe" if config.moe.shared_expert_num else "mixtral"
     if config.flavour == "gpt2":
         return "gpt2"
     if config.attention_bias and not config.attention_out_bias:
@@ -110,6 +147,19 @@ def config_to_hf(config: GPTConfig):
         kwargs.pop("head_dim")
         return transformers.Qwen2Config(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
                                         max_window_layers=config.num_hidden_layers, **kwargs)
+    if kind in MOE_HF_TYPES:
+        moe = config.moe
+        kwargs.update(num_experts_per_tok=moe.num_experts_chosen, router_aux_loss_coef=moe.aux_loss_factor,
+                      output_router_logits=config.output_router_logits)
+        if kind == "mixtral":  # its only MLPs are the experts, sized by intermediate_size
+            kwargs["intermediate_size"] = moe.expert_size(config.intermediate_size)
+            return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num, **kwargs)
+        kwargs.pop("head_dim")
+        return transformers.Qwen2MoeConfig(
+            num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, qkv_bias=config.attention_bias,
+            moe_intermediate_size=moe.expert_size(config.intermediate_size), decoder_sparse_step=1,
+            shared_expert_intermediate_size=moe.shared_expert_size(config.intermediate_size),
+            mlp_only_layers=list(moe.mlp_only_layers), **kwargs)
     return transformers.MistralConfig(sliding_window=config.sliding_window, **kwargs)
 
 
@@ -123,10 +173,33 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         "mistral": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=False, attention_out_bias=False, mlp_bias=False),
         "qwen2": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=True, attention_out_bias=False,
                       mlp_bias=False, head_dim=config.hidden_size // config.num_attention_heads),
+        "mixtral": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=False,
+                        attention_out_bias=False, mlp_bias=False),
+        "qwen2_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=False,
+                          mlp_bias=False, sliding_window=None, head_dim=config.hidden_size // config.num_attention_heads),
     }[kind]
     for field, value in wanted.items():
         if getattr(config, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")
+    moe = config.moe
+    if (kind in MOE_HF_TYPES) != (moe is not None):
+        raise MindFormersError(f"cannot export to HF {kind}: the model has {'no ' if moe is None else ''}experts "
+                               f"(moe_config.expert_num={moe.expert_num if moe else 1})")
+    if moe is None:
+        return
+    if moe.routing_policy != "dropless":
+        raise MindFormersError(f"cannot export to HF {kind}: transformers never drops tokens, so it needs "
+                               f"moe_config.routing_policy='dropless', the model has {moe.routing_policy!r}")
+    if kind == "qwen2_moe":
+        if not moe.shared_expert_num or not moe.use_shared_expert_gating:
+            raise MindFormersError("cannot export to HF qwen2_moe: it needs a gated shared expert (moe_config."
+                                   "shared_expert_num >= 1, use_shared_expert_gating=true)")
+        return
+    wanted_moe = dict(norm_topk_prob=True, shared_expert_num=0, mlp_only_layers=())  # every Mixtral MLP is routed
+    for field, value in wanted_moe.items():
+        if getattr(moe, field) != value:
+            raise MindFormersError(f"cannot export to HF {kind}: it needs moe_config.{field}={value!r}, the model has "
+                                   f"{getattr(moe, field)!r}")
 
 
 # --------------------------------------------------------------------------- weights
@@ -173,8 +246,59 @@ def _our_head_key(key: str) -> str | None:
     return key if key.startswith(_HEADS) else None
 
 
+# One HF tensor per expert: (layer, expert, part) -> where it goes in our stacked weights. Mixtral's w1/w3/w2 and
+# Qwen2-MoE's gate_proj/up_proj/down_proj are the gate, up and down projections.
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.*layers\.(?P<i>\d+))\.(?:block_sparse_moe|mlp)\.experts\.(?P<j>\d+)\."
+                         r"(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_HF_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+                    "qwen2_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
+
+
+def _stack_experts(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf_state`` with per-expert tensors stacked into our ``mlp.experts.{gate,up,down}_proj`` (E, out, in), a
+    stacked ``gate_up_proj`` (transformers 5's own layout, gate rows above up rows) split in two, and Mixtral's
+    ``block_sparse_moe`` renamed ``mlp``."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for key, value in hf_state.items():
+        m = _EXPERT_KEY.match(key)
+        if m:
+            parts = experts.setdefault(m["prefix"], {})
+            parts.setdefault(_EXPERT_PARTS[m["part"]], {})[int(m["j"])] = value
+        elif key.endswith(".experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            stem = key.removesuffix("gate_up_proj").replace(".block_sparse_moe.", ".mlp.")
+            out[stem + "gate_proj"], out[stem + "up_proj"] = gate.contiguous(), up.contiguous()
+        else:
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = value
+    for prefix, parts in experts.items():
+        for part, tensors in parts.items():
+            out[f"{prefix}.mlp.experts.{part}_proj"] = torch.stack([tensors[j] for j in range(len(tensors))])
+    return out
+
+
+def _split_experts(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """Our stacked expert weights as one tensor per expert under ``kind``'s names (what transformers saves)."""
+    names = _HF_EXPERT_NAMES[kind]
+    block = "block_sparse_moe" if kind == "mixtral" else "mlp"
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        m = re.match(r"^(.*layers\.\d+)\.mlp\.(experts\.(gate|up|down)_proj|gate\.weight)$", key)
+        if m is None:
+            out[key] = value
+        elif m[2] == "gate.weight":
+            out[f"{m[1]}.{block}.gate.weight"] = value
+        else:
+            for j, tensor in enumerate(value.unbind(0)):
+                out[f"{m[1]}.{block}.experts.{j}.{names[m[3]]}.weight"] = tensor.contiguous()
+    return out
+
+
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map an HF state dict of ``config.hf_architecture`` (any of its heads) to our parameter names (and layouts)."""
+    if hf_type_for(config) in MOE_HF_TYPES:
+        hf_state = _stack_experts(hf_state)
     if hf_type_for(config) != "gpt2":
         out = {}
         for key, value in hf_state.items():
@@ -220,6 +344,8 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: st
     if kind == "gpt2" and task == "token_classification":
         heads = {"classifier." + k.split(".", 1)[1]: v for k, v in heads.items()}
     body = {k: v for k, v in state.items() if not k.startswith(_HEADS)}
+    if kind in MOE_HF_TYPES:
+        body = _split_experts(body, kind)
     if kind != "gpt2":
         if task == "question_answering" and kind in _TRANSFORMER_PREFIX_QA:
             body = {"transformer." + k.split(".", 1)[1]: v for k, v in body.items()}

@@ -7,6 +7,11 @@ Every model is also its own pipeline stage (torchtitan's way): a stage is the mo
 hold set to None. Without ``embed_tokens`` the base model takes the previous stage's hidden states as
 ``inputs_embeds`` and skips the embedding phase (positions, embedding dropout); without ``norm`` it returns the
 last layer's output; a head without its head module returns the base model's output unchanged.
+
+GPT-MoE is this family with a ``moe_config``: the layers it names get a :class:`~mindformers_py.layers.moe.MoE`
+instead of the MLP, the base model gathers their router statistics (``router_stats``, handed from pipeline stage to
+stage like the hidden states) and the causal-LM head turns them into the router losses (load balancing, z-loss)
+when ``output_router_logits`` is on, as transformers' Mixtral and Qwen-MoE do.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
-from ...layers.loss import question_answering_loss, sequence_classification_loss, token_cross_entropy
+from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, shift_labels, \
+    token_cross_entropy
+from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..modeling_base import MindFormersPreTrainedModel
+from ..moe_outputs import MoECausalLMOutputWithPast, MoEModelOutputWithPast
 from .configuration_gpt import GPTConfig
 
 
@@ -47,11 +55,28 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, RotaryEmbedding):
             module.inv_freq.copy_(module.compute_inv_freq()[0])
+        elif isinstance(module, Router):
+            module.weight.normal_(0.0, self.config.initializer_range)
+        elif isinstance(module, GroupedExperts):
+            for param in module.parameters(recurse=False):
+                param.normal_(0.0, self.config.initializer_range)
         elif isinstance(module, TransformerBlock):
             # Residual-branch outputs start smaller so the residual stream does not grow with depth (GPT-2, Megatron).
             std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
             module.self_attn.o_proj.weight.normal_(0.0, std)
-            module.mlp.down_proj.weight.normal_(0.0, std)
+            if not isinstance(module.mlp, MoE):
+                module.mlp.down_proj.weight.normal_(0.0, std)
+            else:
+                module.mlp.experts.down_proj.normal_(0.0, std)
+                if module.mlp.shared_expert is not None:
+                    module.mlp.shared_expert.down_proj.weight.normal_(0.0, std)
+
+    @property
+    def pipeline_carry(self) -> tuple[str, ...]:
+        """Outputs of the base model that travel from pipeline stage to stage beside the hidden states (and come
+        back in as keyword arguments): an MoE model's router statistics, from which the last stage computes the
+        router losses."""
+        return ("router_stats",) if self.config.moe is not None else ()
 
 
 class GPTModel(GPTPreTrainedModel):
@@ -65,7 +90,9 @@ class GPTModel(GPTPreTrainedModel):
         else:
             self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters)
         self.drop = nn.Dropout(config.embedding_dropout)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_hidden_layers))
+        moe_layers = set(config.moe_layers())
+        self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
         self.gradient_checkpointing = False
         self.post_init()
@@ -92,7 +119,11 @@ class GPTModel(GPTPreTrainedModel):
         ``return_dict=False``, as transformers' models.
 
         On a pipeline stage without ``embed_tokens``, ``inputs_embeds`` is the previous stage's output and
-        ``position_ids`` (which then must cover the whole sequence) give the length masks are built for."""
+        ``position_ids`` (which then must cover the whole sequence) give the length masks are built for.
+
+        An MoE model also returns ``router_stats`` (B, layers, width), adding its layers' rows to the
+        ``router_stats`` keyword argument (a previous pipeline stage's) or to zeros, and ``router_logits`` with
+        ``output_router_logits``."""
         if self.embed_tokens is None:  # a later pipeline stage: the residual stream arrives from the previous one
             if inputs_embeds is None:
                 raise MindFormersError("this pipeline stage holds no embeddings: pass the previous stage's hidden states as inputs_embeds")
@@ -127,10 +158,29 @@ class GPTModel(GPTPreTrainedModel):
             if self.config.position_embedding_type == "learned":
                 hidden_states = hidden_states + self.embed_positions(position_ids)
             hidden_states = self.drop(hidden_states)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values)
+        moe = self.config.moe
+        if moe is None:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values)
+        else:
+            router_stats = kwargs.get("router_stats")
+            if router_stats is None:
+                router_stats = hidden_states.new_zeros(hidden_states.shape[0], self.config.num_hidden_layers,
+                                                       stat_width(moe.expert_num), dtype=torch.float32)
+            token_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
+            for layer in self.layers:
+                out = layer(hidden_states, mask, rotary, past_key_values=past_key_values, token_mask=token_mask)
+                if isinstance(out, tuple):  # an MoE layer: its statistics go to its own row
+                    hidden_states, stats = out
+                    row = torch.tensor([layer.layer_idx], device=stats.device)
+                    router_stats = router_stats.index_add(1, row, stats.unsqueeze(1))
+                else:
+                    hidden_states = out
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
+        if moe is not None:
+            return MoEModelOutputWithPast(last_hidden_state=hidden_states, router_stats=router_stats,
+                                          past_key_values=past_key_values if use_cache else None)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
 
     def _check_context(self, needed: int, what: str) -> None:
@@ -151,6 +201,11 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         super().__init__(config)
         self.model = GPTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        moe = config.moe
+        # The Trainer's ``training_metrics`` hook: router loads and losses of the training steps, for the logs.
+        self.training_metrics = None if moe is None else RouterMetrics(
+            config.num_hidden_layers, moe.expert_num, moe.num_experts_chosen, config.moe_layers(), moe.routing_policy == "topk",
+            moe.z_loss_factor > 0)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -173,7 +228,11 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss."""
+        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss.
+
+        An MoE model with ``output_router_logits`` (argument or config) also returns the load-balancing ``aux_loss``
+        and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
+        (:meth:`router_loss`), as transformers' Mixtral does."""
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
@@ -184,8 +243,48 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden)  # (B, T, V)
         loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        if self.config.moe is None:
+            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                          hidden_states=out.hidden_states, attentions=out.attentions)
+        aux_loss = None
+        requested = kwargs.get("output_router_logits")
+        if self.config.output_router_logits if requested is None else requested:
+            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch)
+            if loss is not None:
+                loss = loss + router_loss
+        return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=out.past_key_values,
+                                         hidden_states=out.hidden_states, attentions=out.attentions,
+                                         router_logits=out.router_logits, router_stats=out.router_stats)
+
+    def router_loss(self, router_stats: torch.Tensor, labels: torch.Tensor | None = None,
+                    num_items_in_batch: int | torch.Tensor | None = None,
+                    counted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux_loss, loss)``: this forward's load-balancing loss (transformers' ``aux_loss``) and the router
+        losses to add to the language-model loss, ``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss.
+
+        With ``labels`` the added losses are this batch's share of the step's, weighted by its label tokens out of
+        ``num_items_in_batch`` (see :func:`~mindformers_py.layers.moe.router_losses`), so gradient accumulation and
+        data-parallel or pipeline splits add up to the step's; in training they are then counted for the logs
+        (unless ``counted`` is False)."""
+        moe = self.config.moe
+        aux, z = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope)
+        if labels is None:
+            return aux, moe.aux_loss_factor * aux + moe.z_loss_factor * z
+        items = (shift_labels(labels) != IGNORE_INDEX).sum(-1).to(router_stats.device)
+        aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
+        if counted and self.training and self.training_metrics is not None:
+            self.training_metrics.add(router_stats, aux_share, z_share)
+        return aux, moe.aux_loss_factor * aux_share + moe.z_loss_factor * z_share
+
+    def carried_loss(self, carried: dict[str, torch.Tensor], labels: tuple[torch.Tensor, ...],
+                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True) -> torch.Tensor | None:
+        """On the last pipeline stage: the router losses computed from the ``router_stats`` the stages carried
+        (see :attr:`pipeline_carry`), or None when they are not part of the loss. ``counted=False``: a call on
+        placeholder tensors, kept out of the logged metrics."""
+        stats = carried.get("router_stats")
+        if stats is None or not self.config.output_router_logits:
+            return None
+        return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
 
 
 class GPTForSequenceClassification(GPTPreTrainedModel):

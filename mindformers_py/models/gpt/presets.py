@@ -1,5 +1,7 @@
 """Named GPT presets, usable with ``AutoConfig.for_model`` / ``from_pretrained`` and listed by
-``AutoConfig.show_support_list()``. Sizes follow the published GPT-2, GPT-3 XL and Llama 3.2 1B shapes."""
+``AutoConfig.show_support_list()``. Sizes follow the published GPT-2, GPT-3 XL, Llama 3.2 1B and Mixtral 8x7B
+shapes; the GPT-MoE presets route each token to 2 of 8 experts of half the dense MLP's width, so they compute as
+many parameters per token as the dense preset of the same width (``gpt_moe_tiny`` beside ``llama_tiny``)."""
 
 from __future__ import annotations
 
@@ -16,5 +18,19 @@ GPT_PRESETS: dict[str, dict] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     ),
 }
+# GPT-MoE: dropless top-2 routing with the load-balancing loss on (output_router_logits), as Mixtral trains.
+_MOE_TOP2 = dict(expert_num=8, num_experts_chosen=2, routing_policy="dropless", aux_loss_factor=0.01)
+GPT_PRESETS.update({
+    "gpt_moe_tiny": dict(flavour="llama", vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, output_router_logits=True,
+                         moe_config=dict(_MOE_TOP2, moe_intermediate_size=384)),
+    "gpt_moe_small": dict(flavour="llama", vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                          max_position_embeddings=1024, output_router_logits=True,
+                          moe_config=dict(_MOE_TOP2, moe_intermediate_size=1024)),
+    "mixtral_8x7b": dict(flavour="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=32768, norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, output_router_logits=True,
+                         moe_config=dict(_MOE_TOP2, aux_loss_factor=0.02)),
+})
 # MindFormers-style aliases.
 GPT_PRESETS["gpt2"] = GPT_PRESETS["gpt_small"]

@@ -1,0 +1,337 @@
+"""Mixture of experts: a router sends each token to k of E expert MLPs, whose outputs are mixed by the router's
+probabilities (Switch Transformer, GShard, Mixtral, Qwen-MoE), optionally beside shared experts every token uses.
+
+Expert compute groups tokens by expert, never loops over tokens: the (token, choice) assignments are sorted by
+expert (a stable sort, so first choices come before second choices and earlier tokens before later ones, as GShard
+orders them), the tokens are gathered in that order, each expert runs its matrix products on its contiguous rows
+(:class:`GroupedExperts`: a grouped matrix product, one slice per expert, over stacked expert weights), and each
+token sums its k results back, weighted. Nothing is padded: ``routing_policy="dropless"`` computes exactly the
+``k`` rows of every token; ``"topk"`` keeps at most ``capacity`` rows per expert (Switch Transformer) and drops the
+rest of that expert's queue (those assignments add nothing; the residual carries the token).
+
+Expert parallelism needs nothing from this file: ``mindformers_py.parallel`` shards the stacked expert weights
+and wraps :class:`GroupedExperts` with an all-to-all before and after it (rows grouped by expert travel to the
+rank holding the expert, with the per-expert counts). Layers compute with local sizes, so an expert-parallel rank
+simply sees fewer experts.
+
+Router losses are computed where the loss is, from per-sequence statistics each MoE layer returns
+(:func:`router_statistics`, columns laid out by :func:`stat_columns`): top-k counts, summed probabilities, routed
+tokens, summed squared log-sum-exp and dropped assignments per expert and sequence. They are small and add up over
+layers and sequences, so a pipeline stage hands them to the next (the loss sits on the last one), and both the
+load-balancing loss over all layers at once (transformers' ``load_balancing_loss_func``) and a sequence-wise one
+come out of them exactly (:func:`router_losses`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ..errors import check_choice
+from .mlp import _TANH_GELU, MLP
+from .moe_config import MoEConfig, moe_config_of
+
+
+def stat_width(num_experts: int) -> int:
+    """Columns of one layer's router statistics: counts and probability sums per expert, then routed tokens,
+    summed squared log-sum-exp and dropped assignments."""
+    return 2 * num_experts + 3
+
+
+def stat_columns(num_experts: int) -> dict[str, slice | int]:
+    """Where each statistic sits in a row of :func:`router_statistics`."""
+    e = num_experts
+    return {"counts": slice(0, e), "probs": slice(e, 2 * e), "tokens": 2 * e, "z": 2 * e + 1, "dropped": 2 * e + 2}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a sharded (DTensor) weight, or the tensor itself: layers compute with local sizes."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` has a kernel for these tensors: on CPU from torch 2.11 (2.10's
+    wants 16-byte aligned storage), on CUDA for bf16 on compute capability 8.0 and up."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if tokens.device.type == "cpu":
+        return _TORCH_VERSION >= (2, 11)
+    if tokens.device.type == "cuda":
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (8, 0)
+    return False
+
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _activation(act: str):
+    check_choice("hidden_act", act, sorted(ACT2FN.keys()))
+    return functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
+
+
+class Router(nn.Module):
+    """Linear router: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
+    :attr:`MoEConfig.router_dense_type`). Returns the logits (tokens, experts)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.dense_type = dense_type
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.dense_type == "auto":
+            return F.linear(x, self.weight)
+        dtype = getattr(torch, self.dense_type)
+        with torch.autocast(x.device.type, enabled=False):  # also under bf16 autocast: the router is precise
+            return F.linear(x.to(dtype), self.weight.to(dtype))
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` MLPs as stacked weights, run on rows grouped by expert: ``forward(tokens, counts)``.
+
+    ``gate_proj`` and ``up_proj`` (E, I, H) (``gate_proj`` only when gated: SwiGLU), ``down_proj`` (E, H, I): each
+    expert's ``nn.Linear`` weights stacked. Experts have no biases. Tensor parallelism splits the ``I`` dimension of
+    all three (each rank then returns a partial sum), expert parallelism the ``E`` dimension; either way the code
+    below runs on the local part.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu",
+                 gated: bool = True) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = _activation(act)
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (R, H), the rows of expert 0 first, then expert 1's, ...; ``counts`` (E_local,) how many each
+        expert has -> (R, H): every row through its expert, as grouped matrix products (``F.grouped_mm`` where
+        torch has the kernel, else one product per expert over its contiguous rows)."""
+        weights = [_local(self.up_proj), _local(self.down_proj)] + ([_local(self.gate_proj)] if self.gated else [])
+        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]):
+            dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
+                else weights[0].dtype  # the kernel is not autocast-aware: cast as autocast would
+            offsets = counts.cumsum(0).to(torch.int32)
+            # Gate and up in one product: copying the weights side by side costs far less than a second GEMM pass.
+            w_in = torch.cat([weights[2], weights[0]], dim=1) if self.gated else weights[0]  # (E, 2I or I, H)
+            h = F.grouped_mm(tokens.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offsets)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            return F.grouped_mm(h, weights[1].to(dtype).transpose(-2, -1), offs=offsets)
+        # One product per expert; the stacked weights are split once, so backward stacks their gradients once.
+        ups, downs = weights[0].unbind(0), weights[1].unbind(0)
+        gates = weights[2].unbind(0) if self.gated else ups
+        out = []
+        for rows, up_w, gate_w, down_w in zip(tokens.split(counts.tolist()), ups, gates, downs):
+            up = rows @ up_w.t()
+            h = self.act(rows @ gate_w.t()) * up if self.gated else self.act(up)
+            out.append(h @ down_w.t())
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward block, used in place of :class:`~mindformers_py.layers.mlp.MLP`.
+
+    Submodules follow transformers' names: ``gate`` (the :class:`Router`), ``experts`` (:class:`GroupedExperts`),
+    ``shared_expert`` (an :class:`MLP`) and ``shared_expert_gate``. ``forward(x, token_mask)`` returns the output and
+    this layer's router statistics per sequence (:func:`router_statistics`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, moe: MoEConfig, act: str = "silu",
+                 gated: bool = True) -> None:
+        super().__init__()
+        self.num_experts = moe.expert_num
+        self.top_k = moe.num_experts_chosen
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.capacity_factor = None if moe.routing_policy == "dropless" else moe.capacity_factor
+        self.gate = Router(hidden_size, moe.expert_num, moe.router_dense_type)
+        self.experts = GroupedExperts(moe.expert_num, hidden_size, moe.expert_size(intermediate_size), act, gated)
+        shared = moe.shared_expert_size(intermediate_size)
+        self.shared_expert = MLP(hidden_size, shared, act, gated, bias=False) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.use_shared_expert_gating else None
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoE:
+        """The MoE block of a model config with the common field names (``hidden_size``, ``intermediate_size``,
+        ``hidden_act``, ``gated_mlp``) and a ``moe_config`` section."""
+        return cls(config.hidden_size, config.intermediate_size, moe_config_of(config), config.hidden_act,
+                   bool(config.gated_mlp))
+
+    def forward(self, hidden_states: torch.Tensor,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states`` (B, T, H) -> (output (B, T, H), router statistics (B, :func:`stat_width`)).
+        ``token_mask`` (B, T), 1 for real tokens, keeps padding out of the statistics (not out of the routing)."""
+        b, t, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)  # (N, H)
+        logits = self.gate(x)  # (N, E)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out, dropped = self._route(x, weights, chosen)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        stats = router_statistics(logits, probs, chosen, dropped, token_mask, b)
+        return out.view(b, t, h), stats
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Rows one expert takes from ``num_tokens`` tokens: the Switch capacity with token dropping, None for
+        dropless routing."""
+        if self.capacity_factor is None:
+            return None
+        return max(math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts), 1)
+
+    def _route(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch tokens to their experts, run the experts, combine; returns the output (N, H) and the dropped
+        assignments per token (N,)."""
+        n, k = chosen.shape
+        flat = chosen.t().reshape(-1)  # (k·N,) all first choices, then all second choices, ...
+        order = torch.argsort(flat, stable=True)  # grouped by expert; within one, by choice rank then token
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token, choice = order % n, order // n
+        dropped = x.new_zeros(n, dtype=torch.float32)
+        capacity = self.capacity(n)
+        if capacity is not None and capacity < int(counts.max()):
+            position = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            keep = position < capacity  # each expert's queue, cut at its capacity
+            dropped = dropped.index_add(0, token[~keep], torch.ones_like(token[~keep], dtype=torch.float32))
+            token, choice, counts = token[keep], choice[keep], counts.clamp(max=capacity)
+        done = self.experts(x[token], counts)  # (rows, H), grouped by expert
+        mixed = (done.float() * weights[token, choice].unsqueeze(-1)).to(x.dtype)
+        return x.new_zeros(x.shape).index_add(0, token, mixed), dropped
+
+
+def router_statistics(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, dropped: torch.Tensor,
+                      token_mask: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """Per-sequence statistics of one MoE layer, (B, :func:`stat_width`) in float32 (see :func:`stat_columns`):
+    how many top-k choices went to each expert, the summed router probabilities of each expert (the only part
+    with a gradient, with the log-sum-exp's), routed tokens, summed squared log-sum-exp of the logits and dropped
+    assignments, all over the tokens ``token_mask`` (B, T) keeps."""
+    n, e = probs.shape
+    t, k = n // batch, chosen.shape[-1]
+    mask = torch.ones(batch, t, device=probs.device) if token_mask is None \
+        else token_mask.reshape(batch, t).to(device=probs.device, dtype=torch.float32)
+    rows = torch.arange(batch, device=probs.device).repeat_interleave(t * k)  # the sequence of each choice
+    counts = torch.bincount(rows * e + chosen.reshape(-1), weights=mask.repeat_interleave(k, dim=1).reshape(-1),
+                            minlength=batch * e).view(batch, e).float()
+    prob_sums = (probs.view(batch, t, e) * mask.unsqueeze(-1)).sum(1)
+    # log-sum-exp from the softmax already taken: lse = top logit - log(top probability), which is at least 1/E.
+    top = chosen[:, :1]
+    lse = logits.float().gather(1, top).squeeze(1) - probs.gather(1, top).squeeze(1).log()
+    z = (lse.view(batch, t).square() * mask).sum(1)
+    drops = (dropped.view(batch, t) * mask).sum(1)
+    return torch.cat([counts, prob_sums, mask.sum(1, keepdim=True), z.unsqueeze(1), drops.unsqueeze(1)], dim=1)
+
+
+def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", row_weights: torch.Tensor | None = None,
+                  num_items_in_batch: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The load-balancing loss and the z-loss from router statistics (B, layers, :func:`stat_width`).
+
+    ``scope="batch"``: transformers' ``load_balancing_loss_func`` exactly, ``E · Σ_e f_e · P_e`` with ``f_e`` the
+    share of top-k choices and ``P_e`` the mean probability of expert ``e`` over all tokens of all MoE layers at
+    once (so layers that favour different experts can look balanced together). ``"sequence"``: the same per MoE
+    layer and sequence (DeepSeek-V3's sequence-wise balance loss), averaged over the layers, then over the
+    sequences. The z-loss is the mean over routed tokens (and layers) of the squared log-sum-exp of the router
+    logits.
+
+    ``row_weights`` (B,) are the loss items of each sequence and ``num_items_in_batch`` those of the whole step:
+    then each loss is this batch's share of the step's (a sequence-weighted mean, times the batch's share of the
+    items for ``"batch"``), so the shares of a step's micro-batches add up over accumulation, data-parallel ranks
+    and pipeline micro-batches. Without them they are this forward's own values.
+    """
+    cols = stat_columns(num_experts)
+    counts, probs = stats[..., cols["counts"]], stats[..., cols["probs"]]
+    tokens, z_sums = stats[..., cols["tokens"]], stats[..., cols["z"]]
+    if scope == "batch":
+        routed = tokens.sum().clamp(min=1.0)
+        aux = num_experts * ((counts.sum((0, 1)) / routed) * (probs.sum((0, 1)) / routed)).sum()
+        z = z_sums.sum() / routed
+        if row_weights is not None and num_items_in_batch is not None:
+            share = row_weights.sum() / _as_tensor(num_items_in_batch, stats)
+            aux, z = aux * share, z * share
+        return aux, z
+    routed = tokens.clamp(min=1.0).unsqueeze(-1)  # (B, layers, 1)
+    per_layer = num_experts * ((counts / routed) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
+    aux_rows = per_layer.sum(1) / (tokens > 0).sum(1).clamp(min=1)  # mean over the layers that routed the row
+    z_rows = z_sums.sum(1) / tokens.sum(1).clamp(min=1.0)
+    if row_weights is None:
+        return aux_rows.mean(), z_rows.mean()
+    weights = row_weights.to(stats.dtype)
+    total = _as_tensor(num_items_in_batch, stats) if num_items_in_batch is not None else weights.sum().clamp(min=1.0)
+    return (aux_rows * weights).sum() / total, (z_rows * weights).sum() / total
+
+
+def _as_tensor(value: int | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, device=like.device, dtype=like.dtype)
+
+
+class RouterMetrics:
+    """Running sums of a model's router statistics between two logs of the Trainer (the model's
+    ``training_metrics`` hook): per-layer expert loads, dropped assignments and the router losses of the training
+    forward passes. :meth:`pop` hands the raw sums over (the engine adds them up over the ranks that saw different
+    data), :meth:`summarize` turns the totals into logged values."""
+
+    postfix_keys = ("aux_loss", "load_imbalance")
+    """Values worth a place in the progress bar beside the loss."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, moe_layers: list[int], capacity_limited: bool,
+                 z_loss: bool) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.moe_layers = list(moe_layers)
+        self.capacity_limited = capacity_limited
+        self.z_loss = z_loss
+        self._sums: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def add(self, stats: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
+        """Count one training forward pass: its statistics (B, layers, width) and router-loss shares."""
+        new = {"router_stats": stats.detach().sum(0).double(), "aux_loss": aux.detach().double(),
+               "z_loss": z.detach().double()}
+        for key, value in new.items():
+            self._sums[key] = self._sums[key] + value if key in self._sums else value
+
+    def pop(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The sums since the last call (zeros of the same shapes when nothing ran here, e.g. on a pipeline stage
+        without the loss), on ``device``; resets them."""
+        zeros = {"router_stats": torch.zeros(self.num_layers, stat_width(self.num_experts), dtype=torch.float64),
+                 "aux_loss": torch.zeros((), dtype=torch.float64), "z_loss": torch.zeros((), dtype=torch.float64)}
+        out = {key: self._sums.get(key, zero).to(device) for key, zero in zeros.items()}
+        self._sums = {}
+        return out
+
+    def summarize(self, sums: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
+        """Logged values from the totals of ``steps`` optimizer steps: the router losses per step, the load
+        imbalance (largest over mean expert load, averaged over MoE layers; 1 is perfect balance), each expert's
+        share of the assignments and, with capacity limits, the share of dropped assignments."""
+        cols = stat_columns(self.num_experts)
+        stats = sums["router_stats"][self.moe_layers]  # (moe layers, width)
+        counts = stats[:, cols["counts"]]
+        mean_load = counts.mean(-1).clamp(min=1e-12)
+        logs = {"aux_loss": float(sums["aux_loss"]) / max(steps, 1)}
+        if self.z_loss:
+            logs["z_loss"] = float(sums["z_loss"]) / max(steps, 1)
+        logs["load_imbalance"] = float((counts.max(-1).values / mean_load).mean())
+        if self.capacity_limited:
+            logs["dropped_tokens"] = float(stats[:, cols["dropped"]].sum() / (stats[:, cols["tokens"]].sum() * self.top_k).clamp(min=1))
+        load = counts.sum(0) / counts.sum().clamp(min=1e-12)
+        logs.update({f"expert_load/{i}": float(v) for i, v in enumerate(load)})
+        return logs

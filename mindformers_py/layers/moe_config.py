@@ -1,0 +1,161 @@
+"""Mixture-of-experts settings: :class:`MoEConfig` (MindFormers' ``moe_config``), the one description of an MoE
+layer. A model config holds it as its ``moe_config`` section; :class:`~mindformers_py.layers.moe.MoE` is built
+from it; ``mindformers_py.parallel`` reads it to split the experts over expert-parallel ranks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, invalid_choice
+from ..utils.config_section import _require_int, _Section, _split_list, _to_bool, _to_choice, _to_float, _to_int
+
+ROUTING_POLICIES = ("topk", "dropless")
+# MindFormers' router class names; both route tokens top-k with a per-expert capacity.
+ROUTING_POLICY_ALIASES = {"topkrouterv1": "topk", "topkrouterv2": "topk"}
+AUX_LOSS_SCOPES = ("batch", "sequence")
+ROUTER_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class MoEConfig(_Section):
+    """Mixture-of-experts routing and expert shapes (MindFormers' ``moe_config``); ``expert_num=1`` means a dense
+    model."""
+
+    expert_num: int = 1
+    """Number of routed experts in each MoE layer (1 = no MoE)."""
+    num_experts_chosen: int = 1
+    """Experts each token is routed to (top-k); at most ``expert_num``."""
+    moe_intermediate_size: int | None = None
+    """Hidden size of one routed expert's MLP; None means the model's ``intermediate_size``."""
+    capacity_factor: float = 1.1
+    """With ``routing_policy="topk"``: each expert takes at most ``ceil(capacity_factor * tokens * k /
+    expert_num)`` of the tokens of one forward pass on one rank (Switch Transformer); assignments over capacity are
+    dropped (that expert adds nothing for the token; the residual carries it). At least 1."""
+    routing_policy: str = "topk"
+    """``"topk"``: top-k routing with a per-expert capacity and token dropping (MindFormers' TopkRouterV1/V2, both
+    accepted as aliases); ``"dropless"``: every token reaches its k experts (transformers' Mixtral and Qwen-MoE),
+    ``capacity_factor`` unused."""
+    norm_topk_prob: bool = True
+    """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral); False keeps the raw
+    softmax probabilities (Qwen1.5/2-MoE)."""
+    aux_loss_factor: float = 0.05
+    """Weight of the load-balancing loss (Switch Transformer, transformers' ``router_aux_loss_coef``) added to the
+    training loss when the model's ``output_router_logits`` is on; 0 disables it."""
+    aux_loss_scope: str = "batch"
+    """Which tokens the load-balancing statistics are taken over: ``"batch"``, all tokens of one forward pass (one
+    micro-batch on one rank) and all MoE layers together (transformers' ``load_balancing_loss_func``), or
+    ``"sequence"``, each MoE layer and sequence on its own, averaged over the layers and the step's loss items
+    (DeepSeek-V3's sequence-wise balance loss). Only ``"sequence"`` is the same whatever the batch is split into
+    (data-parallel ranks, pipeline micro-batches, accumulation)."""
+    z_loss_factor: float = 0.0
+    """Weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of the router logits) added with the
+    load-balancing loss; 0 disables it."""
+    shared_expert_num: int = 0
+    """Shared experts every token passes through besides its routed ones (DeepSeek-MoE, Qwen-MoE), computed as one
+    MLP of ``shared_expert_num * moe_intermediate_size`` (or ``shared_expert_intermediate_size``)."""
+    shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared-expert MLP when it is not ``shared_expert_num * moe_intermediate_size``
+    (Qwen-MoE's ``shared_expert_intermediate_size``)."""
+    use_shared_expert_gating: bool = False
+    """Scale the shared experts' output by ``sigmoid(x · w)``, a learned per-token gate (Qwen-MoE)."""
+    router_dense_type: str = "float32"
+    """Dtype of the router's matrix product: ``"float32"`` (MindFormers' default, also under bf16 autocast),
+    ``"bfloat16"``, ``"float16"``, or ``"auto"``: the dtype the hidden states arrive in (transformers' routers).
+    The softmax over experts always runs in float32."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Indices of layers that keep a dense MLP instead of experts (transformers' ``mlp_only_layers``)."""
+
+    def _convert(self) -> None:
+        self.expert_num = _to_int("expert_num", self.expert_num)
+        self.num_experts_chosen = _to_int("num_experts_chosen", self.num_experts_chosen)
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _to_int(name, getattr(self, name)))
+        self.capacity_factor = _to_float("capacity_factor", self.capacity_factor, 0.0, inclusive=False)
+        self.aux_loss_factor = _to_float("aux_loss_factor", self.aux_loss_factor, 0.0, inclusive=True)
+        self.z_loss_factor = _to_float("z_loss_factor", self.z_loss_factor, 0.0, inclusive=True)
+        self.routing_policy = _to_choice("routing_policy", self.routing_policy, ROUTING_POLICIES,
+                                         ROUTING_POLICY_ALIASES)
+        self.aux_loss_scope = _to_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
+        self.norm_topk_prob = _to_bool("norm_topk_prob", self.norm_topk_prob)
+        self.shared_expert_num = _to_int("shared_expert_num", self.shared_expert_num, minimum=0)
+        self.use_shared_expert_gating = _to_bool("use_shared_expert_gating", self.use_shared_expert_gating)
+        self.router_dense_type = _to_choice("router_dense_type", self.router_dense_type, ROUTER_DTYPES)
+        layers = _split_list(self.mlp_only_layers)
+        if isinstance(layers, (str, int)):
+            layers = [layers]
+        if not isinstance(layers, (list, tuple)):
+            raise ConfigError(f"mlp_only_layers={self.mlp_only_layers!r} is not valid; expected a list of layer indices")
+        self.mlp_only_layers = tuple(sorted({_to_int("mlp_only_layers", i, minimum=0) for i in layers}))
+
+    def validate(self) -> None:
+        """Check ranges and the relations between fields; raise a one-line ConfigError naming the field."""
+        _require_int("expert_num", self.expert_num)
+        _require_int("num_experts_chosen", self.num_experts_chosen)
+        _require_int("shared_expert_num", self.shared_expert_num, minimum=0)
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name))
+        for name, inclusive in (("capacity_factor", False), ("aux_loss_factor", True), ("z_loss_factor", True)):
+            value = getattr(self, name)
+            if not isinstance(value, float):  # strings were converted at construction
+                raise ConfigError(f"{name}={value!r} is not valid; expected a number {'>=' if inclusive else '>'} 0")
+            _to_float(name, value, 0.0, inclusive)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise invalid_choice("routing_policy", self.routing_policy, ROUTING_POLICIES)
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise invalid_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
+        if self.router_dense_type not in ROUTER_DTYPES:
+            raise invalid_choice("router_dense_type", self.router_dense_type, ROUTER_DTYPES)
+        for name in ("norm_topk_prob", "use_shared_expert_gating"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; expected true or false")
+        if self.num_experts_chosen > self.expert_num:
+            raise ConfigError(
+                f"num_experts_chosen={self.num_experts_chosen} is not valid with expert_num={self.expert_num}; "
+                f"choose 1..{self.expert_num}"
+            )
+        if self.routing_policy == "topk" and self.capacity_factor < 1:
+            raise ConfigError(
+                f"capacity_factor={self.capacity_factor} is not valid with routing_policy='topk' (token dropping); "
+                "expected capacity_factor >= 1 (below 1 the experts cannot take even a balanced load), or "
+                "routing_policy='dropless'"
+            )
+        if self.shared_expert_num == 0:
+            for name in ("shared_expert_intermediate_size", "use_shared_expert_gating"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}={getattr(self, name)!r} is not valid with shared_expert_num=0; "
+                                      "set shared_expert_num >= 1 to have a shared expert")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has more than one expert."""
+        return self.expert_num > 1
+
+    def expert_capacity(self, num_tokens: int) -> int | None:
+        """Assignments one expert accepts from a batch of ``num_tokens`` (None for ``"dropless"``: no limit)."""
+        if self.routing_policy == "dropless":
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.num_experts_chosen / self.expert_num)
+
+    def expert_size(self, intermediate_size: int) -> int:
+        """Hidden size of one routed expert, given the model's dense ``intermediate_size``."""
+        return self.moe_intermediate_size or intermediate_size
+
+    def shared_expert_size(self, intermediate_size: int) -> int:
+        """Hidden size of the shared-expert MLP (0 without shared experts)."""
+        if self.shared_expert_num == 0:
+            return 0
+        return self.shared_expert_intermediate_size or self.shared_expert_num * self.expert_size(intermediate_size)
+
+
+def moe_config_of(config: Any) -> MoEConfig | None:
+    """The :class:`MoEConfig` of a model config (its ``moe_config`` section, an instance or a mapping), or None when
+    the model has no experts."""
+    section = getattr(config, "moe_config", None)
+    if section is None:
+        return None
+    moe = section if isinstance(section, MoEConfig) else MoEConfig.coerce(section, "moe_config")
+    return moe if moe.is_moe else None

@@ -1,0 +1,166 @@
+"""Expert parallelism on CPU with gloo: a tiny GPT-MoE (dropless top-2 of 4 experts, a shared expert, the
+sequence-wise load-balancing loss and the z-loss on) trains with stand-alone's per-step losses (AdamW, clipping,
+gradient accumulation) when its experts are split over expert-parallel ranks borrowed from data parallelism, with
+tensor parallelism, ZeRO 1/2/3, recompute and pipeline stages (where the router statistics travel from stage to
+stage), and the same gradient norms (which AdamW's updates would not show a constant factor in); its checkpoints
+consolidate to whole weights; the router metrics are the stand-alone ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mindformers_py as mf
+from dist_utils import run_workers
+from mindformers_py.engine import build_engine
+from mindformers_py.parallel import ParallelConfig
+from mindformers_py.task_registry import get_task
+from mindformers_py.trainer.arguments import TrainingArguments
+from mindformers_py.trainer.scheduler import create_scheduler
+from test_parallel_layouts import MICRO_BATCHES, RTOL, SEQ, STEPS, VOCAB
+
+GLOBAL_BATCH = 8  # two rows per rank and micro-batch at dp4
+
+MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
+       "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 32, "shared_expert_num": 1,
+       "use_shared_expert_gating": True}
+
+
+def tiny_moe(**moe) -> mf.GPTForCausalLM:
+    """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads)."""
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=SEQ, output_router_logits=True,
+                          moe_config={**MOE, **moe})
+    torch.manual_seed(0)
+    return mf.GPTForCausalLM(config).train()
+
+
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches; a left-padded row per batch makes the ranks' label-token counts unequal."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, :7] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def training_args(parallel: ParallelConfig) -> TrainingArguments:
+    return TrainingArguments(output_dir="unused", per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
+                             learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, optim="adamw_torch",
+                             use_cpu=True, parallel_config=parallel, report_to=[])
+
+
+def _loss_fn(model, batch, num_items):
+    return model(**batch, num_items_in_batch=num_items).loss
+
+
+def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None) -> dict:
+    """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
+    hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine; the router
+    metrics of the run reduced over the ranks; optionally a consolidated checkpoint."""
+    engine = build_engine(parallel, training_args(parallel))
+    engine.setup()
+    model = tiny_moe(**(moe or {}))
+    wrapped = engine.prepare_model(model)
+    optimizer = engine.build_optimizer(model)
+    scheduler = create_scheduler(optimizer, engine.args, STEPS)
+    losses, norms = [], []
+    for batch in global_batches():
+        rows = engine.shard_indices(range(GLOBAL_BATCH))
+        local = {k: v[rows] for k, v in batch.items()}
+        micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
+        items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(mb) for mb in micro)))
+        loss = engine.forward_backward(wrapped, micro, items, _loss_fn)
+        norms.append(float(engine.clip_grad_norm(model, optimizer, engine.args.max_grad_norm)))
+        engine.optimizer_step(optimizer)
+        scheduler.step()
+        engine.zero_grad(optimizer)
+        losses.append(engine.all_reduce_mean(loss).item())
+    tracker = model.training_metrics
+    metrics = tracker.summarize(engine.reduce_metrics(tracker.pop(engine.device)), STEPS)
+    if save_to is not None:
+        engine.save_pretrained(model, save_to)
+    engine.teardown()
+    return {"losses": losses, "grad_norms": norms, "metrics": metrics}
+
+
+_REFERENCE: dict = {}
+
+
+def reference() -> dict:
+    if not _REFERENCE:
+        _REFERENCE.update(run_moe_layout(ParallelConfig()))
+    return _REFERENCE
+
+
+def semi(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="semi_auto_parallel", **fields)
+
+
+LAYOUTS_2 = {
+    "dp2_ep2": semi(data_parallel=2, expert_parallel=2),
+    "dp2_ep2_zero1": semi(data_parallel=2, expert_parallel=2, optimizer_shard=1),
+    "dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3, recompute="full"),
+    "tp2": semi(model_parallel=2),
+    "pp2_gpipe": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="gpipe"),
+}
+# dp4 x ep4, dp2 x tp2 x ep2 and dp2 x pp2 x ep2 run through the recipe and the CLI (test_moe_recipe.py).
+LAYOUTS_4 = {
+    "dp4_ep2": semi(data_parallel=4, expert_parallel=2),  # experts replicated over pairs of ranks
+    "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them
+}
+
+
+def _worker(rank, world_size, layouts, folder=None):
+    out = {name: run_moe_layout(layout) for name, layout in layouts.items()}
+    if folder is not None:
+        out["saved"] = run_moe_layout(semi(data_parallel=4, expert_parallel=4, optimizer_shard=3), save_to=folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process_results():
+    return run_workers(_worker, 2, LAYOUTS_2)
+
+
+@pytest.fixture(scope="module")
+def four_process_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe_ep_checkpoint")
+    return run_workers(_worker, 4, LAYOUTS_4, str(folder)), folder
+
+
+def _check(results, name):
+    expected = reference()
+    for rank, result in enumerate(results):
+        assert result[name]["losses"] == pytest.approx(expected["losses"], rel=RTOL), (name, rank, result[name], expected)
+        assert result[name]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=RTOL), (name, rank, result[name])
+        metrics = result[name]["metrics"]
+        for key, value in expected["metrics"].items():
+            assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, key, metrics[key], value)
+    assert abs(expected["losses"][0] - expected["losses"][-1]) > 1e-3  # the steps really changed the weights
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_two_process_moe_layout_matches_stand_alone(two_process_results, name):
+    _check(two_process_results, name)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_four_process_moe_layout_matches_stand_alone(four_process_results, name):
+    _check(four_process_results[0], name)
+
+
+def test_expert_parallel_checkpoint_consolidates(four_process_results):
+    """ZeRO-3 over dp4 x ep4: the saved whole weights load into a plain model with the trained model's losses."""
+    results, folder = four_process_results
+    model = mf.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.model.layers[0].mlp.experts.gate_proj.shape == (4, 32, 64)
+    assert results[0]["saved"]["losses"] == pytest.approx(reference()["losses"], rel=RTOL)
+    batch = global_batches()[0]
+    with torch.no_grad():
+        trained = model(**batch).loss.item()
+    assert trained < reference()["losses"][0]  # the consolidated weights are the trained ones
