@@ -7,8 +7,11 @@ from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from .masks import build_attention_mask
 from .mlp import MLP
 from .norms import RMSNorm, build_norm
+from .masks import additive_mask
+from .position_bias import RelativePositionBias, relative_position_bucket
 
 __all__ = [
     "Attention", "attention_core", "TransformerBlock", "LearnedPositionEmbedding", "RotaryEmbedding",
     "apply_rotary", "IGNORE_INDEX", "causal_lm_loss", "shift_labels", "build_attention_mask", "MLP", "RMSNorm", "build_norm",
+    "additive_mask", "RelativePositionBias", "relative_position_bucket",
 ]
