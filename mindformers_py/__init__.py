@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
+from .models import t5  # noqa: F401
 from .auto import (
     AutoConfig,
     AutoModel,
@@ -16,6 +17,7 @@ from .auto import (
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
     AutoModelForTokenClassification,
 )
 from .convert import convert_checkpoint
@@ -28,6 +30,7 @@ from .models.gpt import (
     GPTForTokenClassification,
     GPTModel,
 )
+from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
 from .trainer import Trainer, TrainingArguments
@@ -41,4 +44,5 @@ __all__ = [
     "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
+    "AutoModelForTextEncoding", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -158,12 +159,12 @@ class _AutoModel:
         if attn is not None:
             check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
             config._attn_implementation = attn
+        state = load_state_dict(folder) if folder.is_dir() else None
+        if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
+            state = family.converter.state_dict_from_hf(state, config)
         model = cls._model_class(family)(config)
         info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        if folder.is_dir():
-            state = load_state_dict(folder)
-            if from_hf:
-                state = family.converter.state_dict_from_hf(state, config)
+        if state is not None:
             info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
             if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
                 model.generation_config = GenerationConfig.from_pretrained(folder)
@@ -253,6 +254,9 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
     pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped; with
     ``ignore_mismatched_sizes`` a tensor of another shape (a classifier with other labels) is re-initialised too.
+    Extra tensors matching the model's ``_keys_to_ignore_on_load_unexpected`` (transformers' attribute: a BERT base
+    checkpoint's pooler, which an MLM head does not hold) are skipped as well, and body tensors matching
+    ``_keys_to_ignore_on_load_missing`` (a pooler an MLM checkpoint lacks) are initialised like a new head.
     Returns transformers' loading info (missing, unexpected and mismatched keys)."""
     prefix = f"{model.base_model_prefix}."
     if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
@@ -272,9 +276,11 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
                               f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
                               "ignore_mismatched_sizes=True to re-initialise them")
     state = {k: v for k, v in state.items() if k not in mismatched}
-    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
     missing = sorted(set(expected) - set(state))
-    missing_body = [k for k in missing if in_body(k) and k not in mismatched]
+    may_miss = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    missing_body = [k for k in missing if in_body(k) and k not in mismatched and not any(p.search(k) for p in may_miss)]
     if missing_body:
         raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
     if unexpected:
@@ -347,6 +353,21 @@ class AutoModelForImageClassification(_AutoModel):
     _task = "image_classification"
 
 
+class AutoModelForTextEncoding(_AutoModel):
+    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
+    name: text embeddings, or a base for classifiers."""
+
+    _task = BASE
+
+    @classmethod
+    def _model_class(cls, family: Family) -> type[PreTrainedModel]:
+        try:
+            return family.extra_model_classes[cls.__name__]
+        except KeyError:
+            raise ConfigError(f"the {family.name} family has no text-encoder model; families with one: "
+                              f"{', '.join(f.name for f in registry.FAMILIES if cls.__name__ in f.extra_model_classes)}") from None
+
+
 _AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     cls._task: cls for cls in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
                                AutoModelForTokenClassification, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
@@ -369,5 +390,5 @@ def auto_class_for_architectures(architectures: Sequence[str] | None) -> type[_A
 
 __all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
            "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-           "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
+           "AutoModelForTextEncoding", "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
            "MindFormersError"]
