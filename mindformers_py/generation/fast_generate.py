@@ -1,4 +1,6 @@
-"""A lean decode loop behind transformers' ``generate`` API, token-identical to ``GenerationMixin``'s.
+"""A lean decode loop behind transformers' ``generate`` API, token-identical to ``GenerationMixin``'s, for
+decoder-only and encoder-decoder models (for the latter the encoder runs once and the loop lives in
+:mod:`~mindformers_py.generation.seq2seq`).
 
 ``FastGenerationMixin.generate`` resolves its arguments exactly as ``GenerationMixin.generate`` does (same
 generation config merging, special tokens, attention-mask inference, lengths, logits processors and stopping
@@ -29,7 +31,7 @@ from transformers.generation import EosTokenCriteria, LogitsProcessorList, MaxLe
 from transformers.generation.configuration_utils import GenerationConfig, GenerationMode
 from transformers.utils import logging
 
-from ..errors import MindFormersError
+from ..errors import ConfigError, MindFormersError
 from .skinny_linear import skinny_linear_kernels
 from .static_cache import StaticKVCache
 
@@ -116,9 +118,16 @@ class FastGenerationMixin(GenerationMixin):
             config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
                 mask, tokenizer = model_kwargs.get("attention_mask"), kwargs.get("tokenizer")
-                plan = _guarded(self._lean_setup, input_ids, mask, config, has_default_max_length, tokenizer)
-                if plan is not None:
-                    return _decode(self, *plan, streamer)
+                if self.config.is_encoder_decoder:
+                    from .seq2seq import decode_seq2seq, seq2seq_setup
+
+                    plan = _guarded(seq2seq_setup, self, input_ids, mask, config, has_default_max_length, tokenizer)
+                    if plan is not None:
+                        return decode_seq2seq(self, *plan, streamer)
+                else:
+                    plan = _guarded(self._lean_setup, input_ids, mask, config, has_default_max_length, tokenizer)
+                    if plan is not None:
+                        return _decode(self, *plan, streamer)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
@@ -141,6 +150,9 @@ class FastGenerationMixin(GenerationMixin):
         )
         config_kwargs = {k: v for k, v in kwargs.items() if k not in _GENERATION_MODE_KWARGS}
         config, model_kwargs = self._prepare_generation_config(generation_config, **config_kwargs)
+        if self.config.is_encoder_decoder:
+            return self._resolve_seq2seq_request(input_ids, config, model_kwargs, has_default_max_length,
+                                                 has_default_min_length)
         prompt_length = input_ids.shape[1]
         config = self._prepare_generated_length(
             config, has_default_max_length, has_default_min_length, "input_ids", prompt_length, input_ids
@@ -148,6 +160,30 @@ class FastGenerationMixin(GenerationMixin):
         check_context_length(
             prompt_length, config.max_length, getattr(self.config, "max_position_embeddings", None), config.max_new_tokens
         )
+        return config, model_kwargs, has_default_max_length
+
+    def _resolve_seq2seq_request(
+        self, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict[str, Any],
+        has_default_max_length: bool, has_default_min_length: bool,
+    ) -> tuple[GenerationConfig, dict[str, Any], bool]:
+        """:meth:`_resolve_request` of an encoder-decoder: ``input_ids`` is the source; lengths count the decoder's
+        tokens (its start token and the new ones), as ``GenerationMixin`` does. Refuses, in one line, a model with
+        no decoder start token and a source or target longer than ``max_position_embeddings``."""
+        if config.decoder_start_token_id is None and config.bos_token_id is None:
+            raise ConfigError("decoder_start_token_id is None (and there is no bos_token_id): an encoder-decoder cannot "
+                              "start decoding; set decoder_start_token_id in the model's config or generation config")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and input_ids.shape[1] > limit:
+            raise MindFormersError(f"the source has {input_ids.shape[1]} tokens, more than the model's limit "
+                                   f"max_position_embeddings={limit}; truncate it (truncation=True, max_length={limit})")
+        start_length = model_kwargs["decoder_input_ids"].shape[1] if "decoder_input_ids" in model_kwargs else 1
+        config = self._prepare_generated_length(
+            config, has_default_max_length, has_default_min_length, "input_ids", start_length, input_ids
+        )
+        if limit is not None and config.max_length > limit:
+            raise MindFormersError(f"max_new_tokens={config.max_length - start_length} + {start_length} decoder start "
+                                   f"token(s) exceeds the model's target limit max_position_embeddings={limit}; lower "
+                                   f"max_new_tokens to at most {limit - start_length}")
         return config, model_kwargs, has_default_max_length
 
     def _lean_setup(
@@ -229,7 +265,6 @@ def _lean_supports(
         and not config.token_healing
         and config.guidance_scale in (None, 1)
         and not config.is_assistant
-        and not model.config.is_encoder_decoder
         and input_ids.device == model.device
         and (mask is None or (mask.shape == input_ids.shape and mask.device == input_ids.device))
     )

@@ -38,6 +38,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
-        if self.dropout is not None:
+        if self.dropout is not None and self.training:
             h = self.dropout(h)
         return self.down_proj(h)
