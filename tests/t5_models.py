@@ -69,7 +69,8 @@ def batch(seed: int = 0, rows: int = 3, source: int = 30, target: int = 25):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, VOCAB, (rows, source), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, source - 10:] = 0
+    if rows > 1:
+        mask[1, source - 10:] = 0
     if rows > 2:
         mask[2, :5] = 0
     labels = torch.randint(2, VOCAB, (rows, target), generator=g)
