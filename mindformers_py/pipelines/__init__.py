@@ -10,8 +10,9 @@ from typing import Any
 
 from transformers import Pipeline, PreTrainedModel
 
-from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
+from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline, task_name
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
+from .text2text import SummarizationPipeline, Text2TextGenerationPipeline, TranslationPipeline
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -19,6 +20,11 @@ register_pipeline(PipelineTask("text-classification", TextClassificationPipeline
                            aliases=("text_classification", "sentiment-analysis")))
 register_pipeline(PipelineTask("token-classification", TokenClassificationPipeline, "token_classification",
                            aliases=("token_classification", "ner")))
+register_pipeline(PipelineTask("text2text-generation", Text2TextGenerationPipeline, "seq2seq_lm",
+                               aliases=("text2text_generation",)))
+register_pipeline(PipelineTask("summarization", SummarizationPipeline, "seq2seq_lm"))
+# "translation_xx_to_yy" names reach this entry too (see get_pipeline); the pipeline reads the pair from the name.
+register_pipeline(PipelineTask("translation", TranslationPipeline, "seq2seq_lm"))
 
 
 def pipeline(
@@ -45,8 +51,9 @@ def pipeline(
     given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
     preprocessor = load_preprocessor(entry, given, folder, model)
     arguments = {**entry.defaults, **kwargs, entry.preprocessor: preprocessor}
-    return entry.pipeline_class(model=model, task=entry.name, **arguments)
+    return entry.pipeline_class(model=model, task=task_name(task, entry), **arguments)
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
-           "TextGenerationPipeline", "TokenClassificationPipeline"]
+           "TextGenerationPipeline", "TokenClassificationPipeline", "Text2TextGenerationPipeline", "SummarizationPipeline",
+           "TranslationPipeline"]
