@@ -20,7 +20,8 @@ from mindformers_py.trainer import Trainer, TrainingArguments
 
 VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
-         "hf_sequence_classifier"]
+         "hf_sequence_classifier", "seq2seq_lm"]
+TARGET = 7  # label tokens of the encoder-decoder's rows
 
 
 def _config(**extra) -> mf.GPTConfig:
@@ -42,6 +43,11 @@ def make_model(head: str) -> torch.nn.Module:
         return mf.GPTForTokenClassification(_config(num_labels=5))
     if head == "question_answering":
         return mf.GPTForQuestionAnswering(_config())
+    if head == "seq2seq_lm":
+        return mf.T5ForConditionalGeneration(mf.T5Config(
+            vocab_size=VOCAB, hidden_size=32, head_dim=8, intermediate_size=48, num_hidden_layers=1, num_decoder_layers=1,
+            num_attention_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False))  # T5 v1.1 (the tied v1: test_t5_parallel.py)
     # transformers' own classifier, whose loss is a batch mean whatever num_items_in_batch says
     return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
@@ -66,6 +72,9 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
             row["labels"] = torch.randint(0, 2, (3,), generator=g).float()
         elif head == "regression":
             row["labels"] = torch.randn((), generator=g)
+        elif head == "seq2seq_lm":  # targets of different lengths, padded with -100
+            row["labels"] = torch.randint(1, VOCAB, (TARGET,), generator=g)
+            row["labels"][1 + i % TARGET:] = -100
         elif head == "token_classification":
             row["labels"] = torch.randint(0, 5, (SEQ,), generator=g).masked_fill(mask == 0, -100)
         else:
@@ -139,12 +148,16 @@ LAYOUTS = {
     "pp2": dict(pipeline_stage=2, micro_batch_num=2),
     "tp2_sequence_parallel": dict(model_parallel=2, use_seq_parallel=True),
 }
+# Sequence parallelism does not split encoder-decoders (refused); tp2 alone is tested in test_t5_parallel.py.
+UNSUPPORTED = {("tp2_sequence_parallel", "seq2seq_lm")}
 
 
 def _layout_job(rank: int, world: int, folder: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
         for head in OUR_HEADS:
+            if (name, head) in UNSUPPORTED:
+                continue
             grads, loss = first_step(head, N, 2, f"{folder}/{name}-{head}",
                                      mf.ParallelConfig(parallel_mode="semi_auto_parallel", **layout))
             out[name, head] = ({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grads.items()}, loss)
@@ -158,6 +171,8 @@ def test_pipeline_and_tensor_parallel_layouts_give_stand_alone_gradients_for_eve
         ref_grads, ref_loss = first_step(head, N, 1, str(tmp_path / f"ref-{head}"))
         for rank in range(2):
             for name in LAYOUTS:
+                if (name, head) in UNSUPPORTED:
+                    continue
                 grads, loss = results[rank][name, head]
                 held = {k: ref_grads[k] for k in grads}
                 assert held and (name != "pp2" or len(held) < len(ref_grads)), (name, head)

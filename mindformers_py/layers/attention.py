@@ -78,6 +78,7 @@ class Attention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
+        *,
         position_bias: torch.Tensor | None = None,
         key_value_states: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         folded with the masks by :func:`~mindformers_py.layers.masks.additive_mask`); when given it replaces
         ``attention_mask`` and causality. ``key_value_states`` (B, S, C) is the encoder output a cross-attention
         layer attends to. The weights are computed only under the eager implementation (see ``config``), as in
-        transformers.
+        transformers. (The last two are keyword-only: tensor-parallel input hooks map the positional ones.)
         """
         b, t, _ = hidden_states.shape
         if position_bias is not None:

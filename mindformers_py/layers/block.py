@@ -78,7 +78,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         ``past_key_values`` may be an ``EncoderDecoderCache``: self-attention uses its self-attention part."""
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, self_cache,
-                                 position_bias)
+                                 position_bias=position_bias)
         hidden_states = hidden_states + self.dropout(attn)
         if self.cross_attn is not None:
             attn, _ = self.cross_attn(self.cross_attn_layernorm(hidden_states), encoder_attention_mask, None,
