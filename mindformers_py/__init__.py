@@ -33,7 +33,7 @@ from .models.gpt import (
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
-from .trainer import Trainer, TrainingArguments
+from .trainer import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
 __version__ = "0.1.0"
 
@@ -44,5 +44,5 @@ __all__ = [
     "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
     "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
     "Trainer", "TrainingArguments", "pipeline",
-    "AutoModelForTextEncoding", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
+    "AutoModelForTextEncoding", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
