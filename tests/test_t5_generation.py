@@ -7,7 +7,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 import mindformers_py as mf
-import mindformers_py.generation.seq2seq as seq2seq
+import mindformers_py.generation.fast_generate as seq2seq
 from t5_models import VOCAB, batch, load_hf, save_tiny_hf
 
 

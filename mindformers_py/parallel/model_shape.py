@@ -439,6 +439,16 @@ def _t5(cfg: Mapping[str, Any]) -> ModelShape:
     )
 
 
+@register_shape_reader("mindformers_t5")
+def _our_t5(cfg: Mapping[str, Any]) -> ModelShape:
+    """Our ``T5Config`` (its fields under our names): read as the transformers T5 config it exports to."""
+    from ..models.t5 import T5Config
+    from ..models.t5.convert_t5 import config_to_hf
+
+    config = T5Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    return replace(_t5(config_to_hf(config).to_dict()), model_type="mindformers_t5")
+
+
 @register_shape_reader("vit")
 def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     """``ViTForImageClassification``: pre-norm encoder over image patches plus a class token, a linear
@@ -483,7 +493,7 @@ def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> Mo
     model_type = cfg.get("model_type")
     family = registry.family_for_model_type(str(model_type)) if model_type else None
     if family is not None and family.converter is not None and model_type in family.hf_types:
-        return replace(ModelShape.from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
+        return replace(shape_from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
     if family is not None and model_type == family.config_class.model_type:
         return shape_from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
     if model_type in SHAPE_READERS:

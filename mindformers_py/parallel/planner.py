@@ -375,7 +375,8 @@ class _Search:
             return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
         extra: dict[str, Any] = {}
         if self.full_search and tp > 1:
-            extra = {"use_seq_parallel": True, "vocab_emb_dp": False}
+            # Encoder-decoders run tensor parallelism without sequence parallelism (it is refused for them).
+            extra = {"use_seq_parallel": not self.shape.encoder_layers, "vocab_emb_dp": False}
         out: list[LayoutEstimate] = []
         reason = ""
         for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):
