@@ -24,6 +24,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_t5.py
 	$(PY) benchmarks/bench_train.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 

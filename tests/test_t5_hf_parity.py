@@ -197,3 +197,18 @@ def test_errors_are_one_line():
     with pytest.raises(mf.ConfigError, match="model_type='bart'"):
         from mindformers_py.models.t5.convert_t5 import config_from_hf
         config_from_hf({"model_type": "bart"})
+    with pytest.raises(mf.ConfigError, match="attention_dropout=0.2 cannot be set on T5Config.*set dropout_rate"):
+        mf.T5Config(attention_dropout=0.2)
+
+
+def test_pad_labels_are_scored_as_transformers_with_a_warning(caplog):
+    """Labels holding the pad id (not -100) are scored as tokens, as in transformers, and a warning says so."""
+    import mindformers_py.models.t5.modeling_t5 as modeling
+
+    modeling._pad_label_warned = False
+    config = mf.T5Config(vocab_size=VOCAB, hidden_size=32, head_dim=8, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4)
+    labels = torch.tensor([[5, 6, 1, 0, 0]])
+    with caplog.at_level("WARNING"):
+        loss = mf.T5ForConditionalGeneration(config).eval()(input_ids=torch.tensor([[7, 8, 1]]), labels=labels).loss
+    assert "labels contain the pad id 0" in caplog.text and torch.isfinite(loss)

@@ -16,6 +16,24 @@ FEED_FORWARD_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 GATED_GELU = "gelu_new"  # T5 v1.1's "gated-gelu" is the tanh-approximated GELU (as transformers maps it)
 
 
+class _Derived:
+    """A field the shared layers read whose value T5 fixes (or derives from ``source``): read-only, and setting it
+    is refused in one line naming the field."""
+
+    def __init__(self, getter, doc: str, source: str | None = None) -> None:
+        self.getter, self.__doc__, self.source = getter, doc, source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.getter(obj)
+
+    def __set__(self, obj, value) -> None:
+        hint = f"set {self.source} instead" if self.source else "T5 has no other setting"
+        raise ConfigError(f"{self.name}={value!r} cannot be set on T5Config ({self.__doc__.rstrip('.')}); {hint}")
+
+
 class T5Config(PretrainedConfig):
     """Configuration of :class:`T5Model`, :class:`T5ForConditionalGeneration` and :class:`T5EncoderModel`.
 
@@ -183,12 +201,13 @@ class T5Config(PretrainedConfig):
         """Whether the decoder output is scaled by ``hidden_size ** -0.5`` (resolving ``scale_decoder_outputs``)."""
         return self.tie_word_embeddings if self.scale_decoder_outputs is None else bool(self.scale_decoder_outputs)
 
-    norm_type = property(lambda self: "rmsnorm", doc="T5's norm: RMS, no mean, no bias.")
-    norm_bias = property(lambda self: False, doc="No norm biases.")
-    attention_bias = property(lambda self: False, doc="No q/k/v biases.")
-    attention_out_bias = property(lambda self: False, doc="No attention output bias.")
-    mlp_bias = property(lambda self: False, doc="No feed-forward biases.")
-    attention_scale = property(lambda self: 1.0, doc="Scores are not scaled by head_dim ** -0.5 (T5).")
-    attention_dropout = property(lambda self: self.dropout_rate, doc="Dropout on attention probabilities.")
-    hidden_dropout = property(lambda self: self.dropout_rate, doc="Dropout on each residual branch.")
-    mlp_dropout = property(lambda self: self.dropout_rate, doc="Dropout inside the feed-forward, before its output.")
+    norm_type = _Derived(lambda self: "rmsnorm", "T5's norm: RMS, no mean, no bias.")
+    norm_bias = _Derived(lambda self: False, "No norm biases.")
+    attention_bias = _Derived(lambda self: False, "No q/k/v biases.")
+    attention_out_bias = _Derived(lambda self: False, "No attention output bias.")
+    mlp_bias = _Derived(lambda self: False, "No feed-forward biases.")
+    attention_scale = _Derived(lambda self: 1.0, "Scores are not scaled by head_dim ** -0.5 (T5).")
+    attention_dropout = _Derived(lambda self: self.dropout_rate, "Dropout on attention probabilities.", "dropout_rate")
+    hidden_dropout = _Derived(lambda self: self.dropout_rate, "Dropout on each residual branch.", "dropout_rate")
+    mlp_dropout = _Derived(lambda self: self.dropout_rate, "Dropout inside the feed-forward, before its output.",
+                           "dropout_rate")
