@@ -1,6 +1,6 @@
 """T5 under the parallel layouts: tensor parallelism (self- and cross-attention, feed-forward and the relative
 position bias sharded by heads; with vocab_emb_dp=False the shared embedding and the tied head by vocabulary),
-pipeline parallelism over encoder then decoder stages (tied v1 head included), ZeRO-3 and recompute all give the
+pipeline parallelism over encoder then decoder stages (tied v1 head included), ZeRO 1-3 and recompute all give the
 stand-alone gradients of one step (compared tensor by tensor, clipping off)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ LAYOUTS = {
     "tp2": dict(model_parallel=2),
     "tp2_vocab_parallel": dict(model_parallel=2, vocab_emb_dp=False),
     "pp2": dict(pipeline_stage=2, micro_batch_num=2),
+    "dp2_zero1": dict(data_parallel=2, optimizer_shard=1),
+    "dp2_zero2": dict(data_parallel=2, optimizer_shard=2),
     "dp2_zero3": dict(data_parallel=2, optimizer_shard=3),
 }
 
