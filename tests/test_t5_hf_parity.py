@@ -212,3 +212,18 @@ def test_pad_labels_are_scored_as_transformers_with_a_warning(caplog):
     with caplog.at_level("WARNING"):
         loss = mf.T5ForConditionalGeneration(config).eval()(input_ids=torch.tensor([[7, 8, 1]]), labels=labels).loss
     assert "labels contain the pad id 0" in caplog.text and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("preset, kind", [("t5_small", "t5"), ("flan_t5_small", "t5"), ("mt5_small", "mt5")])
+def test_presets_have_transformers_parameter_counts(preset, kind):
+    """The presets are the published shapes: the same parameter count as transformers' model of that config."""
+    ours_config = mf.AutoConfig.from_pretrained(preset)
+    hf_config = mf.models.t5.convert_t5.config_to_hf(ours_config)
+    with torch.device("meta"):
+        ours = mf.T5ForConditionalGeneration(ours_config)
+        hf = transformers.AutoModelForSeq2SeqLM.from_config(hf_config)
+        if not ours_config.tie_word_embeddings:  # transformers 5 ties a fresh model's head regardless
+            hf.lm_head.weight = torch.nn.Parameter(torch.empty_like(hf.lm_head.weight))
+    # The stacks' embed_tokens are copies of shared in transformers' checkpoints (and in ours, one module).
+    count = lambda m: sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n)  # noqa: E731
+    assert count(ours) == count(hf), (count(ours), count(hf))
