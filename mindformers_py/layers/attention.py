@@ -88,8 +88,8 @@ class Attention(nn.Module):
         ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache`` (an
         ``EncoderDecoderCache`` for cross-attention). ``position_bias`` is an additive float term (B or 1, nh, T, S)
         on the attention scores, with ``-inf``-like values where a query must not look (T5's relative position bias
-        folded with the masks by :func:`~mindformers_py.layers.masks.additive_mask`); when given it replaces
-        ``attention_mask`` and causality. ``key_value_states`` (B, S, C) is the encoder output a cross-attention
+        folded with the masks by :func:`~mindformers_py.layers.masks.additive_mask`); it must carry causality, and
+        a boolean ``attention_mask`` given with it is folded into it. ``key_value_states`` (B, S, C) is the encoder output a cross-attention
         layer attends to. The weights are computed only under the eager implementation (see ``config``), as in
         transformers. (The last two are keyword-only: tensor-parallel input hooks map the positional ones.)
         """
