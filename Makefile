@@ -26,6 +26,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_t5.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_bert.py

@@ -201,7 +201,7 @@ def bench_pretrain(args: argparse.Namespace) -> None:
         done = [p for p in points if p[1] <= budget + 1e-9]
         return done[-1]
 
-    (ds, dt, dl), (ms, mt, ml) = at(dense), at(moe)
+    (ds, _, dl), (ms, _, ml) = at(dense), at(moe)
     print(f"equal steps ({dense[-1][0]}): dense {dense[-1][2]:.4f}, MoE {moe[-1][2]:.4f} (MoE - dense = "
           f"{moe[-1][2] - dense[-1][2]:+.4f})")
     print(f"equal time ({budget:.0f} CPU s of training): dense {dl:.4f} (step {ds}), MoE {ml:.4f} (step {ms}) "

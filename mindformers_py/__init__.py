@@ -9,6 +9,7 @@ from . import models  # noqa: F401  (registers the families)
 from .models import gpt  # noqa: F401
 from .models import vit  # noqa: F401
 from .models import bert  # noqa: F401
+from .models import t5  # noqa: F401
 from .auto import (
     AutoConfig,
     AutoModel,
@@ -18,6 +19,7 @@ from .auto import (
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
     AutoModelForTokenClassification,
 )
 from .convert import convert_checkpoint
@@ -40,9 +42,10 @@ from .models.bert import (
     BertForTokenClassification,
     BertModel,
 )
+from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
 from .pipelines import pipeline
-from .trainer import Trainer, TrainingArguments
+from .trainer import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 
 __version__ = "0.1.0"
 
@@ -56,4 +59,5 @@ __all__ = [
     "AutoImageProcessor", "ViTConfig", "ViTModel", "ViTForImageClassification",
     "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
     "BertForQuestionAnswering", "BertForPreTraining",
+    "AutoModelForTextEncoding", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]

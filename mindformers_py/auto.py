@@ -164,12 +164,12 @@ class _AutoModel:
         if attn is not None:
             check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
             config._attn_implementation = attn
+        state = load_state_dict(folder) if folder.is_dir() else None
+        if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
+            state = family.converter.state_dict_from_hf(state, config)
         model = cls._model_class(family)(config)
         info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        if folder.is_dir():
-            state = load_state_dict(folder)
-            if from_hf:
-                state = family.converter.state_dict_from_hf(state, config)
+        if state is not None:
             info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
             if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
                 model.generation_config = GenerationConfig.from_pretrained(folder)
@@ -359,6 +359,21 @@ class AutoModelForImageClassification(_AutoModel):
     _task = "image_classification"
 
 
+class AutoModelForTextEncoding(_AutoModel):
+    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
+    name: text embeddings, or a base for classifiers."""
+
+    _task = BASE
+
+    @classmethod
+    def _model_class(cls, family: Family) -> type[PreTrainedModel]:
+        try:
+            return family.extra_model_classes[cls.__name__]
+        except KeyError:
+            raise ConfigError(f"the {family.name} family has no text-encoder model; families with one: "
+                              f"{', '.join(f.name for f in registry.FAMILIES if cls.__name__ in f.extra_model_classes)}") from None
+
+
 _AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     cls._task: cls for cls in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
                                AutoModelForTokenClassification, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
@@ -381,5 +396,5 @@ def auto_class_for_architectures(architectures: Sequence[str] | None) -> type[_A
 
 __all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
            "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-           "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
+           "AutoModelForTextEncoding", "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
            "MindFormersError"]

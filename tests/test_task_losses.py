@@ -23,9 +23,10 @@ from mindformers_py.trainer import Trainer, TrainingArguments
 VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
          "hf_sequence_classifier", "image_classification", "bert_masked_lm", "bert_single_label",
-         "bert_token_classification", "bert_question_answering", "moe_causal_lm"]
+         "bert_token_classification", "bert_question_answering", "moe_causal_lm", "seq2seq_lm"]
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
        "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
+TARGET = 7  # label tokens of the encoder-decoder's rows
 
 
 def _config(**extra) -> mf.GPTConfig:
@@ -62,6 +63,11 @@ def make_model(head: str) -> torch.nn.Module:
     if head == "image_classification":  # 12x12 images in 4x4 patches: 10 tokens, which tp2 splits evenly
         return mf.ViTForImageClassification(mf.ViTConfig(image_size=12, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                                          num_attention_heads=4, intermediate_size=64, num_labels=3))
+    if head == "seq2seq_lm":
+        return mf.T5ForConditionalGeneration(mf.T5Config(
+            vocab_size=VOCAB, hidden_size=32, head_dim=8, intermediate_size=48, num_hidden_layers=1, num_decoder_layers=1,
+            num_attention_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False))  # T5 v1.1 (the tied v1: test_t5_parallel.py)
     # transformers' own classifier, whose loss is a batch mean whatever num_items_in_batch says
     return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
@@ -96,6 +102,9 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
             row["labels"] = torch.randint(0, 2, (3,), generator=g).float()
         elif kind == "regression":
             row["labels"] = torch.randn((), generator=g)
+        elif kind == "seq2seq_lm":  # targets of different lengths, padded with -100
+            row["labels"] = torch.randint(1, VOCAB, (TARGET,), generator=g)
+            row["labels"][1 + i % TARGET:] = -100
         elif kind == "token_classification":
             row["labels"] = torch.randint(0, 5, (SEQ,), generator=g).masked_fill(mask == 0, -100)
         else:
@@ -171,13 +180,16 @@ LAYOUTS = {
     "tp2_sequence_parallel": dict(model_parallel=2, use_seq_parallel=True),
     "dp2_ep2": dict(data_parallel=2, expert_parallel=2),
 }
+# Sequence parallelism does not split encoder-decoders (refused); tp2 alone is tested in test_t5_parallel.py.
+UNSUPPORTED = {("tp2_sequence_parallel", "seq2seq_lm")}
 
 
 def _heads_for(layout: dict) -> list[str]:
-    """Expert parallelism needs experts; sequence parallelism is refused with them."""
+    """Expert parallelism needs experts; sequence parallelism is refused with them and for encoder-decoders (tp2
+    alone is tested for T5 in test_t5_parallel.py)."""
     if layout.get("expert_parallel", 1) > 1:
         return ["moe_causal_lm"]
-    return [h for h in OUR_HEADS if not (layout.get("use_seq_parallel") and h == "moe_causal_lm")]
+    return [h for h in OUR_HEADS if not (layout.get("use_seq_parallel") and h in ("moe_causal_lm", "seq2seq_lm"))]
 
 
 def _layout_job(rank: int, world: int, folder: str) -> dict:

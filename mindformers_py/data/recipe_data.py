@@ -8,7 +8,7 @@ processing class (the tokenizer, or the image processor) and the model config, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -29,6 +29,11 @@ class RecipeData:
     """Validation split, or None."""
     config_updates: dict[str, Any]
     """Model config fields the data decides (a classifier's ``num_labels`` and label names)."""
+    baselines: dict[str, list[str]] = field(default_factory=dict)
+    """Predictions of simple baselines for each validation row (seq2seq: copying the function name), which the
+    recipe scores with the task's metrics beside the model's."""
+    references: list[str] | None = None
+    """The validation rows' target texts (seq2seq), for scoring the baselines."""
 
 
 def _cap(validation: datasets.Dataset | None, data: Any) -> datasets.Dataset | None:
@@ -171,7 +176,72 @@ def _one_folder(value: Any, field: str) -> str:
     return str(folders[0])
 
 
+def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
+    """Encoder-decoder samples (``input_ids`` and ``labels``) by ``data.objective``:
+
+    * ``span_corruption``: the text (stdlib, split by file, or the recipe's files) packed into blocks of
+      ``block_size`` tokens, each corrupted by T5's span corruption as a function of (``data.seed``, row);
+    * ``docstrings``: stdlib functions' source (``data.source_prefix`` in front, ``block_size`` tokens) -> the
+      first line of their docstring (``max_target_length`` tokens), split by file; baseline: the function's name;
+    * ``pairs``: the recipe's files, ``text_column`` -> ``target_column``.
+
+    A ``source_prefix`` is recorded in the config's ``task_specific_params`` (``summarization`` for docstrings, else
+    ``text2text-generation``), so the task's pipeline prefixes its inputs the same way."""
+    from .code_summaries import stdlib_docstring_dataset
+    from .span_corruption import span_corruption_dataset
+    from .t5_tokenizer import sentinel_ids
+
+    objective = data.objective
+    if objective is None:
+        raise ConfigError("data.objective is required for a seq2seq recipe; choose one of: 'span_corruption', "
+                          "'docstrings', 'pairs'")
+    if objective == "span_corruption":
+        sentinels = sentinel_ids(tokenizer)
+        if not sentinels:
+            raise ConfigError("data.objective='span_corruption' needs a tokenizer with sentinel tokens (<extra_id_0>, "
+                              "...); set tokenizer.type: t5")
+        blocks = causal_lm_data(data, tokenizer, config)  # validation capped to max_eval_samples already
+
+        def corrupt(split: datasets.Dataset) -> datasets.Dataset:
+            return span_corruption_dataset(split, sentinels, tokenizer.eos_token_id, data.seed, data.noise_density,
+                                           data.mean_noise_span_length)
+
+        validation = corrupt(blocks.validation) if blocks.validation is not None else None
+        return RecipeData(corrupt(blocks.train), validation, {})
+    if objective == "docstrings":
+        raw = {split: stdlib_docstring_dataset(split, data.max_files) for split in ("train", "validation")}
+        source, target, task = "source", "summary", "summarization"
+    else:
+        splits = {"train": data.train_files, **({"validation": data.validation_files} if data.validation_files else {})}
+        raw = {name: load_text_files(files, format=data.format) for name, files in splits.items()}
+        source, target, task = data.text_column, data.target_column, "text2text-generation"
+        for name, split in raw.items():
+            missing = [c for c in (source, target) if c not in split.column_names]
+            if missing:
+                field_name = "text_column" if missing[0] == source else "target_column"
+                raise ConfigError(f"data.{field_name}={missing[0]!r} is not a column of the {name} files; columns: "
+                                  f"{', '.join(split.column_names)}")
+    if raw.get("validation") is not None:
+        raw["validation"] = _cap(raw["validation"], data)
+
+    def encode(batch):
+        out = tokenizer([data.source_prefix + text for text in batch[source]], truncation=True,
+                        max_length=data.block_size)
+        out["labels"] = tokenizer(batch[target], truncation=True, max_length=data.max_target_length)["input_ids"]
+        out.pop("token_type_ids", None)
+        return out
+
+    encoded = {name: split.map(encode, batched=True, remove_columns=split.column_names) for name, split in raw.items()}
+    updates = {"task_specific_params": {task: {"prefix": data.source_prefix}}} if data.source_prefix else {}
+    validation = raw.get("validation")
+    baselines = {"function_name": [name.replace("_", " ").strip() for name in validation["name"]]} \
+        if objective == "docstrings" and validation is not None else {}
+    return RecipeData(encoded["train"], encoded.get("validation"), updates, baselines,
+                      list(validation[target]) if validation is not None else None)
+
+
+
 RECIPE_DATA = {"causal_lm_data": causal_lm_data, "masked_lm_data": masked_lm_data,
                "sequence_classification_data": sequence_classification_data,
-               "image_classification_data": image_classification_data}
+               "image_classification_data": image_classification_data, "seq2seq_data": seq2seq_data}
 """Name (the task registry's ``recipe_data``) -> function."""

@@ -1,4 +1,6 @@
-"""Multi-head / grouped-query attention on ``scaled_dot_product_attention`` with transformers' ``Cache`` API.
+"""Multi-head / grouped-query attention on ``scaled_dot_product_attention`` with transformers' ``Cache`` API:
+self-attention (causal or bidirectional) and cross-attention (queries from a decoder, keys/values from an encoder
+output, cached once per generation in an ``EncoderDecoderCache``), with an optional additive position bias (T5).
 
 Parallel-aware by construction: projections are separate ``q_proj``/``k_proj``/``v_proj`` (declared
 ``colwise``) and ``o_proj`` (``rowwise``), and every shape is computed from the *local* tensor
@@ -12,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MindFormersError
 from .embedding import apply_rotary
+from .masks import additive_mask
 
 
 class Attention(nn.Module):
-    """Self-attention: causal (decoders) or bidirectional (encoders), MHA or GQA, optional rotary positions.
+    """Self-attention: causal (decoders) or bidirectional (encoders), MHA or GQA, optional rotary positions; or, with
+    ``cross_attention``, attention from a decoder's states to an encoder's output.
 
     Args:
         hidden_size: model width (input and output size).
@@ -32,6 +37,10 @@ class Attention(nn.Module):
         config: the model config, read at every call for ``_attn_implementation`` (transformers' switch, set by
             ``attn_implementation=`` or ``model.set_attn_implementation``): ``"eager"`` computes the softmax
             explicitly and returns the attention weights; anything else runs SDPA and returns None for them.
+        cross_attention: keys and values come from ``key_value_states`` (an encoder's output) given to ``forward``
+            instead of the layer's input. With a transformers ``EncoderDecoderCache`` they are computed at the first
+            call, kept in its ``cross_attention_cache`` and reused at the later decoding steps (its ``is_updated``
+            flags, as transformers' encoder-decoder models do).
     """
 
     def __init__(
@@ -47,9 +56,11 @@ class Attention(nn.Module):
         layer_idx: int = 0,
         scale: float | None = None,
         config=None,
+        cross_attention: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
+        self.cross_attention = cross_attention
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.is_causal = is_causal
@@ -67,14 +78,26 @@ class Attention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values=None,
+        *,
+        position_bias: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``hidden_states`` (B, T, C) -> ((B, T, C), attention weights (B, nh, T, S) or None).
 
         ``attention_mask`` is the boolean (B, 1, T, S) mask from :func:`build_attention_mask` or ``None``;
-        ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache``. The weights
-        are computed only under the eager implementation (see ``config``), as in transformers.
+        ``position_embeddings`` the rotary ``(cos, sin)``; ``past_key_values`` a transformers ``Cache`` (an
+        ``EncoderDecoderCache`` for cross-attention). ``position_bias`` is an additive float term (B or 1, nh, T, S)
+        on the attention scores, with ``-inf``-like values where a query must not look (T5's relative position bias
+        folded with the masks by :func:`~mindformers_py.layers.masks.additive_mask`); it must carry causality, and
+        a boolean ``attention_mask`` given with it is folded into it. ``key_value_states`` (B, S, C) is the encoder output a cross-attention
+        layer attends to. The weights are computed only under the eager implementation (see ``config``), as in
+        transformers. (The last two are keyword-only: tensor-parallel input hooks map the positional ones.)
         """
         b, t, _ = hidden_states.shape
+        if position_bias is not None:
+            attention_mask = position_bias if attention_mask is None else additive_mask(position_bias, attention_mask)
+        if self.cross_attention:
+            return self._cross_attend(hidden_states, attention_mask, past_key_values, key_value_states)
         q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -90,6 +113,30 @@ class Attention(nn.Module):
             scale=self.scale,
             return_weights=eager,
         )
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), weights
+
+    def _cross_attend(self, hidden_states: torch.Tensor, mask: torch.Tensor | None, cache,
+                      source: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cross-attention of ``hidden_states`` (B, T, C) to ``source`` (B, S, C), whose keys/values an
+        ``EncoderDecoderCache`` keeps after the first call (``source`` may then be None)."""
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        cross = getattr(cache, "cross_attention_cache", None)
+        if cross is not None and cache.is_updated.get(self.layer_idx):
+            k, v = cross.layers[self.layer_idx].keys, cross.layers[self.layer_idx].values
+        elif source is None:
+            raise MindFormersError("a cross-attention layer needs key_value_states (the encoder output) until its "
+                                   "keys and values are cached")
+        else:
+            s = source.shape[1]
+            k = self.k_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hs)
+            v = self.v_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)
+            if cross is not None:
+                k, v = cross.update(k, v, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+        eager = getattr(self.config, "_attn_implementation", None) == "eager"
+        y, weights = self.core(q, k, v, mask, is_causal=False, dropout=self.dropout if self.training else 0.0,
+                               scale=self.scale, return_weights=eager)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), weights
 
     def core(self, q, k, v, mask, is_causal: bool, dropout: float = 0.0, scale: float | None = None,
@@ -111,7 +158,8 @@ def attention_core(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads; returns the
     output (B, nh, T, hs) and, with ``return_weights``, the attention probabilities (B, nh, T, S) computed
-    explicitly in fp32 as transformers' eager attention does (else SDPA, and None).
+    explicitly in fp32 as transformers' eager attention does (else SDPA, and None). ``mask`` is boolean (True where
+    a query may look) or a float term added to the scores (a position bias with the masking folded in).
 
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
@@ -125,7 +173,9 @@ def attention_core(
     scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
-    if mask is not None:
+    if mask is not None and mask.is_floating_point():  # additive: a position bias, very negative where hidden
+        scores = scores + mask
+    elif mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights

@@ -92,3 +92,17 @@ def packed_sequence_ids(position_ids: torch.Tensor, compiling: bool = False) -> 
     if not compiling and not bool((sequence[:, -1] > 0).any()):
         return None
     return sequence
+
+
+def additive_mask(bias: torch.Tensor, mask: torch.Tensor | None, *, causal: bool = False) -> torch.Tensor:
+    """An additive position bias (1 or B, nh, T, S) with a boolean ``mask`` (B or 1, 1, T, S, True where a query may
+    attend, as :func:`build_attention_mask` returns it) folded in: the bias where allowed, the dtype's lowest value
+    elsewhere. A ``causal`` layer given no mask (SDPA's own causality would have been used) gets its causal mask
+    here (the queries being the last keys, query i sees the keys up to its own). Built once per stack and shared by its
+    layers, as one float mask is all SDPA takes beside the scores (transformers does the same for T5)."""
+    queries, keys = bias.shape[-2:]
+    if mask is None and causal and queries > 1:
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=bias.device).tril(keys - queries)[None, None]
+    if mask is None:
+        return bias
+    return torch.where(mask.to(bias.device), bias, torch.finfo(bias.dtype).min)

@@ -20,10 +20,13 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 class MLP(nn.Module):
-    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when ``gated`` (SwiGLU with ``act="silu"``)."""
+    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` when ``gated`` (SwiGLU with ``act="silu"``); with
+    ``dropout`` > 0, dropout on the hidden activations before ``down`` (T5's feed-forward)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "gelu_new", gated: bool = False, bias: bool = True) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "gelu_new", gated: bool = False, bias: bool = True,
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         check_choice("hidden_act", act, sorted(ACT2FN.keys()))
         self.gated = gated
         if gated:
@@ -35,4 +38,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        if self.dropout is not None and self.training:
+            h = self.dropout(h)
         return self.down_proj(h)

@@ -36,6 +36,10 @@ class Family:
     ``state_dict_to_hf``, ``hf_type_for`` for HF interop."""
     hf_model_classes: dict[str, Callable[[str], str | None]] = field(default_factory=dict)
     """``"base"`` or task name -> function of the HF model_type giving the transformers class name to export as."""
+    extra_model_classes: dict[str, type[PreTrainedModel]] = field(default_factory=dict)
+    """Model classes beyond the tasks', by the name of the transformers Auto class that loads them (T5's encoder
+    alone: ``{"AutoModelForTextEncoding": T5EncoderModel}``); registered with that transformers Auto class and
+    loaded by ours of the same name."""
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
@@ -57,8 +61,9 @@ def register_family(family: Family) -> None:
     FAMILIES.append(family)
     model_type = family.config_class.model_type
     transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
-    for task, cls in family.model_classes.items():
-        auto = getattr(transformers, "AutoModel" if task == BASE else get_task(task).auto_class)
+    classes = [("AutoModel" if task == BASE else get_task(task).auto_class, cls) for task, cls in family.model_classes.items()]
+    for auto_name, cls in classes + list(family.extra_model_classes.items()):
+        auto = getattr(transformers, auto_name)
         auto.register(family.config_class, cls, exist_ok=True)
         # The class-name table behind the Auto class (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ...).
         names = getattr(getattr(auto, "_model_mapping", None), "_model_mapping", None)

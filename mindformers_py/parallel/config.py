@@ -301,6 +301,8 @@ class ParallelConfig(_Section):
                 f"which does not divide them; choose a model_parallel dividing {tokens}, another image_size/patch_size, "
                 "or use_seq_parallel=False")
         num_layers = getattr(cfg, "num_hidden_layers", None)
+        if getattr(cfg, "is_encoder_decoder", False) and isinstance(getattr(cfg, "num_decoder_layers", None), int):
+            num_layers += cfg.num_decoder_layers  # the stages split the encoder's layers, then the decoder's
         chunks = self.pp * self.vpp
         if isinstance(num_layers, int) and num_layers < chunks:
             what = f"pipeline_stage*virtual_pipeline_stages = {self.pp}*{self.vpp} = " if self.vpp > 1 \

@@ -456,6 +456,16 @@ def _t5(cfg: Mapping[str, Any]) -> ModelShape:
     )
 
 
+@register_shape_reader("mindformers_t5")
+def _our_t5(cfg: Mapping[str, Any]) -> ModelShape:
+    """Our ``T5Config`` (its fields under our names): read as the transformers T5 config it exports to."""
+    from ..models.t5 import T5Config
+    from ..models.t5.convert_t5 import config_to_hf
+
+    config = T5Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    return replace(_t5(config_to_hf(config).to_dict()), model_type="mindformers_t5")
+
+
 @register_shape_reader("vit", "mindformers_vit")
 def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     """``ViTForImageClassification``: pre-norm encoder over image patches plus a class token, a linear

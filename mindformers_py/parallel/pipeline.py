@@ -18,6 +18,12 @@ stage's layers, whose class adds :class:`PipelineStageMixin` so torch's ``Pipeli
 tensors and receive tensors. Each view is parallelized like a whole model (tensor parallel, recompute, FSDP) and
 driven by torch's schedules: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``.
 
+An encoder-decoder declares two stacks in its plan, in order (``encoder.layers`` then ``decoder.layers``): the
+stages split the encoder's layers then the decoder's, the modules listed between the stacks (the encoder's final
+norm) live on the stage of the encoder's last layer, and the activations handed between stages are tuples (see
+:class:`EncoderDecoderStageMixin`): the encoder's output travels with the decoder's hidden states to every
+decoder stage, which all attend to it.
+
 The loss of a micro-batch is the task's loss (:mod:`mindformers_py.task_registry`) summed over its items and
 divided by the items of the whole batch (``num_items_in_batch``), and gradients are not rescaled by the
 schedule, so a pipelined step computes the same loss and gradients as one stand-alone forward/backward of the
@@ -37,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,48 +100,97 @@ class LayerSlice(nn.ModuleDict):
         return iter(self.values())
 
 
-def _plan_names(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
-    """From the model's pipeline plan (transformers merges ``config.base_model_pp_plan`` under the base-model
-    prefix with the head's ``_pp_plan``): the base model's modules before ``layers`` (first stage), those after
-    it (last stage), and the head's modules (last stage)."""
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a model's pipeline plan (transformers merges ``config.base_model_pp_plan`` under the base-model prefix
+    with the head's ``_pp_plan``) puts each part. Paths are dotted, relative to the base model (``head``: to the
+    model itself)."""
+
+    stacks: tuple[str, ...]
+    """The layer stacks split over the stages, in execution order (``layers``; ``encoder.layers``,
+    ``decoder.layers``): entries named ``layers`` or ending in ``.layers``."""
+    first: tuple[str, ...]
+    """Modules before the first stack (embeddings, position biases): on the first stage."""
+    after: tuple[tuple[str, ...], ...]
+    """For each stack, the modules listed after it (before the next stack): on the stage holding its last layer
+    (the final norm of a decoder-only model, on the last stage)."""
+    head: tuple[str, ...]
+    """The head's modules: on the last stage."""
+
+
+def stage_plan(model: nn.Module) -> StagePlan:
+    """The :class:`StagePlan` of ``model``; a model declaring no stack of layers is refused."""
     prefix = getattr(model, "base_model_prefix", "model") + "."
     plan = list(getattr(model, "_pp_plan", None) or {})
     base = [name[len(prefix):] for name in plan if name.startswith(prefix)]
-    if LAYERS_KEY not in base:
+    stacks = [name for name in base if name == LAYERS_KEY or name.endswith(f".{LAYERS_KEY}")]
+    if not stacks:
         raise ConfigError(
             f"pipeline_stage > 1 is not supported for {type(model).__name__}: it declares no pipeline plan "
             f"(base_model_pp_plan) with a '{LAYERS_KEY}' entry; use pipeline_stage=1"
         )
-    cut = base.index(LAYERS_KEY)
-    head = [name for name in plan if not name.startswith(prefix)]
-    return base[:cut], base[cut + 1 :], head
+    bounds = [base.index(stack) for stack in stacks] + [len(base)]
+    after = tuple(tuple(base[bounds[i] + 1 : bounds[i + 1]]) for i in range(len(stacks)))
+    head = tuple(name for name in plan if not name.startswith(prefix))
+    return StagePlan(tuple(stacks), tuple(base[: bounds[0]]), after, head)
 
 
-def _indexed_layers(base: nn.Module) -> dict[int, nn.Module]:
-    """The base model's layers by their index in the full model (from a ``ModuleList`` or a :class:`LayerSlice`)."""
-    layers = getattr(base, LAYERS_KEY)
+def _owner(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """(the module holding ``path``'s last part, that part's name)."""
+    *parents, name = path.split(".")
+    for part in parents:
+        root = getattr(root, part)
+    return root, name
+
+
+def _indexed_layers(layers: nn.Module) -> dict[int, nn.Module]:
+    """A stack's layers by their index in the full model (from a ``ModuleList`` or a :class:`LayerSlice`)."""
     if isinstance(layers, LayerSlice):
         return {int(key): layer for key, layer in layers.items()}
     return dict(enumerate(layers))
 
 
-def _drop_parts(model: nn.Module, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> None:
-    """Keep ``layer_ids`` (under their indices) and, only when ``is_first`` / ``is_last``, the modules the plan
-    puts on the first / last stage; the rest become None."""
-    before, after, head = _plan_names(model)
+def stack_sizes(model: nn.Module) -> tuple[int, ...]:
+    """Layers of each stack of the full model (kept on the model when it is cut, as a cut stack holds fewer)."""
+    sizes = getattr(model, "_pipeline_stack_sizes", None)
+    if sizes is None:
+        base = getattr(model, model.base_model_prefix)
+        sizes = tuple(len(getattr(*_owner(base, stack))) for stack in stage_plan(model).stacks)
+    return sizes
+
+
+def _drop_parts(model: nn.Module, slots: Iterable[int], is_first: bool, is_last: bool) -> None:
+    """Keep the layers at ``slots`` (positions in the stacks laid end to end, under their indices in their stack)
+    and, only on the stages the plan names, the other modules; the rest become None."""
+    plan = stage_plan(model)
+    sizes = stack_sizes(model)
     base = getattr(model, model.base_model_prefix)
-    layers = _indexed_layers(base)
-    setattr(base, LAYERS_KEY, LayerSlice({str(i): layers[i] for i in sorted(layer_ids)}))
-    for names, owner, kept in ((before, base, is_first), (after, base, is_last), (head, model, is_last)):
-        for name in names:
-            if not kept and getattr(owner, name, None) is not None:
-                setattr(owner, name, None)
+    held, start = set(slots), 0
+    for stack, size, after in zip(plan.stacks, sizes, plan.after):
+        owner, name = _owner(base, stack)
+        layers = _indexed_layers(getattr(owner, name))
+        setattr(owner, name, LayerSlice({str(i): layers[i] for i in range(size) if start + i in held}))
+        _keep(base, after, start + size - 1 in held)
+        start += size
+    _keep(base, plan.first, is_first)
+    _keep(model, plan.head, is_last)
+    model._pipeline_stack_sizes = sizes
+
+
+def _keep(root: nn.Module, paths: Iterable[str], kept: bool) -> None:
+    if kept:
+        return
+    for path in paths:
+        owner, name = _owner(root, path)
+        if getattr(owner, name, None) is not None:
+            setattr(owner, name, None)
 
 
 def cut_to_stages(model: nn.Module, layer_ids: Iterable[int], holds_first: bool, holds_last: bool) -> nn.Module:
-    """Cut ``model`` in place down to what one pipeline rank holds: the layers ``layer_ids`` (under their original
-    indices), the first stage's modules when ``holds_first`` and the last stage's when ``holds_last``. Its
-    parameters are then exactly the rank's, under the full model's names. Returns ``model``."""
+    """Cut ``model`` in place down to what one pipeline rank holds: the layers ``layer_ids`` (positions in the stacks
+    laid end to end; kept under their original indices), the first stage's modules when ``holds_first``, the last
+    stage's when ``holds_last`` and each stack's closing modules with its last layer. Its parameters are then
+    exactly the rank's, under the full model's names. Returns ``model``."""
     _drop_parts(model, layer_ids, holds_first, holds_last)
     return model
 
@@ -203,13 +259,56 @@ def carried_names(model: nn.Module) -> tuple[str, ...]:
 
 
 _STAGE_CLASSES: dict[type, type] = {}
+class EncoderDecoderStageMixin(PipelineStageMixin):
+    """:class:`PipelineStageMixin` for encoder-decoders (T5), whose stages hand tuples of tensors on.
+
+    The first stage takes ``(input_ids, decoder_input_ids)``, embeds both and computes both stacks' position
+    biases. Until the encoder's last layer, stages pass ``(encoder hidden, decoder hidden, encoder bias, decoder
+    bias)``; from the stage holding it on, ``(encoder output, decoder hidden, decoder bias)``: every decoder stage
+    cross-attends to the encoder output it received and passes it on. The keyword inputs (``attention_mask`` of the
+    source, ``decoder_attention_mask``) reach every stage.
+
+    The model's ``forward`` takes transformers' encoder-decoder arguments (``encoder_outputs``,
+    ``decoder_inputs_embeds``, ...) and ``encoder_position_bias`` / ``decoder_position_bias`` /
+    ``return_position_bias`` (the biases computed by the first stage, and whether to return them).
+    """
+
+    def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                decoder_attention_mask: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        encoder_layers = self._pipeline_stack_sizes[0]
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "decoder_attention_mask": decoder_attention_mask,
+                                  "use_cache": False, "return_position_bias": not self.is_last}
+        if self.is_first:
+            kwargs.update(input_ids=inputs[0], decoder_input_ids=inputs[1])
+        elif self.layer_ids[0] >= encoder_layers:  # the encoder finished on an earlier stage
+            encoded, decoded, decoder_bias = inputs
+            kwargs.update(encoder_outputs=(encoded,), decoder_inputs_embeds=decoded, decoder_position_bias=decoder_bias)
+        else:
+            encoded, decoded, encoder_bias, decoder_bias = inputs
+            kwargs.update(inputs_embeds=encoded, decoder_inputs_embeds=decoded, encoder_position_bias=encoder_bias,
+                          decoder_position_bias=decoder_bias)
+        out = super(PipelineStageMixin, self).forward(**kwargs)
+        if self.is_last:
+            fields = self.pipeline_task.outputs_of(out)
+            return fields[0] if len(fields) == 1 else fields
+        if self.layer_ids[-1] >= encoder_layers - 1:
+            sent = (out.encoder_last_hidden_state, out.last_hidden_state, out.decoder_position_bias)
+        else:
+            sent = (out.encoder_last_hidden_state, out.last_hidden_state, out.encoder_position_bias,
+                    out.decoder_position_bias)
+        return tuple(t.contiguous() for t in sent)  # torch receives into contiguous buffers of the sent strides
 
 
-def _stage_class(cls: type) -> type:
-    """``cls`` with :class:`PipelineStageMixin` in front (made once per model class)."""
-    if cls not in _STAGE_CLASSES:
-        _STAGE_CLASSES[cls] = type(f"{cls.__name__}Stage", (PipelineStageMixin, cls), {"__module__": cls.__module__})
-    return _STAGE_CLASSES[cls]
+_STAGE_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _stage_class(cls: type, mixin: type = PipelineStageMixin) -> type:
+    """``cls`` with ``mixin`` (:class:`PipelineStageMixin` or :class:`EncoderDecoderStageMixin`) in front (made once
+    per model class)."""
+    if (cls, mixin) not in _STAGE_CLASSES:
+        _STAGE_CLASSES[cls, mixin] = type(f"{cls.__name__}Stage", (mixin, cls), {"__module__": cls.__module__})
+    return _STAGE_CLASSES[cls, mixin]
 
 
 def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, task: TaskSpec | None = None) -> nn.Module:
@@ -217,7 +316,7 @@ def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, t
     shallow copy sharing the model's modules (no weight is copied), holding ``layers`` and, on the first / last
     stage, the embeddings / norm and head (see :class:`PipelineStageMixin`). Its state-dict keys are the full
     model's. ``task`` defaults to the model's own (from its class name)."""
-    _plan_names(model)  # refuses a model without a pipeline plan
+    plan = stage_plan(model)  # refuses a model without a pipeline plan
     task = task or task_of_model(model)
     if task is None:
         raise ConfigError(f"pipeline_stage > 1 needs a model of a known task; {type(model).__name__} has none "
@@ -225,8 +324,19 @@ def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, t
     view = _shallow_copy(model)
     prefix = model.base_model_prefix
     view._modules[prefix] = _shallow_copy(getattr(model, prefix))
+    # Every module holding a planned part gets its own copy, so parts are set to None on the view alone.
+    copied = {id(view._modules[prefix])}
+    for path in (*plan.first, *plan.stacks, *(p for after in plan.after for p in after)):
+        owner = view._modules[prefix]
+        for part in path.split(".")[:-1]:
+            child = owner._modules[part]
+            if id(child) not in copied:
+                child = owner._modules[part] = _shallow_copy(child)
+                copied.add(id(child))
+            owner = child
     _drop_parts(view, layers, is_first, is_last)
-    view.__class__ = _stage_class(type(model))
+    mixin = EncoderDecoderStageMixin if getattr(model.config, "is_encoder_decoder", False) else PipelineStageMixin
+    view.__class__ = _stage_class(type(model), mixin)
     view.layer_ids, view.is_first, view.is_last = layers, is_first, is_last
     view.stage_index, view.pp_rank, view.sequence_shards, view.pipeline_task = 0, 0, 1, task
     return view
@@ -235,7 +345,7 @@ def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, t
 def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1) -> list[nn.Module]:
     """Cut ``model`` in place to the chunks ``chunk_ids`` of ``num_chunks`` (:func:`layer_ranges`; chunk ``i``
     runs on pipeline rank ``i % pp_size``) and return their stage views, in order."""
-    ranges = layer_ranges(model.config.num_hidden_layers, num_chunks)
+    ranges = layer_ranges(sum(stack_sizes(model)), num_chunks)
     held = [i for chunk in chunk_ids for i in ranges[chunk]]
     cut_to_stages(model, held, 0 in chunk_ids, num_chunks - 1 in chunk_ids)
     parts = []
@@ -414,6 +524,10 @@ class PipelineParallel:
         mask = batch.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             kwargs["attention_mask"] = mask
+        if getattr(self.config, "is_encoder_decoder", False):
+            if isinstance(batch.get("decoder_attention_mask"), torch.Tensor):
+                kwargs["decoder_attention_mask"] = batch["decoder_attention_mask"]
+            return ((inputs, self._decoder_inputs(batch)) if self.has_first_stage else ()), kwargs
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             kwargs[TOKEN_IDS_KEY] = ids
@@ -421,6 +535,23 @@ class PipelineParallel:
         if isinstance(segments, torch.Tensor):
             kwargs["token_type_ids"] = segments
         return ((inputs,) if self.has_first_stage else ()), kwargs
+
+    def _decoder_inputs(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """An encoder-decoder's decoder inputs: the batch's, else its labels shifted right by the model."""
+        if isinstance(batch.get("decoder_input_ids"), torch.Tensor):
+            return batch["decoder_input_ids"]
+        labels = batch.get(self.task.label_names[0])
+        if not isinstance(labels, torch.Tensor):
+            raise ConfigError("an encoder-decoder pipeline needs decoder_input_ids or labels in each batch")
+        return self.model_parts[0].prepare_decoder_input_ids_from_labels(labels)
+
+    def _shape_key(self, batch: Mapping[str, Any]) -> tuple[int, ...]:
+        """The shapes a schedule is built for: the model input's, and an encoder-decoder's target length."""
+        shape = tuple(batch[self.task.model_input].shape)
+        if getattr(self.config, "is_encoder_decoder", False):
+            target = batch.get("decoder_input_ids", batch.get(self.task.label_names[0]))
+            shape += tuple(target.shape[1:]) if isinstance(target, torch.Tensor) else ()
+        return shape
 
     def _target(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """The batch's labels as one tensor (several label tensors stacked on a last dimension)."""
@@ -445,7 +576,7 @@ class PipelineParallel:
         args, kwargs = self._stage_inputs(batch)
         target = self._target(batch) if self.has_last_stage else None
         losses: list[torch.Tensor] = []
-        schedule = self._schedule_for(tuple(batch[self.task.model_input].shape), training=True)
+        schedule = self._schedule_for(self._shape_key(batch), training=True)
         loss_kwargs = {"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale}
         # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
         with loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext():
@@ -484,7 +615,7 @@ class PipelineParallel:
         if extra:
             tensors = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in tensors.items()}
         args, kwargs = self._stage_inputs(tensors)
-        schedule = self._schedule_for(tuple(tensors[self.task.model_input].shape), training=False)
+        schedule = self._schedule_for(self._shape_key(tensors), training=False)
         output = schedule.eval(*args, **kwargs)
         outputs = [t[:rows] for t in self._broadcast_outputs(output)]
         count = len(self.task.output_fields)

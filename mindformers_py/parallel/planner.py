@@ -374,8 +374,10 @@ class _Search:
         if not micro_choices:
             return [], f"per-rank batch {batch} cannot be split into >= {pp} micro-batches"
         extra: dict[str, Any] = {}
-        if self.full_search and tp > 1:  # no sequence parallelism for experts: their router statistics need whole sequences
-            extra = {"use_seq_parallel": not self.shape.is_moe, "vocab_emb_dp": False}
+        if self.full_search and tp > 1:
+            # No sequence parallelism for experts (their router statistics need whole sequences) nor for
+            # encoder-decoders: it is refused for both.
+            extra = {"use_seq_parallel": not (self.shape.is_moe or self.shape.encoder_layers), "vocab_emb_dp": False}
         out: list[LayoutEstimate] = []
         reason = ""
         for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):

@@ -10,11 +10,12 @@ from typing import Any
 
 from transformers import Pipeline, PreTrainedModel
 
-from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline
+from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline, task_name
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
 from .image_classification import ImageClassificationPipeline
 from .encoder import FeatureExtractionPipeline, FillMaskPipeline
 from .question_answering import QuestionAnsweringPipeline
+from .text2text import SummarizationPipeline, Text2TextGenerationPipeline, TranslationPipeline
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -28,6 +29,11 @@ register_pipeline(PipelineTask("fill-mask", FillMaskPipeline, "masked_lm", alias
 register_pipeline(PipelineTask("feature-extraction", FeatureExtractionPipeline, "base", aliases=("feature_extraction",)))
 register_pipeline(PipelineTask("question-answering", QuestionAnsweringPipeline, "question_answering",
                                aliases=("question_answering", "qa")))
+register_pipeline(PipelineTask("text2text-generation", Text2TextGenerationPipeline, "seq2seq_lm",
+                               aliases=("text2text_generation",)))
+register_pipeline(PipelineTask("summarization", SummarizationPipeline, "seq2seq_lm"))
+# "translation_xx_to_yy" names reach this entry too (see get_pipeline); the pipeline reads the pair from the name.
+register_pipeline(PipelineTask("translation", TranslationPipeline, "seq2seq_lm"))
 
 
 def pipeline(
@@ -54,9 +60,10 @@ def pipeline(
     given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
     preprocessor = load_preprocessor(entry, given, folder, model)
     arguments = {**entry.defaults, **kwargs, entry.preprocessor: preprocessor}
-    return entry.pipeline_class(model=model, task=entry.name, **arguments)
+    return entry.pipeline_class(model=model, task=task_name(task, entry), **arguments)
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",
            "TextGenerationPipeline", "TokenClassificationPipeline", "ImageClassificationPipeline", "FillMaskPipeline",
-           "FeatureExtractionPipeline", "QuestionAnsweringPipeline"]
+           "FeatureExtractionPipeline", "QuestionAnsweringPipeline", "Text2TextGenerationPipeline",
+           "SummarizationPipeline", "TranslationPipeline"]

@@ -9,6 +9,7 @@ folder), and the preprocessor it needs.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,25 @@ def register_pipeline(task: PipelineTask) -> None:
         PIPELINES[name] = task
 
 
+TRANSLATION_PAIR = re.compile(r"translation_[^_]+_to_[^_]+")
+"""transformers' parametrized translation task names (``translation_en_to_de``): the ``translation`` entry."""
+
+
 def get_pipeline(name: str) -> PipelineTask:
     """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` listing every task name, each
     followed by its aliases."""
+    if TRANSLATION_PAIR.fullmatch(name) and "translation" in PIPELINES:
+        return PIPELINES["translation"]
     if name not in PIPELINES:
         names = [n for key, entry in PIPELINES.items() if key == entry.name for n in (entry.name, *entry.aliases)]
         raise invalid_choice("task", name, names)
     return PIPELINES[name]
+
+
+def task_name(name: str, entry: PipelineTask) -> str:
+    """The task name a pipeline object gets: the entry's, or the parametrized name given (``translation_en_to_de``,
+    whose language pair and ``task_specific_params`` entry the pipeline reads)."""
+    return name if TRANSLATION_PAIR.fullmatch(name) else entry.name
 
 
 def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:

@@ -47,9 +47,10 @@ def parse_yaml(text: str) -> Any:
 
 
 def _training_fields() -> list[str]:
-    from ..trainer.arguments import TrainingArguments
+    """TrainingArguments' fields, and Seq2SeqTrainingArguments' (seq2seq recipes; others refuse them later)."""
+    from ..trainer.seq2seq import Seq2SeqTrainingArguments
 
-    return [f.name for f in dataclasses.fields(TrainingArguments) if f.name != "parallel_config"]
+    return [f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.name != "parallel_config"]
 
 
 def section_keys(section: str) -> list[str] | None:

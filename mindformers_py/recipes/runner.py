@@ -58,12 +58,18 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     from ..auto import auto_class_for, resolve_config
     from ..parallel.planner import auto_parallel, default_world_size
     from ..trainer.arguments import TrainingArguments
+    from ..trainer.seq2seq import Seq2SeqTrainingArguments
 
     training = dict(recipe.get("training") or {})
     if training.get("task") not in (None, task.name) and get_task(training["task"]) is not task:
         raise ConfigError(f"training.task={training['task']!r} contradicts the recipe's task={task.name!r}; keep one")
     training.setdefault("overwrite_output_dir", False)  # the CLI never trains over another run by accident
-    args = TrainingArguments(**{**training, "task": task.name})  # field names and values, before anything slow
+    arguments_class = Seq2SeqTrainingArguments if task.name == "seq2seq_lm" else TrainingArguments
+    foreign = [k for k in training if k not in arguments_class.field_names()]
+    if foreign:
+        raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
+                          f"recipe's task is {task.name!r}")
+    args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
     config, family, _ = resolve_config(name_or_path, **model_s)
     if task.name not in family.model_classes:
         raise ConfigError(f"task={task.name!r} is not one the {family.name} family of model.name_or_path={name_or_path!r} "
@@ -143,35 +149,60 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from transformers import AutoTokenizer
 
     from ..data import default_tokenizer, load_text_files, train_bpe_tokenizer
+    from ..data.t5_tokenizer import default_t5_tokenizer, train_t5_tokenizer
     from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
         return AutoTokenizer.from_pretrained(str(resolve_checkpoint_name(tok_s.name_or_path)))
     if Path(name_or_path, "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(name_or_path)
-    wordpiece = tok_s.type == "wordpiece"
+    cached, trained = {"bpe": (default_tokenizer, train_bpe_tokenizer),
+                       "wordpiece": (default_wordpiece_tokenizer, train_wordpiece_tokenizer),
+                       "t5": (default_t5_tokenizer, train_t5_tokenizer)}[tok_s.type]
+    extra = {"extra_ids": tok_s.extra_ids} if tok_s.type == "t5" else {}
     if data_s.source == "stdlib":  # trained once per (vocab, file list), then cached
-        cached = default_wordpiece_tokenizer if wordpiece else default_tokenizer
-        return cached(vocab_size=tok_s.vocab_size, max_files=data_s.max_files)
+        return cached(vocab_size=tok_s.vocab_size, max_files=data_s.max_files, **extra)
     if data_s.source != "files":
         raise ConfigError(f"tokenizer.name_or_path is required with data.source={data_s.source!r} (or a model folder "
                           "that holds a tokenizer)")
     texts = load_text_files(data_s.train_files, format=data_s.format)[data_s.text_column]
-    return (train_wordpiece_tokenizer if wordpiece else train_bpe_tokenizer)(texts, tok_s.vocab_size)
+    return trained(texts, tok_s.vocab_size, **extra)
 
 
 def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: TaskSpec) -> dict[str, Any]:
-    from ..metrics import AVAILABLE, classification_metrics
-    from ..trainer import Trainer
+    from ..metrics import AVAILABLE, classification_metrics, score_texts, text_generation_metrics
+    from ..trainer import Seq2SeqTrainer, Trainer
 
     train, val = datasets.train, datasets.validation
-    # The task's default metrics, for tasks scored by comparing each prediction's argmax with its label.
+    # The task's default metrics, for tasks scored by comparing each prediction's argmax with its label; generated
+    # texts (seq2seq with predict_with_generate) by ROUGE / BLEU.
     metrics = [m for m in task.metrics if m in AVAILABLE] if task.items in ("sequences", "images") else []
-    trainer = Trainer(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
-                      processing_class=tokenizer, compute_metrics=classification_metrics(metrics) if metrics else None)
+    compute = classification_metrics(metrics) if metrics else None
+    generating = getattr(args, "predict_with_generate", False)
+    if generating:
+        compute = text_generation_metrics(tokenizer, [m for m in task.metrics if m in AVAILABLE])
+    trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
+    trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
+                            processing_class=tokenizer, compute_metrics=compute)
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
+    results: dict[str, Any] = {}
+    if generating and val is not None:
+        # Baselines the trained model is measured against: the model before this run, and the data's own (seq2seq:
+        # the function's name as its summary).
+        if run_mode in ("train", "finetune"):
+            results.update(trainer.evaluate(metric_key_prefix="before"))
+        names = [m for m in task.metrics if m in AVAILABLE]
+        for name, predictions in datasets.baselines.items():
+            scores = score_texts(predictions, datasets.references, names)
+            logged = {f"baseline_{name}_{k}": v for k, v in scores.items()}
+            results.update(logged)
+            trainer.log(logged)  # printed, and kept in log.jsonl beside the model's scores
+    return {**results, **_train_and_evaluate(run_mode, trainer, args, val)}
+
+
+def _train_and_evaluate(run_mode, trainer, args, val) -> dict[str, Any]:
     if run_mode == "train":
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     elif run_mode == "finetune":  # the model was loaded from name_or_path already
@@ -193,15 +224,18 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
     ``samples.txt``."""
     from ..pipelines import pipeline
 
-    pipe = pipeline(task.pipeline, model=model, **{task.processor: tokenizer})
+    pipe = pipeline(gen_s.pipeline or task.pipeline, model=model, **{task.processor: tokenizer})
     kwargs: dict[str, Any] = {}
-    if task.name == "causal_lm":
+    if task.name in ("causal_lm", "seq2seq_lm"):
         kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample,
                       repetition_penalty=gen_s.repetition_penalty)
         if gen_s.do_sample:
             kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
+        if task.name == "seq2seq_lm":
+            kwargs["num_beams"] = gen_s.num_beams
     outputs = [pipe(p, **kwargs) for p in gen_s.prompts]
-    samples = [out[0]["generated_text"] for out in outputs] if task.name == "causal_lm" else outputs
+    # Generated texts come as records keyed generated_text / summary_text / translation_text.
+    samples = [next(iter(out[0].values())) for out in outputs] if task.name in ("causal_lm", "seq2seq_lm") else outputs
     text = "\n\n".join(f"----- sample {i + 1} -----\n{s}" for i, s in enumerate(samples))
     print(text)
     Path(output_dir).mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ from ..utils.typed_values import coerce_fields
 
 RUN_MODES = ("train", "finetune", "eval", "predict")
 DATA_SOURCES = ("stdlib", "files", "stdlib_docstrings", "digits", "imagefolder")
-TOKENIZER_TYPES = ("bpe", "wordpiece")
+TOKENIZER_TYPES = ("bpe", "wordpiece", "t5")
+SEQ2SEQ_OBJECTIVES = ("span_corruption", "docstrings", "pairs")
 
 
 @dataclass
@@ -24,8 +25,11 @@ class TokenizerSection:
     vocab_size: int = 8192
     """Vocabulary size of the tokenizer trained when ``name_or_path`` is None."""
     type: str = "bpe"
-    """Which tokenizer is trained when ``name_or_path`` is None: ``bpe`` (byte-level, GPT-2's) or ``wordpiece``
-    (BERT's, with ``[CLS]``/``[SEP]``/``[MASK]``, for masked language models)."""
+    """Which tokenizer is trained when ``name_or_path`` is None: ``bpe`` (byte-level, GPT-2's), ``wordpiece``
+    (BERT's, with ``[CLS]``/``[SEP]``/``[MASK]``, for masked language models) or ``t5`` (byte-level BPE with T5's
+    ``<pad>``/``</s>``/``<unk>`` at ids 0-2 and ``extra_ids`` sentinels, for span corruption)."""
+    extra_ids: int = 100
+    """Sentinel tokens of a ``t5`` tokenizer (``<extra_id_0>`` ...)."""
 
     def __post_init__(self) -> None:
         check_choice("tokenizer.type", self.type, TOKENIZER_TYPES)
@@ -68,11 +72,34 @@ class DataSection:
     and epoch, so every layout sees the same images."""
     augment_seed: int = 0
     """Seed of the augmentation."""
+    objective: str | None = None
+    """What a seq2seq recipe learns from its data: ``span_corruption`` (T5's pretraining objective on the text of
+    ``source``, ``block_size`` tokens of text per sample), ``docstrings`` (``source: stdlib``: each documented
+    function's source -> the first line of its docstring) or ``pairs`` (``source: files``: ``text_column`` ->
+    ``target_column``). None for the other tasks, which have one way each."""
+    target_column: str = "target"
+    """Column holding each row's target text (``objective: pairs``)."""
+    source_prefix: str = ""
+    """Text put before every source of a seq2seq recipe (T5's task prefixes, e.g. ``"summarize: "``); also recorded
+    in the model's ``task_specific_params`` so the task's pipeline adds it too."""
+    max_target_length: int = 64
+    """Target tokens kept per row of a seq2seq recipe (eos included); sources keep ``block_size``."""
+    noise_density: float = 0.15
+    """Span corruption: share of the tokens masked."""
+    mean_noise_span_length: float = 3.0
+    """Span corruption: mean length of a masked span."""
+    seed: int = 42
+    """Seed of the data's own randomness: span corruption masks sample i by (seed, i) alone, in every layout."""
 
     def __post_init__(self) -> None:
         check_choice("data.source", self.source, DATA_SOURCES)
         if self.source in ("files", "imagefolder") and not self.train_files:
             raise ConfigError(f"data.train_files is required when data.source is {self.source!r}")
+        if self.objective is not None:
+            check_choice("data.objective", self.objective, SEQ2SEQ_OBJECTIVES)
+            needed = {"docstrings": "stdlib", "pairs": "files"}.get(self.objective)
+            if needed is not None and self.source != needed:
+                raise ConfigError(f"data.objective={self.objective!r} needs data.source={needed!r}, got {self.source!r}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"data.block_size={self.block_size!r} must be an integer >= 2")
 
@@ -97,6 +124,10 @@ class GenerateSection:
     """Sample among the most likely tokens of this total probability."""
     repetition_penalty: float = 1.0
     """Penalty (>1) on tokens already generated."""
+    num_beams: int = 1
+    """Beam search width (text-to-text pipelines)."""
+    pipeline: str | None = None
+    """The pipeline to run (e.g. ``summarization`` for a seq2seq recipe); None: the task's own."""
 
 
 def section_from_dict(cls: type, data: Mapping[str, Any] | None, name: str):

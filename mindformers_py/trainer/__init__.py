@@ -10,6 +10,7 @@ from .callbacks import (
     plot_loss_curve,
 )
 from .loss import FusedCausalLMLoss, linear_cross_entropy
+from .seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from .trainer import Trainer
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "LossCurveCallback",
     "ProgressCallback",
     "TensorBoardCallback",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "Trainer",
     "TrainingArguments",
     "default_callbacks",

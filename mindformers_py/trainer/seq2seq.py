@@ -1,0 +1,87 @@
+"""``Seq2SeqTrainer`` and ``Seq2SeqTrainingArguments``: transformers' names for training encoder-decoders with
+generation during evaluation.
+
+With ``predict_with_generate=True``, ``evaluate`` and ``predict`` compute the loss as usual and, as predictions,
+the token ids the model's ``generate`` produces for each batch's source (``generation_max_length`` /
+``generation_num_beams``, or the keyword arguments given to ``evaluate``/``predict``, else the model's generation
+config), so ``compute_metrics`` scores texts (:func:`~mindformers_py.metrics.text_generation_metrics`: ROUGE, BLEU).
+Ranks holding shards of the model (ZeRO-2/3) generate in step (``synced_gpus``); pipeline layouts, whose ranks
+hold parts of the model, cannot generate and are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .arguments import TrainingArguments
+from .trainer import Trainer
+
+# Batch keys of the target side: generation starts from the decoder start token, not from them.
+_TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
+
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArguments):
+    """:class:`TrainingArguments` plus transformers' generation-during-evaluation fields."""
+
+    predict_with_generate: bool = False
+    """Predictions of ``evaluate``/``predict`` are generated token ids (for ROUGE, BLEU, ...) instead of logits."""
+    generation_max_length: int | None = None
+    """``max_length`` of that generation; None: the model's generation config."""
+    generation_num_beams: int | None = None
+    """``num_beams`` of that generation; None: the model's generation config."""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("generation_max_length", "generation_num_beams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= 1 or None")
+
+
+class Seq2SeqTrainer(Trainer):
+    """:class:`Trainer` whose evaluation can generate (``args.predict_with_generate``); ``evaluate`` and ``predict``
+    also take ``generate``'s keyword arguments (``max_new_tokens``, ``num_beams``, ...), as transformers' does."""
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
+        self._gen_kwargs = gen_kwargs
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
+                **gen_kwargs: Any):
+        self._gen_kwargs = gen_kwargs
+        return super().predict(test_dataset, ignore_keys, metric_key_prefix)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None, num_items_in_batch: Any = None):
+        """``(loss, generated token ids, labels)`` with ``predict_with_generate``; else the Trainer's."""
+        generate = getattr(self.args, "predict_with_generate", False)
+        if not generate or prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, num_items_in_batch)
+        if getattr(self.engine, "runs_pipelines", False):
+            raise ConfigError("predict_with_generate=True is not supported with pipeline_stage > 1 (each rank holds "
+                              "part of the model); evaluate the saved model or set predict_with_generate=False")
+        has_labels = all(isinstance(inputs.get(k), torch.Tensor) for k in self.label_names)
+        loss = None
+        if has_labels:
+            loss = super().prediction_step(model, inputs, True, ignore_keys, num_items_in_batch)[0]
+        source = {k: v for k, v in inputs.items() if k not in _TARGET_KEYS}
+        generated = self.model.generate(**source, **self._generation_kwargs())
+        return loss, generated, inputs.get(self.label_names[0]) if has_labels else None
+
+    def _generation_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(getattr(self, "_gen_kwargs", None) or {})
+        if kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None \
+                and self.args.generation_max_length is not None:
+            kwargs["max_length"] = self.args.generation_max_length
+        if kwargs.get("num_beams") is None and self.args.generation_num_beams is not None:
+            kwargs["num_beams"] = self.args.generation_num_beams
+        # Ranks holding shards of the weights gather them at every forward: all must run the same number of steps.
+        kwargs.setdefault("synced_gpus", self.engine.dp_size > 1 and self.args.parallel_config.zero_stage >= 2)
+        return kwargs
