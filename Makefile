@@ -33,6 +33,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py --moe
 	$(PY) benchmarks/bench_moe.py block
+	$(PY) benchmarks/bench_moe.py pretrain
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
