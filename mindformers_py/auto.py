@@ -164,10 +164,11 @@ class _AutoModel:
         if attn is not None:
             check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
             config._attn_implementation = attn
+        model_class = cls._model_class(family)  # a head the family lacks is refused before any weight is read
         state = load_state_dict(folder) if folder.is_dir() else None
         if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
             state = family.converter.state_dict_from_hf(state, config)
-        model = cls._model_class(family)(config)
+        model = model_class(config)
         info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
         if state is not None:
             info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
