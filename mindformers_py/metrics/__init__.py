@@ -69,6 +69,10 @@ def token_classification_metrics(id2label: dict[int, str], **seqeval_kwargs: Any
         references = [[id2label[int(t)] for t, k in zip(row, kept) if k] for row, kept in zip(labels, keep)]
         scores = module.compute(predictions=predictions, references=references, **seqeval_kwargs)
         return {k: v for k, v in scores.items() if k.startswith("overall_")}
+
+    return compute
+
+
 TEXT_METRICS = ("rouge", "bleu")
 """Metrics of generated texts (:func:`score_texts`)."""
 
