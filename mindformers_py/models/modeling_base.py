@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -33,4 +34,17 @@ class MindFormersPreTrainedModel(PreTrainedModel):
     def post_init(self) -> None:
         """transformers' ``post_init`` (weights, plans), then our model types into peft's tables if it is loaded."""
         super().post_init()
+        self.__dict__.pop("_init_roles", None)
         register_with_peft()
+
+    def weight_role(self, module: nn.Module) -> str:
+        """The last part of ``module``'s qualified name in this model (``q_proj``, ``down_proj``, ``lm_head``, ...),
+        for inits that depend on a weight's role.
+
+        transformers 5 initialises a model from outside its own package leaf by leaf: a module without parameters
+        of its own (an attention, a block) is skipped, so ``_init_weights`` must decide on the leaf itself, and uses
+        transformers' ``initialization`` functions, which leave weights loaded from a checkpoint alone."""
+        roles = self.__dict__.get("_init_roles")
+        if roles is None or module not in roles:
+            roles = self.__dict__["_init_roles"] = {m: n.rsplit(".", 1)[-1] for n, m in self.named_modules()}
+        return roles.get(module, "")

@@ -56,12 +56,6 @@ class BertPreTrainedModel(MindFormersPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^(model\.)?pooler\."]
     _keys_to_ignore_on_load_missing = [r"^(model\.)?pooler\."]
 
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, MaskedLMHead):
-            module.decoder.bias.zero_()
-
 
 class BertModel(BertPreTrainedModel):
     """Embeddings, a stack of post-norm :class:`TransformerBlock` with bidirectional attention and, with

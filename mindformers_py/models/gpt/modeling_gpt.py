@@ -20,6 +20,7 @@ import math
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
@@ -56,20 +57,16 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
         if isinstance(module, RotaryEmbedding):
             module.inv_freq.copy_(module.compute_inv_freq()[0])
         elif isinstance(module, Router):
-            module.weight.normal_(0.0, self.config.initializer_range)
+            init.normal_(module.weight, 0.0, self.config.initializer_range)
         elif isinstance(module, GroupedExperts):
-            for param in module.parameters(recurse=False):
-                param.normal_(0.0, self.config.initializer_range)
-        elif isinstance(module, TransformerBlock):
+            for name, param in module.named_parameters(recurse=False):
+                init.normal_(param, 0.0, self._residual_std() if name == "down_proj" else self.config.initializer_range)
+        elif isinstance(module, nn.Linear) and self.weight_role(module) in ("o_proj", "down_proj"):
             # Residual-branch outputs start smaller so the residual stream does not grow with depth (GPT-2, Megatron).
-            std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
-            module.self_attn.o_proj.weight.normal_(0.0, std)
-            if not isinstance(module.mlp, MoE):
-                module.mlp.down_proj.weight.normal_(0.0, std)
-            else:
-                module.mlp.experts.down_proj.normal_(0.0, std)
-                if module.mlp.shared_expert is not None:
-                    module.mlp.shared_expert.down_proj.weight.normal_(0.0, std)
+            init.normal_(module.weight, 0.0, self._residual_std())
+
+    def _residual_std(self) -> float:
+        return self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
 
     @property
     def pipeline_carry(self) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -33,7 +34,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...errors import ConfigError, MindFormersError
 from ...generation import FastGenerationMixin
-from ...layers import MLP, Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
+from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
 from ..modeling_base import MindFormersPreTrainedModel
@@ -77,24 +78,14 @@ class T5PreTrainedModel(MindFormersPreTrainedModel):
         d_model, d_ff = self.config.hidden_size, self.config.intermediate_size
         inner = self.config.num_attention_heads * self.config.head_dim
         if isinstance(module, RMSNorm):
-            module.weight.fill_(factor)
-        elif isinstance(module, (T5Model, T5EncoderModel)) and module.shared is not None:
-            module.shared.weight.normal_(0.0, factor)
-        elif isinstance(module, T5ForConditionalGeneration):
-            if module.lm_head is not None and not self.config.tie_word_embeddings:
-                module.lm_head.weight.normal_(0.0, factor)
-        elif isinstance(module, MLP):
-            for name in ("gate_proj", "up_proj"):
-                if hasattr(module, name):
-                    getattr(module, name).weight.normal_(0.0, factor * d_model**-0.5)
-            module.down_proj.weight.normal_(0.0, factor * d_ff**-0.5)
-        elif isinstance(module, Attention):
-            module.q_proj.weight.normal_(0.0, factor * (d_model * self.config.head_dim) ** -0.5)
-            module.k_proj.weight.normal_(0.0, factor * d_model**-0.5)
-            module.v_proj.weight.normal_(0.0, factor * d_model**-0.5)
-            module.o_proj.weight.normal_(0.0, factor * inner**-0.5)
-        elif isinstance(module, RelativePositionBias):
-            module.relative_attention_bias.weight.normal_(0.0, factor * d_model**-0.5)
+            init.constant_(module.weight, factor)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            std = {"q_proj": factor * (d_model * self.config.head_dim) ** -0.5, "k_proj": factor * d_model**-0.5,
+                   "v_proj": factor * d_model**-0.5, "o_proj": factor * inner**-0.5,
+                   "gate_proj": factor * d_model**-0.5, "up_proj": factor * d_model**-0.5,
+                   "down_proj": factor * d_ff**-0.5, "relative_attention_bias": factor * d_model**-0.5,
+                   }.get(self.weight_role(module), factor)  # the shared embedding and an untied head: N(0, factor)
+            init.normal_(module.weight, 0.0, std)
 
     def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """Decoder inputs from labels: ``decoder_start_token_id`` in front, the labels shifted one step right, -100
