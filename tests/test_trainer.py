@@ -144,9 +144,12 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, fused_loss):
         trainer.train()
         assert (trainer._fused_loss is not None) == fused_loss
         weights.append({k: v.clone() for k, v in model.state_dict().items()})
+    # AdamW turns float-rounding differences of near-zero gradients into update differences of ~1e-6 (a step is
+    # lr = 1e-3); a wrong normalisation moves weights by a whole step. The gradients themselves are compared in
+    # test_task_losses.py.
     for other in weights[1:]:
         for name, value in weights[0].items():
-            assert torch.allclose(value, other[name], atol=1e-6, rtol=0), name
+            assert torch.allclose(value, other[name], atol=1e-5, rtol=0), name
 
 
 def test_fused_loss_matches_the_models_own_loss(tmp_path):
