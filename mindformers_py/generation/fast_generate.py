@@ -22,6 +22,7 @@ token choice. The model forward itself is the same code as in training and in ``
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -381,23 +382,36 @@ def _decode(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
-        length = prompt_length
         with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
-            while True:
-                scores = out.logits[:, -1].float()  # (B, V)
-                for step in steps:
-                    scores = step(tokens[:, :length], scores)
-                if do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = scores.argmax(dim=-1)
-                tokens[:, length] = stop.pad_finished(next_tokens)
-                length += 1
-                if streamer is not None:
-                    streamer.put(tokens[:, length - 1].cpu())
-                if length >= max_length or stop.done(tokens[:, length - 1], tokens[:, :length]):
-                    break
-                out = model(**inputs.step(length), past_key_values=cache, use_cache=True)
+            length = _choose_tokens(out, lambda n: model(**inputs.step(n), past_key_values=cache, use_cache=True),
+                                    tokens, prompt_length, max_length, steps, do_sample, stop, streamer)
+    return _finished(tokens, length, max_length, streamer)
+
+
+def _choose_tokens(out: Any, forward: Callable[[int], Any], tokens: torch.Tensor, length: int, max_length: int,
+                   steps: list, do_sample: bool, stop: _StopRule, streamer) -> int:
+    """The token loop of both decoders: from the logits of ``out``, choose the next token of every row (processors,
+    then greedy or sampling), write it into ``tokens`` at ``length``, stream it, stop by ``stop`` or at
+    ``max_length``, else run ``forward(new length)`` for the next logits. Returns the final length."""
+    while True:
+        scores = out.logits[:, -1].float()  # (B, V)
+        for step in steps:
+            scores = step(tokens[:, :length], scores)
+        if do_sample:
+            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        tokens[:, length] = stop.pad_finished(next_tokens)
+        length += 1
+        if streamer is not None:
+            streamer.put(tokens[:, length - 1].cpu())
+        if length >= max_length or stop.done(tokens[:, length - 1], tokens[:, :length]):
+            return length
+        out = forward(length)
+
+
+def _finished(tokens: torch.Tensor, length: int, max_length: int, streamer) -> torch.LongTensor:
+    """Close the streamer; the sequences cut to the length reached."""
     if streamer is not None:
         streamer.end()
     return tokens if length == max_length else tokens[:, :length].contiguous()
@@ -479,27 +493,10 @@ def decode_seq2seq(
             return model(encoder_outputs=encoded, attention_mask=keys_mask, decoder_input_ids=tokens[:, length - 1:length],
                          past_key_values=cache, use_cache=True)
 
-        length = 1
-        out = forward(length)
+        out = forward(1)
         with skinny_linear_kernels(_per_step_layers(model), batch, steps=max_length - 2):
-            while True:
-                scores = out.logits[:, -1].float()  # (B, V)
-                for step in steps:
-                    scores = step(tokens[:, :length], scores)
-                if do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = scores.argmax(dim=-1)
-                tokens[:, length] = stop.pad_finished(next_tokens)
-                length += 1
-                if streamer is not None:
-                    streamer.put(tokens[:, length - 1].cpu())
-                if length >= max_length or stop.done(tokens[:, length - 1], tokens[:, :length]):
-                    break
-                out = forward(length)
-    if streamer is not None:
-        streamer.end()
-    return tokens if length == max_length else tokens[:, :length].contiguous()
+            length = _choose_tokens(out, forward, tokens, 1, max_length, steps, do_sample, stop, streamer)
+    return _finished(tokens, length, max_length, streamer)
 
 
 def _per_step_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
