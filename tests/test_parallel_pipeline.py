@@ -10,7 +10,7 @@ import mindformers_py as mf
 from dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
-from mindformers_py.parallel.pipeline import layer_ranges, split_model, stage_ids_for_rank, stage_view
+from mindformers_py.parallel.pipeline_stages import layer_ranges, split_model, stage_ids_for_rank, stage_view
 from mindformers_py.task_registry import get_task
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-2
