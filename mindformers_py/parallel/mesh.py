@@ -17,6 +17,7 @@ The backend is NCCL on CUDA and gloo on CPU; tests run every layout on CPU with 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -63,6 +64,15 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         backend=backend or ("nccl" if device_type == "cuda" else "gloo"),
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    # Leave the group while the interpreter is still whole. A process that exits with its group alive leaves gloo's
+    # C++ worker threads to be torn down during interpreter finalization, which now and then aborts the process
+    # ("terminate called without an active exception", SIGABRT) after a run that succeeded.
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
