@@ -297,3 +297,37 @@ def test_pipeline_of_a_loaded_model_object_finds_its_tokenizer(folders):
     _, ours_dir = folders
     pipe = mf.pipeline("text-generation", model=mf.AutoModelForCausalLM.from_pretrained(ours_dir))
     assert pipe("def main", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("def main")
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_cache_argument_under_both_transformers_names(folders, name):
+    """transformers 5.24 passes the key/value cache as ``cache=`` (earlier releases, and most user code, as
+    ``past_key_values=``): under either name a forward continues from the cache, and GenerationMixin's own loop
+    on our model gives transformers' logits at every step."""
+    from mindformers_py.models.cache_names import output_cache
+
+    hf_dir, ours_dir = folders
+    ours, reference = mf.AutoModelForCausalLM.from_pretrained(ours_dir).eval(), _hf(hf_dir)
+    ids = _ids(hf_dir)["input_ids"][:1]
+    with torch.no_grad():
+        whole = ours(ids).logits[:, -1]
+        prefix = ours(ids[:, :-1], use_cache=True)
+        cache = output_cache(prefix)  # the output field has the installed transformers' name
+        step = ours(ids[:, -1:], **{name: cache}).logits[:, -1]
+    torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
+    kw = dict(max_new_tokens=5, do_sample=False, repetition_penalty=1.5, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    inputs = _ids(hf_dir)
+    a, b = ours.generate(**inputs, fast_generate=False, **kw), reference.generate(**inputs, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    _assert_close_tuples(a.logits, b.logits)
+
+
+def test_cache_given_under_both_names_is_refused(folders):
+    from transformers import DynamicCache
+
+    from mindformers_py.errors import MindFormersError
+
+    ours = mf.AutoModelForCausalLM.from_pretrained(folders[1])
+    with pytest.raises(MindFormersError, match="not both"):
+        ours(torch.tensor([[5, 6]]), cache=DynamicCache(), past_key_values=DynamicCache())

@@ -8,6 +8,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from ..layers import Attention, TransformerBlock
 from ..layers.moe import Router
+from .cache_names import CACHE_NAMES
 from .registry import register_with_peft
 
 
@@ -25,7 +26,7 @@ class MindFormersPreTrainedModel(PreTrainedModel):
 
     supports_gradient_checkpointing = True
     _no_split_modules = ["TransformerBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = CACHE_NAMES
     _supports_sdpa = True
     _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
                            "router_logits": OutputRecorder(Router, index=0)}

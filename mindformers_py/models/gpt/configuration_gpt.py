@@ -36,7 +36,7 @@ class GPTConfig(PretrainedConfig):
     """
 
     model_type = "mindformers_gpt"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache under both of transformers' names
     # Not remote code: our classes are registered with transformers' Auto classes on import. Tools that resolve a
     # non-transformers architecture through ``config.auto_map`` (trl) then fall back to those Auto classes.
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})

@@ -39,6 +39,7 @@ from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBloc
 from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, shift_labels, \
     token_cross_entropy
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
+from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
 from ..moe_outputs import MoECausalLMOutputWithPast, MoEModelOutputWithPast
 from .configuration_gpt import GPTConfig
@@ -100,6 +101,7 @@ class GPTModel(GPTPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @accepts_cache_argument
     @capture_outputs
     def forward(
         self,
@@ -177,8 +179,8 @@ class GPTModel(GPTPreTrainedModel):
             hidden_states = self.norm(hidden_states)
         if moe is not None:
             return MoEModelOutputWithPast(last_hidden_state=hidden_states, router_stats=router_stats,
-                                          past_key_values=past_key_values if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+                                          **cache_output(past_key_values if use_cache else None))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None))
 
     def _check_context(self, needed: int, what: str) -> None:
         if needed > self.config.max_position_embeddings:
@@ -211,6 +213,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @accepts_cache_argument
     @can_return_tuple
     def forward(
         self,
@@ -241,7 +244,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         logits = self.lm_head(hidden)  # (B, T, V)
         loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
         if self.config.moe is None:
-            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+            return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         aux_loss = None
         requested = kwargs.get("output_router_logits")
@@ -249,7 +252,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch)
             if loss is not None:
                 loss = loss + router_loss
-        return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=out.past_key_values,
+        return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
                                          hidden_states=out.hidden_states, attentions=out.attentions,
                                          router_logits=out.router_logits, router_stats=out.router_stats)
 

@@ -48,7 +48,7 @@ class T5Config(PretrainedConfig):
     """
 
     model_type = "mindformers_t5"
-    keys_to_ignore_at_inference = ["past_key_values", "encoder_last_hidden_state"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache", "encoder_last_hidden_state"]
     # Not remote code: our classes are registered with transformers' Auto classes on import (see GPTConfig).
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})
     attribute_map: ClassVar[dict[str, str]] = {

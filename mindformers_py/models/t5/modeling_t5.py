@@ -37,6 +37,7 @@ from ...generation import FastGenerationMixin
 from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
+from ..cache_names import CACHE_NAMES, accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
 from .configuration_t5 import T5Config
 
@@ -131,6 +132,7 @@ class T5Stack(T5PreTrainedModel):
         super().init_parallel_plans()
         self._tp_plan, self._pp_plan, self._ep_plan, self._fsdp_plan = {}, {}, {}, {}
 
+    @accepts_cache_argument
     @capture_outputs
     def forward(
         self,
@@ -173,7 +175,7 @@ class T5Stack(T5PreTrainedModel):
                                   encoder_hidden_states, cross_mask)
         if self.norm is not None:
             hidden_states = self.final_dropout(self.norm(hidden_states))
-        return T5StackOutput(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None,
+        return T5StackOutput(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None),
                              position_bias=position_bias if return_position_bias else None)
 
     def _check_length(self, needed: int) -> None:
@@ -256,10 +258,12 @@ class T5Model(T5PreTrainedModel):
                **kwargs) -> T5StackOutput:
         """The encoder stack's output for ``input_ids`` (or ``inputs_embeds``), ``attention_mask`` (B, S)."""
         kwargs.pop("use_cache", None)
-        kwargs.pop("past_key_values", None)
+        for name in CACHE_NAMES:  # the encoder keeps no cache
+            kwargs.pop(name, None)
         hidden = self._embed(self.encoder, input_ids, inputs_embeds, "encoder")
         return self.encoder(hidden, attention_mask, position_bias, **kwargs)
 
+    @accepts_cache_argument
     @can_return_tuple
     def forward(
         self,
@@ -302,7 +306,7 @@ class T5Model(T5PreTrainedModel):
         )
         return T5ModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_output(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -351,6 +355,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
         """Decoder inputs for ``labels`` (transformers' collators call this): the labels shifted right."""
         return self._shift_right(labels)
 
+    @accepts_cache_argument
     @can_return_tuple
     def forward(
         self,
@@ -391,7 +396,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
         logits = self.lm_head(hidden)
         loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         return Seq2SeqLMOutput(
-            loss=loss, logits=logits, past_key_values=out.past_key_values,
+            loss=loss, logits=logits, **cache_output(output_cache(out)),
             decoder_hidden_states=out.decoder_hidden_states, decoder_attentions=out.decoder_attentions,
             cross_attentions=out.cross_attentions, encoder_last_hidden_state=out.encoder_last_hidden_state,
             encoder_hidden_states=out.encoder_hidden_states, encoder_attentions=out.encoder_attentions,
