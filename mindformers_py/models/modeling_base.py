@@ -26,7 +26,7 @@ class MindFormersPreTrainedModel(PreTrainedModel):
 
     supports_gradient_checkpointing = True
     _no_split_modules = ["TransformerBlock"]
-    _skip_keys_device_placement = CACHE_NAMES
+    _skip_keys_device_placement = [*CACHE_NAMES]
     _supports_sdpa = True
     _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
                            "router_logits": OutputRecorder(Router, index=0)}

@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 
 from ...errors import ConfigError, check_choice
 from ...layers.moe_config import MoEConfig, moe_config_of
+from ..cache_names import CACHE_NAMES
 
 # Defaults that differ between the flavours. A field left as None takes its flavour's value, so
 # `GPTConfig(flavour="llama", attention_bias=True)` is a Qwen2-like model and explicit values always win.
@@ -36,7 +37,7 @@ class GPTConfig(PretrainedConfig):
     """
 
     model_type = "mindformers_gpt"
-    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache under both of transformers' names
+    keys_to_ignore_at_inference = [*CACHE_NAMES]
     # Not remote code: our classes are registered with transformers' Auto classes on import. Tools that resolve a
     # non-transformers architecture through ``config.auto_map`` (trl) then fall back to those Auto classes.
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})

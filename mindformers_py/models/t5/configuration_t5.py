@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Mapping
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError
+from ..cache_names import CACHE_NAMES
 
 FEED_FORWARD_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 """Activations a ``feed_forward_proj`` may name (``"relu"``, or gated: ``"gated-gelu"``, ...)."""
@@ -48,7 +49,7 @@ class T5Config(PretrainedConfig):
     """
 
     model_type = "mindformers_t5"
-    keys_to_ignore_at_inference = ["past_key_values", "cache", "encoder_last_hidden_state"]
+    keys_to_ignore_at_inference = [*CACHE_NAMES, "encoder_last_hidden_state"]
     # Not remote code: our classes are registered with transformers' Auto classes on import (see GPTConfig).
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})
     attribute_map: ClassVar[dict[str, str]] = {
