@@ -16,7 +16,7 @@ Every rank's data-parallel batch is ``--batch`` sequences (HF's per-device meani
 layouts equal stand-alone's, while tensor parallelism splits them. A ``ratio`` column divides the rank's total by
 stand-alone's. Layouts of two processes run in one job started with :func:`mindformers_py.parallel.launch.launch`.
 The last columns put the ``auto_parallel`` planner's estimate for the layout's busiest rank
-(:func:`mindformers_py.parallel.planner.estimate_memory`, without full recompute's transient re-materialised layer)
+(:func:`mindformers_py.planner.search.estimate_memory`, without full recompute's transient re-materialised layer)
 next to the busiest rank's measured peak (params in bwd + grads + optim + activations).
 
     python benchmarks/bench_parallel.py              # defaults: 4 layers, hidden 256, seq 256, batch 4
@@ -46,8 +46,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 import mindformers_py as mf
 from mindformers_py.parallel import ParallelConfig, ParallelMesh, build_mesh, parallelize
 from mindformers_py.parallel.data import shard_optimizer
-from mindformers_py.parallel.pipeline import build_pipeline
-from mindformers_py.parallel.planner import estimate_memory
+from mindformers_py.parallel.pipeline_parallel import build_pipeline
+from mindformers_py.planner.search import estimate_memory
 
 MIB = 2**20
 

@@ -38,7 +38,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from .parallel.plan_command import parse_overrides, run_plan
+    from .planner.plan_command import parse_overrides, run_plan
 
     report = run_plan(args.source, args.devices, args.device, args.devices_per_node, args.global_batch,
                       args.seq_length, parse_overrides(args.set))
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "or a checkpoint folder")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
     plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
-                      "mindformers_py/parallel/devices.yaml (default h100_80gb; a wrong name lists them)")
+                      "mindformers_py/planner/devices.yaml (default h100_80gb; a wrong name lists them)")
     plan.add_argument("--devices_per_node", type=int, help="accelerators per node (default: the catalog's, 8)")
     plan.add_argument("--global_batch", type=int, help="sequences per optimizer step (default: the recipe's "
                       "per-device batch, else one per device)")

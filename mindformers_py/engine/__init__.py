@@ -10,7 +10,7 @@ Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
 from .args import EngineArguments
 from .base import Engine, LossFn
 from .distributed import DistributedEngine
-from .pipeline import PipelineEngine
+from .pipeline_engine import PipelineEngine
 from .registry import build_engine, current_world_size, register_engine
 
 __all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "build_engine",

@@ -6,7 +6,7 @@
 ``stand_alone``        :class:`~.base.Engine` (one process)
 ``data_parallel``      :class:`~.distributed.DistributedEngine` (replicas, ZeRO per ``optimizer_shard``)
 ``semi_auto_parallel`` :class:`~.pipeline.PipelineEngine` with pipeline stages, else ``DistributedEngine``
-``auto_parallel``      the planner (:func:`~mindformers_py.parallel.planner.auto_parallel`) turns the hints into
+``auto_parallel``      the planner (:func:`~mindformers_py.planner.search.auto_parallel`) turns the hints into
                        a fixed layout for this run's processes, then the engine of that layout
 =====================  ====================================================================================
 
@@ -26,7 +26,7 @@ from ..parallel.config import ParallelConfig
 from .args import EngineArguments
 from .base import Engine
 from .distributed import DistributedEngine
-from .pipeline import PipelineEngine
+from .pipeline_engine import PipelineEngine
 
 EngineFactory = Callable[..., Engine]
 """``factory(parallel_config, args, **context) -> Engine``; ``context`` carries ``model_config`` and
@@ -58,7 +58,7 @@ def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, m
     """``auto_parallel``: plan a layout for this run's processes and the model, then build its engine. One
     process plans for one process (the layout sizes in the config are hints); under torchrun every rank gets
     rank 0's plan."""
-    from ..parallel.planner import auto_parallel
+    from ..planner.search import auto_parallel
 
     if model_config is None:
         raise ConfigError("parallel_mode='auto_parallel' needs the model's config to plan a layout; pass the model "

@@ -1,5 +1,5 @@
 """Parallel mechanisms on torch.distributed: configuration, mesh, tensor / data / pipeline parallelism, recompute,
-resharding checkpoints, the planner and the launcher. The engines that train with them are in
+resharding checkpoints and the launcher. The offline planner is :mod:`mindformers_py.planner`. The engines that train with them are in
 :mod:`mindformers_py.engine`."""
 
 from .config import MoEConfig, ParallelConfig, RecomputeConfig

@@ -24,7 +24,7 @@ decoder stage, which all attend to it.
 that later stages need (an MoE model's per-layer router statistics, from which the router loss is computed): each
 stage then takes them as keyword arguments and returns them beside its hidden states (torch's ``PipelineStage``
 sends every tensor of a tuple on, and their gradients back), and the last stage adds the model's ``carried_loss``
-(see :mod:`mindformers_py.parallel.pipeline`).
+(see :mod:`mindformers_py.parallel.pipeline_parallel`).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
-    from ..parallel.planner import auto_parallel, default_world_size
+    from ..planner.search import auto_parallel, default_world_size
     from ..trainer.arguments import TrainingArguments
     from ..trainer.seq2seq import Seq2SeqTrainingArguments
 

@@ -1,0 +1,108 @@
+"""The training engine for layouts with pipeline stages (``pipeline_stage > 1``), on the Engine seam.
+
+It is the :class:`~.distributed.DistributedEngine` (mesh, data/tensor/sequence/vocabulary parallelism,
+ZeRO, recompute, DCP checkpoints, metric reduction) with the model cut into pipeline stages
+(:mod:`mindformers_py.parallel.pipeline_parallel`): each rank keeps its stages, each stage is parallelized like a whole
+model would be, and one optimizer step's forward and backward run through torch's pipeline schedule.
+
+What the Trainer sees:
+
+* ``prepare_model(model)`` returns the :class:`~mindformers_py.parallel.pipeline_parallel.PipelineParallel`
+  (``model_wrapped``: it trains with
+  :meth:`forward_backward` and evaluates when called), and cuts ``model`` itself down to this rank's stages in
+  place, so the Trainer's "model" has exactly this rank's parameters under the full model's names: the optimizer,
+  gradient clipping and the sharded (DCP) checkpoints work on it unchanged. Whole weights are consolidated from
+  every stage when saved (``save_pretrained``), so ``from_pretrained`` loads a pipeline run's output.
+* The loss is the task's loss (task registry) computed on the last stage (the Trainer's loss function is not
+  used), with the same global item normalisation as the distributed engine, so loss curves match ``stand_alone``
+  for every task head.
+* Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
+  the whole weights; not a whole optimizer state (rank 0 does not hold the other stages' parameters), so a
+  stand-alone run cannot resume them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..parallel.config import DDP_ZERO1, ParallelConfig
+from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
+from ..utils.safetensors_io import load_state_dict
+from .args import EngineArguments
+from .base import LossFn
+from .distributed import DistributedEngine, global_grad_norm
+
+
+class PipelineEngine(DistributedEngine):
+    """Pipeline parallelism (with any data/tensor parallelism, ZeRO and recompute) on torch.distributed.
+
+    Attributes (beyond :class:`DistributedEngine`'s):
+        pipeline: this rank's :class:`~mindformers_py.parallel.pipeline_parallel.PipelineParallel` (after :meth:`prepare_model`).
+    """
+
+    runs_pipelines = True
+    portable_optimizer = False
+
+    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
+        super().__init__(parallel_config, args)
+        self.pipeline: PipelineParallel | None = None
+
+    def prepare_model(self, model: nn.Module) -> PipelineParallel:
+        """Cut ``model`` into stages, keep and parallelize this rank's, and cut ``model`` down to them in place;
+        returns the pipeline, which the Trainer calls to train and evaluate. Every rank must build the same model."""
+        config = self.parallel_config
+        config.validate_for(self.world_size, getattr(model, "config", None),
+                            per_device_batch=self.args.per_device_train_batch_size)
+        if config.data_parallel_engine == DDP_ZERO1:
+            # torch's pipeline stages drive DDP-class and FSDP2/replicate modules only, not composable DDP.
+            raise ConfigError(
+                f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
+                "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
+            )
+        self.pipeline = build_pipeline(model, config, self.mesh, self.device,
+                                       parallelize=lambda part: self.parallelize(part, stage=part.pp_rank))
+        return self.pipeline
+
+    def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of this rank's gradient-accumulation batches through the pipeline schedule (each
+        split into ``micro_batch_num`` pipeline micro-batches). ``num_items_in_batch`` is the label-token count of
+        the whole global batch; returns the backpropagated loss, whose mean over the data-parallel ranks is the
+        global step loss. ``loss_fn`` is not used: the last stage computes the task's loss (task registry)."""
+        if not isinstance(model, PipelineParallel):
+            raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
+        # As in DistributedEngine: the ranks' losses are shares of one global loss, so undo DDP/FSDP's averaging.
+        scale = float(self.dp_size) if num_items_in_batch is not None else 1.0
+        batches = [self.to_device(batch) for batch in micro_batches]
+        with self.autocast():
+            return model.forward_backward(batches, num_items_in_batch, loss_scale=scale)
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm over every stage's (and shard's) gradients to ``max_norm``, counting a
+        tied embedding once although the first and last stage both hold it; returns the norm before clipping."""
+        duplicates = set(self.pipeline.tied_copy_names) if self.pipeline is not None else set()
+        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        total = global_grad_norm([g for name, g in named if name not in duplicates], self.mesh, self.device)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for _, grad in named:
+                    grad.mul_(coef)
+        return total
+
+    def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Load this rank's stages from whole safetensors weights: the other stages' tensors are skipped, and a
+        tied head absent from the file (as ``save_pretrained`` writes it) takes the embedding it is tied to."""
+        state = load_state_dict(folder) if state is None else dict(state)
+        own = set(model.state_dict())
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        if getattr(model.config, "tie_word_embeddings", False) and isinstance(tied, Mapping):
+            for alias, source in tied.items():
+                if alias in own and alias not in state and source in state:
+                    state[alias] = state[source]
+        super().load_weights(model, folder, {k: v for k, v in state.items() if k in own})

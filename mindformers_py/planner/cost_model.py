@@ -1,0 +1,223 @@
+"""The planner's memory model: the bytes one rank holds at its peak (parameters, gradients, AdamW state and saved
+activations, under ZeRO, expert parallelism, recompute and pipeline schedules: :func:`estimate_memory`).
+
+The model's sizes come from :mod:`.model_shape`; the time of a step is :mod:`.step_time`'s. Both are re-exported
+here, where the planner and the benchmarks import them. The terms are described in
+:mod:`mindformers_py.planner.search`, which compares layouts with them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..parallel.config import ParallelConfig
+from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, as_shape, recomputed_share
+from .step_time import Runtime, TimeEstimate, estimate_step_time
+
+__all__ = [
+    "ACTIVATION_SAVED_TENSORS", "ADAM_STATE_BYTES", "DEFAULT_ACTIVATION_SAVED", "FP32_BYTES", "MemoryEstimate",
+    "ModelShape", "Runtime", "TimeEstimate", "as_shape", "estimate_memory", "estimate_step_time",
+    "layer_activation_bytes",
+]
+
+FP32_BYTES = 4
+# Parameters, their gradients and AdamW's two moments are fp32 (bf16 training runs under autocast with fp32
+# master weights): 16 bytes per parameter, as Megatron-LM's fp16/bf16 training keeps them (fp16 copy + fp16
+# gradient + fp32 master + two fp32 moments).
+ADAM_STATE_BYTES = 8  # AdamW's exp_avg and exp_avg_sq in fp32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds at its peak (during backward), by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """Activations saved for backward by the forward passes in flight (what ``saved_tensors_hooks`` see)."""
+    recompute: int = 0
+    """Activations re-materialised for one layer at a time during backward under full recompute."""
+
+    @property
+    def total(self) -> int:
+        """Sum of all kinds."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
+                           recompute: str | bool = False, select: Sequence[str] = (), act_bytes: int = FP32_BYTES,
+                           attention_scores: bool = False, seq: int = 0, kind: str = "dense") -> int:
+    """Bytes one transformer layer saves for backward for ``tokens`` tokens (micro-batch x sequence).
+
+    Counted op by op for :class:`~mindformers_py.layers.TransformerBlock` (and checked against autograd's saved
+    tensors in the tests): each norm keeps its input, its statistics and its output (RMSNorm also the normalised
+    value before the scale); q/k/v projections share the normed input; rotary keeps only its cos/sin tables (the
+    rotated q, k need no saved input); SDPA keeps q, the head-expanded k and v, its output (which ``o_proj`` keeps
+    as its input too) and the log-sum-exp per head; the MLP its normed input and, per intermediate-size tensor,
+    what the activation and the gating product keep. Tensors split by heads or FFN across ``tp`` ranks count 1/tp;
+    hidden-size tensors count 1/tp only with sequence parallelism. ``attention_scores`` adds the softmax
+    probabilities (``b·heads·s²``) that SDPA's math path keeps (e.g. a CPU run with a padding mask);
+    flash/efficient kernels keep none.
+
+    ``kind`` (see :meth:`ModelShape.layer_kinds`) is ``"dense"`` or ``"encoder"``, ``"moe"`` (the MLP replaced by a router and ``top_k`` experts per token, which keep
+    the routed copies of their inputs and outputs and the router's logits and probabilities) or ``"cross"`` (a
+    decoder layer of an encoder-decoder model: a dense layer plus a cross-attention block over as many encoder
+    tokens). ``recompute="full"`` keeps only the layer's input; ``"selective"`` re-runs the parts in ``select``.
+    """
+    h_div = tp if sequence_parallel else 1
+    hidden = shape.hidden * tokens // h_div
+    q = shape.q_width * tokens // tp
+    kv = shape.kv_width * tokens // tp
+    ffn = shape.ffn * tokens // tp
+    if recompute == "full":
+        return hidden * act_bytes
+    stats = tokens // h_div * (1 if shape.rms_norm else 2)  # rsqrt, or mean and rstd, per token
+    norm = hidden * (3 if shape.rms_norm else 2) + stats
+    lse = shape.heads * tokens // tp
+    core = 3 * q + lse  # q, k and v expanded to the query heads, log-sum-exp
+    output = q  # SDPA's output, also o_proj's input
+    scores = shape.heads * tokens * seq // tp if attention_scores and seq else 0
+    per_ffn = shape.act_saved + (3 if shape.gated_mlp else 1)
+    mlp = per_ffn * ffn
+    if kind == "moe":
+        routed = shape.top_k * tokens
+        mlp = per_ffn * routed * shape.routed_ffn // tp + 2 * routed * shape.hidden + 2 * tokens * shape.experts
+        mlp += per_ffn * shape.shared_expert_ffn * tokens // tp
+    cross = norm + 2 * q + 2 * kv + lse + q if kind == "cross" else 0  # normed input, q, k, v, output, lse
+    dropout_masks = (2 * hidden + scores) // act_bytes if shape.dropout else 0  # bool masks, one byte each
+    if recompute == "selective":
+        if "self_attn" in select:
+            core, output, scores, cross = 0, 0, 0, norm if cross else 0  # only the normed inputs, in ``norm``
+        elif "attention_core" in select:
+            core, scores = q + 2 * kv, 0  # the checkpoint keeps its inputs q, k, v
+        if "mlp" in select:
+            mlp = 0  # only the normed input, counted in ``norm``
+    return (2 * norm + core + output + scores + mlp + cross + dropout_masks) * act_bytes
+
+
+def _mean_layer_activation_bytes(shape: ModelShape, *args: Any) -> float:
+    """:func:`layer_activation_bytes` averaged over the layer kinds of ``shape`` (exact for uniform stacks)."""
+    kinds = shape.layer_kinds()
+    if len(kinds) == 1:
+        return float(layer_activation_bytes(shape, *args, kind=kinds[0][0]))
+    total = sum(count * layer_activation_bytes(shape, *args, kind=kind) for kind, count in kinds)
+    return total / shape.total_layers
+
+
+def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> float:
+    """Micro-batches whose activations a pipeline rank keeps at once (the first rank is the busiest)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(micro)
+    if not first:
+        return 1.0
+    if schedule == "interleaved_1f1b":  # Narayanan et al. 2021: p micro-batches x (1 + (p-1)/(p·v))
+        return min(float(micro), pp * (1.0 + (pp - 1) / (pp * vpp)))
+    return float(min(pp, micro))
+
+
+def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
+                    act_bytes: int = FP32_BYTES, attention_scores: bool = False) -> MemoryEstimate:
+    """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
+    ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
+
+    ``model_config`` is a :class:`ModelShape`, an HF ``config.json`` dict or a GPT-style config. ``act_bytes`` is
+    the activation element size (2 under bf16 autocast); ``attention_scores`` counts SDPA's kept softmax (see
+    :func:`layer_activation_bytes`). Heterogeneous stacks (MoE every few layers, encoder-decoders) are counted
+    with their mean layer; expert parameters and their state are split over ``expert_parallel`` ranks and sharded
+    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks.
+    """
+    shape = as_shape(model_config)
+    pc = parallel_config
+    tp, pp, dp, vpp, micro, ep = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches, pc.ep
+    vocab_tp = tp if pc.vocab_parallel else 1
+    chunks = pp * vpp
+    layers_per_chunk = math.ceil(shape.total_layers / chunks)
+    tokens = per_device_batch // micro * seq_length
+    recompute = pc.recompute
+    select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
+    layer_params = shape.layer_params(tp, ep)
+    layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
+
+    best: MemoryEstimate | None = None
+    for first in (True, False) if pp > 1 else (True,):
+        last = not first or pp == 1
+        stage_layers = vpp * layers_per_chunk
+        params = stage_layers * layer_params
+        params += shape.embedding_params(vocab_tp) if first else 0
+        if last:
+            tied_single = pp == 1 and shape.tied_embeddings and shape.head != "classifier"
+            params += shape.head_params(vocab_tp) - (shape.vocab * shape.hidden // vocab_tp if tied_single else 0)
+        layer_args = (tokens, tp, pc.sequence_parallel)
+        layer_full = _mean_layer_activation_bytes(shape, *layer_args, False, (), act_bytes, attention_scores,
+                                                  seq_length)
+        layer_kept = _mean_layer_activation_bytes(shape, *layer_args, recompute.recompute, select, act_bytes,
+                                                  attention_scores, seq_length)
+        share = recomputed_share(recompute, layers_per_chunk, 0 if first else pp - 1)
+        per_chunk = layers_per_chunk * (share * layer_kept + (1 - share) * layer_full)
+        acts = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first) * vpp * per_chunk
+        rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
+        if last:
+            flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
+        experts = int(stage_layers * layer_experts)
+        estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
+                                accumulating=micro > 1, compute_bytes=act_bytes)
+        estimate.recompute = rematerialised
+        if best is None or estimate.total > best.total:
+            best = estimate
+    assert best is not None
+    return best
+
+
+def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int) -> int:
+    """What the last stage keeps for the head: the final norm (its output is the head's input), BERT's dense +
+    norm transform, and the fp32 log-softmax over the vocabulary."""
+    norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
+    if shape.head == "classifier":
+        return norm
+    transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0
+    return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
+
+
+def _state_bytes(params: int, expert_params: int, layer_params: int, dp: int, ep: int, zero: int,
+                 activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES) -> MemoryEstimate:
+    """Parameters, gradients and AdamW state of ``params`` fp32 parameters sharded by ZeRO ``zero`` over ``dp``
+    ranks, and of ``expert_params`` (already split over ``ep``) sharded over the ``dp / ep`` ranks holding the same
+    experts. ``accumulating``: gradients of several micro-batches are summed before they are reduced (pipeline
+    schedules); ``compute_bytes`` is the size of the parameters gathered for compute."""
+    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes)
+    if not expert_params:
+        return MemoryEstimate(*dense, activations)
+    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes)
+    return MemoryEstimate(*(a + b for a, b in zip(dense, expert)), activations)
+
+
+def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating: bool = False,
+                compute_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks."""
+    full = params * FP32_BYTES
+    if dp == 1 or zero == 0:
+        return full, full, params * ADAM_STATE_BYTES
+    optimizer = params * ADAM_STATE_BYTES // dp
+    if zero == 1:
+        return full, full, optimizer
+    # Under a pipeline schedule torch.distributed.pipelining turns FSDP's gradient reduction off until the last
+    # micro-batch (set_requires_gradient_sync(False)): gradients accumulate whole beside their shards, and ZeRO-3
+    # keeps the parameters it gathered for backward (set_reshard_after_backward(False)).
+    grads = full + full // dp if accumulating else full // dp
+    if zero == 2:  # sharded storage + whole parameters kept from forward through backward
+        return full + full // dp, grads, optimizer
+    # zero 3: shards + two layers gathered at a time (the running one and the prefetched one)
+    gathered = params * compute_bytes if accumulating else 2 * layer_params * FP32_BYTES
+    return full // dp + gathered, grads, optimizer

@@ -1,0 +1,139 @@
+"""Task heads and data shared by the gradient-equivalence tests (tests/trainer/test_task_losses.py and the layout
+tests of tests/parallel/): one tiny model per task head, N right-padded rows with the head's labels, and the
+gradients of a Trainer's first optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+from transformers import TrainerCallback
+
+import mindformers_py as mf
+from mindformers_py.trainer import Trainer, TrainingArguments
+
+VOCAB, SEQ, N = 64, 12, 8
+HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
+         "hf_sequence_classifier", "image_classification", "bert_masked_lm", "bert_single_label",
+         "bert_token_classification", "bert_question_answering", "moe_causal_lm", "seq2seq_lm"]
+MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
+       "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
+TARGET = 7  # label tokens of the encoder-decoder's rows
+
+
+def _config(**extra) -> mf.GPTConfig:
+    return mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, **extra)
+
+
+def _bert_config(**extra) -> mf.BertConfig:
+    return mf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
+                         **extra)
+
+
+def make_model(head: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if head.startswith("bert_"):
+        return {"bert_masked_lm": mf.BertForMaskedLM, "bert_single_label": mf.BertForSequenceClassification,
+                "bert_token_classification": mf.BertForTokenClassification,
+                "bert_question_answering": mf.BertForQuestionAnswering}[head](_bert_config(num_labels=3 if head == "bert_single_label" else 5))
+    if head == "causal_lm":
+        return mf.GPTForCausalLM(_config())
+    if head == "moe_causal_lm":
+        return mf.GPTForCausalLM(_config(moe_config=MOE, output_router_logits=True))
+    if head == "single_label":
+        return mf.GPTForSequenceClassification(_config(num_labels=3))
+    if head == "multi_label":
+        return mf.GPTForSequenceClassification(_config(num_labels=3, problem_type="multi_label_classification"))
+    if head == "regression":
+        return mf.GPTForSequenceClassification(_config(num_labels=1))
+    if head == "token_classification":
+        return mf.GPTForTokenClassification(_config(num_labels=5))
+    if head == "question_answering":
+        return mf.GPTForQuestionAnswering(_config())
+    if head == "image_classification":  # 12x12 images in 4x4 patches: 10 tokens, which tp2 splits evenly
+        return mf.ViTForImageClassification(mf.ViTConfig(image_size=12, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=4, intermediate_size=64, num_labels=3))
+    if head == "seq2seq_lm":
+        return mf.T5ForConditionalGeneration(mf.T5Config(
+            vocab_size=VOCAB, hidden_size=32, head_dim=8, intermediate_size=48, num_hidden_layers=1, num_decoder_layers=1,
+            num_attention_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False))  # T5 v1.1 (the tied v1: test_t5_parallel.py)
+    # transformers' own classifier, whose loss is a batch mean whatever num_items_in_batch says
+    return transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def make_data(head: str) -> list[dict[str, torch.Tensor]]:
+    """N right-padded rows of different lengths (so items per micro-batch differ) with the head's labels."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [12, 5, 9, 3, 12, 7, 4, 10]
+    rows = []
+    if head == "image_classification":  # one ignored label, so micro-batches hold different numbers of images
+        return [{"pixel_values": torch.randn(3, 12, 12, generator=g),
+                 "labels": torch.tensor(-100 if i == 2 else i % 3)} for i in range(N)]
+    for i, length in enumerate(lengths):
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+        ids[length:] = 0
+        mask = (torch.arange(SEQ) < length).long()
+        row = {"input_ids": ids, "attention_mask": mask}
+        kind = "causal_lm" if head == "moe_causal_lm" else head
+        if head.startswith("bert_"):  # sentence pairs: the second half of each row is segment B
+            row["token_type_ids"] = ((torch.arange(SEQ) >= length // 2) & (mask == 1)).long()
+            kind = head.removeprefix("bert_").replace("masked_lm", "mlm")
+        if kind == "mlm":  # the ids of ~30% of the real tokens, as a masking collator leaves them
+            row["labels"] = ids.masked_fill((torch.rand(SEQ, generator=g) > 0.3) | (mask == 0), -100)
+            row["labels"][0] = ids[0]  # every row holds at least one label
+        elif kind == "causal_lm":
+            row["labels"] = ids.masked_fill(mask == 0, -100)
+        elif kind in ("single_label", "hf_sequence_classifier"):
+            row["labels"] = torch.tensor(-100 if i == 2 else int(torch.randint(0, 3, (), generator=g)))
+        elif kind == "multi_label":
+            row["labels"] = torch.randint(0, 2, (3,), generator=g).float()
+        elif kind == "regression":
+            row["labels"] = torch.randn((), generator=g)
+        elif kind == "seq2seq_lm":  # targets of different lengths, padded with -100
+            row["labels"] = torch.randint(1, VOCAB, (TARGET,), generator=g)
+            row["labels"][1 + i % TARGET:] = -100
+        elif kind == "token_classification":
+            row["labels"] = torch.randint(0, 5, (SEQ,), generator=g).masked_fill(mask == 0, -100)
+        else:
+            row["start_positions"] = torch.randint(0, length, (), generator=g)
+            row["end_positions"] = torch.randint(0, length, (), generator=g)
+        rows.append(row)
+    return rows
+
+
+class FirstStepGradients(TrainerCallback):
+    """The gradients the first optimizer step applies (clipping is off)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=None) -> tuple[dict, float]:
+    """Gradients and logged loss of the first step over the same N samples."""
+    clock = FirstStepGradients()
+    args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                             max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True,
+                             parallel_config=parallel or mf.ParallelConfig())
+    trainer = Trainer(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock])
+    trainer.train()
+    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    trainer.engine.teardown()
+    return clock.grads, loss
+
+
+def assert_same(grads, loss, ref_grads, ref_loss):
+    assert math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
