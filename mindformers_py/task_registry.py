@@ -104,6 +104,8 @@ class TaskSpec:
         labels = batch.get(self.label_names[0])
         if not isinstance(labels, torch.Tensor):
             return None
+        if self.shifted_labels and isinstance(batch.get("shift_labels"), torch.Tensor):
+            return int((batch["shift_labels"] != IGNORE_INDEX).sum())  # pre-shifted targets: counted as they are
         if len(self.label_names) > 1:
             return int(labels.shape[0])
         if self.shifted_labels and labels.ndim >= 2:
@@ -139,7 +141,7 @@ class TaskSpec:
 
 
 def _causal_lm(outputs, labels, config, num_items):
-    return causal_lm_loss(outputs[0], labels[0], num_items)
+    return causal_lm_loss(outputs[0], labels[0], num_items_in_batch=num_items)
 
 
 def _token_level(outputs, labels, config, num_items):

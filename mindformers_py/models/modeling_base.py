@@ -9,10 +9,25 @@ from transformers.utils.output_capturing import OutputRecorder
 from ..layers import Attention, TransformerBlock
 from ..layers.moe import Router
 from .cache_names import CACHE_NAMES
+from .hf_config import own_config
 from .registry import register_with_peft
 
 
-class MindFormersPreTrainedModel(PreTrainedModel):
+class _TakesHFConfigs(type(PreTrainedModel)):
+    """Our model classes take transformers' configs of the architectures their family converts
+    (``GPTForCausalLM(LlamaConfig(...))``, ``BertModel(transformers.BertConfig(...))``), as transformers users build
+    random-init models: the config is converted before ``__init__`` runs, so the model and all its submodules share
+    one config of the family's own class."""
+
+    def __call__(cls, *args, **kwargs):
+        if args:
+            args = (own_config(cls.config_class, args[0]), *args[1:])
+        elif "config" in kwargs:
+            kwargs["config"] = own_config(cls.config_class, kwargs["config"])
+        return super().__call__(*args, **kwargs)
+
+
+class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
     """Base of every family's pretrained-model class.
 
     * ``accepts_loss_kwargs``: every head divides its loss by a ``num_items_in_batch`` it is given (the items of the
@@ -22,6 +37,7 @@ class MindFormersPreTrainedModel(PreTrainedModel):
       (computed under ``attn_implementation="eager"``, as in transformers), ``output_router_logits`` each MoE
       router's logits (tokens, experts).
     * models register the family with peft's defaults when they are built (peft may be imported after us).
+    * constructors (and so ``from_config``) take transformers' configs of the architectures the family converts.
     """
 
     supports_gradient_checkpointing = True

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, MindFormersError
+from ..hf_config import carry_general_fields
 from .configuration_bert import BertConfig
 
 SUPPORTED_HF_TYPES = ("bert", "roberta")
@@ -21,8 +22,6 @@ SUPPORTED_HF_TYPES = ("bert", "roberta")
 _SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "hidden_act", "max_position_embeddings", "type_vocab_size", "initializer_range", "pad_token_id",
                   "bos_token_id", "eos_token_id", "classifier_dropout", "tie_word_embeddings")
-# Task-head fields every PretrainedConfig has (classifier labels).
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 _HF_PREFIX = {"bert": "bert", "roberta": "roberta"}
 
 # (HF name inside the base model, ours inside the base model); {i} is the layer index, {p} weight or bias.
@@ -115,11 +114,7 @@ def config_from_hf(hf: dict[str, Any]) -> BertConfig:
         kwargs.update(padded_positions=True, mlm_head_act="gelu",
                       pooler_dropout=kwargs["hidden_dropout"] if classifier is None else classifier)
         kwargs.setdefault("pad_token_id", 1)
-    config = BertConfig(hf_architecture=kind, **kwargs)
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, BertConfig(hf_architecture=kind, **kwargs))
 
 
 def hf_type_for(config: BertConfig) -> str:
@@ -135,11 +130,11 @@ def config_to_hf(config: BertConfig):
 
     kind = hf_type_for(config)
     _check_exportable(config, kind)
-    kwargs = {k: getattr(config, k) for k in _SHARED_FIELDS + _TASK_FIELDS}
+    kwargs = {k: getattr(config, k) for k in _SHARED_FIELDS}
     kwargs.update(hidden_dropout_prob=config.hidden_dropout, attention_probs_dropout_prob=config.attention_dropout,
                   layer_norm_eps=config.norm_eps, position_embedding_type="absolute")
     cls = transformers.RobertaConfig if kind == "roberta" else transformers.BertConfig
-    return cls(**kwargs)
+    return carry_general_fields(config, cls(**kwargs))
 
 
 def _check_exportable(config: BertConfig, kind: str) -> None:

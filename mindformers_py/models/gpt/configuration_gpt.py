@@ -25,6 +25,65 @@ FLAVOURS: dict[str, dict[str, Any]] = {
 }
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 
+_MINDFORMERS_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                      "n_kv_heads": "num_key_value_heads", "seq_length": "max_position_embeddings",
+                      "ffn_hidden_size": "intermediate_size"}
+_FLAVOUR_NAMES = {
+    "gpt2": {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "norm_eps", "activation_function": "hidden_act", "resid_pdrop": "hidden_dropout",
+             "embd_pdrop": "embedding_dropout", "attn_pdrop": "attention_dropout"},
+    "llama": {"rms_norm_eps": "norm_eps"},
+}
+_TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    # MoE layers: the shared expert shards like an MLP; routed experts are split by expert parallelism instead.
+    "layers.*.mlp.shared_expert.gate_proj": "colwise",
+    "layers.*.mlp.shared_expert.up_proj": "colwise",
+    "layers.*.mlp.shared_expert.down_proj": "rowwise",
+}
+
+
+def _tp_plan_of(config: "GPTConfig") -> dict[str, str]:
+    """The entries of the plan whose modules this config's model has: the dense MLP (its gate only when gated)
+    when some layer is dense, the shared expert only in MoE layers that have one."""
+    moe = config.moe
+    dense = moe is None or bool(moe.mlp_only_layers)
+    shared = moe is not None and moe.shared_expert_num > 0
+
+    def exists(name: str) -> bool:
+        if ".mlp.shared_expert." in name:
+            return shared
+        if ".mlp." in name:
+            return dense and (config.gated_mlp or not name.endswith("gate_proj"))
+        return True
+
+    return {name: style for name, style in _TP_PLAN.items() if exists(name)}
+
+
+class _ByFlavour:
+    """A class attribute whose value depends on the config it is read from: read from the class, ``default``; read
+    from a config, ``of(config)`` (a function), or the ``default`` combined with ``of[config.flavour]`` (a table of
+    dicts, with ``combine``). Never stored in the instance, so never saved in ``config.json``."""
+
+    def __init__(self, default: dict, of, combine: bool = False) -> None:
+        self.default, self.of, self.combine = default, of, combine
+        self.tables = {key: {**default, **extra} for key, extra in of.items()} if combine else {}
+
+    def __get__(self, config, owner=None):
+        if config is None:
+            return self.default
+        if self.combine:  # read on every attribute access (transformers' alias lookup): no recursion, no copies
+            return self.tables.get(object.__getattribute__(config, "__dict__").get("flavour"), self.default)
+        return self.of(config)
+
 
 class GPTConfig(PretrainedConfig):
     """Configuration of :class:`GPTModel` and its heads (a transformers ``PretrainedConfig``).
@@ -41,28 +100,12 @@ class GPTConfig(PretrainedConfig):
     # Not remote code: our classes are registered with transformers' Auto classes on import. Tools that resolve a
     # non-transformers architecture through ``config.auto_map`` (trl) then fall back to those Auto classes.
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    attribute_map: ClassVar[dict[str, str]] = {
-        "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads",
-        "n_kv_heads": "num_key_value_heads",
-        "seq_length": "max_position_embeddings",
-        "ffn_hidden_size": "intermediate_size",
-    }
-    # How tensor parallelism shards each layer (HF's plan vocabulary, applied by mindformers_py.parallel).
-    base_model_tp_plan: ClassVar[dict[str, str]] = {
-        "embed_tokens": "embedding_rowwise",
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-        # MoE layers: the shared expert shards like an MLP; routed experts are split by expert parallelism instead.
-        "layers.*.mlp.shared_expert.gate_proj": "colwise",
-        "layers.*.mlp.shared_expert.up_proj": "colwise",
-        "layers.*.mlp.shared_expert.down_proj": "rowwise",
-    }
+    # Other names of the fields: MindFormers' for every flavour, and each flavour's transformers names (a GPT-2
+    # flavoured config answers ``n_layer``, ``n_embd``, ... as transformers' ``GPT2Config`` does).
+    attribute_map = _ByFlavour(_MINDFORMERS_NAMES, _FLAVOUR_NAMES, combine=True)
+    # How tensor parallelism shards each layer (HF's plan vocabulary, applied by mindformers_py.parallel). Read from
+    # a config, it names only the modules that model has (see _tp_plan_of); read from the class, every entry.
+    base_model_tp_plan = _ByFlavour(_TP_PLAN, _tp_plan_of)
     # How pipeline parallelism cuts the base model: module name -> (inputs, outputs).
     base_model_pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -88,7 +131,8 @@ class GPTConfig(PretrainedConfig):
     intermediate_size: int | None = None
     """MLP hidden size; None means 4·hidden (gpt2) or Llama's rounded 8/3·hidden (llama)."""
     max_position_embeddings: int = 1024
-    """Longest sequence (context length) the model accepts."""
+    """Positions the model was built for: the size of the learned position table (GPT-2: the longest input), or
+    the rotary context length that rope scaling refers to (Llama: longer inputs run, as in transformers)."""
     position_embedding_type: str | None = None
     """``"learned"`` absolute positions or ``"rope"`` rotary positions."""
     rope_parameters: dict | None = None
@@ -187,6 +231,12 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the positions can number: ``max_position_embeddings`` for learned positions, None
+        (no limit) for rotary ones, which transformers computes for any length (rope scaling relies on it)."""
+        return self.max_position_embeddings if self.position_embedding_type == "learned" else None
 
     @property
     def moe(self) -> MoEConfig | None:

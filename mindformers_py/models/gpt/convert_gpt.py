@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, MindFormersError
+from ..hf_config import carry_general_fields
 from .configuration_gpt import GPTConfig
 
 SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
@@ -28,8 +29,6 @@ _LLAMA_LIKE_FIELDS = (
     "tie_word_embeddings", "rope_parameters", "attention_dropout",
 )
 _SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Task-head fields every PretrainedConfig has (classifier labels).
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 # --------------------------------------------------------------------------- configs
@@ -38,11 +37,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     kind = hf.get("model_type")
     if kind not in SUPPORTED_HF_TYPES:
         raise ConfigError(f"model_type={kind!r} is not a supported HF architecture for the GPT family; supported: {', '.join(SUPPORTED_HF_TYPES)}")
-    config = _config_from_hf(hf, kind)
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, _config_from_hf(hf, kind))
 
 
 def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
@@ -126,11 +121,15 @@ def hf_type_for(config: GPTConfig) -> str:
 
 def config_to_hf(config: GPTConfig):
     """A transformers config object (``GPT2Config``, ``LlamaConfig``, ...) equivalent to ``config``."""
-    import transformers
-
     kind = hf_type_for(config)
     _check_exportable(config, kind)
-    tokens = {k: getattr(config, k) for k in _SPECIAL_TOKEN_FIELDS + _TASK_FIELDS}
+    return carry_general_fields(config, _config_to_hf(config, kind))
+
+
+def _config_to_hf(config: GPTConfig, kind: str):
+    import transformers
+
+    tokens = {k: getattr(config, k) for k in _SPECIAL_TOKEN_FIELDS}
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
@@ -139,7 +138,7 @@ def config_to_hf(config: GPTConfig):
             attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
             tie_word_embeddings=config.tie_word_embeddings, **tokens,
         )
-    kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS + _TASK_FIELDS}
+    kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
     kwargs.update(rms_norm_eps=config.norm_eps, hidden_act=config.hidden_act)
     if kind == "llama":
         return transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **kwargs)

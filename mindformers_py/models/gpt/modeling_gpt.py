@@ -36,8 +36,8 @@ from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
-from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, shift_labels, \
-    token_cross_entropy
+from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, \
+    shift_labels as next_token_targets, token_cross_entropy
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -183,9 +183,11 @@ class GPTModel(GPTPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None))
 
     def _check_context(self, needed: int, what: str) -> None:
-        if needed > self.config.max_position_embeddings:
-            raise MindFormersError(f"{what} exceeds the context length max_position_embeddings="
-                                   f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
+        """Learned positions end at their table (rotary ones have no end: transformers runs them at any length)."""
+        limit = self.config.position_limit
+        if limit is not None and needed > limit:
+            raise MindFormersError(f"{what} exceeds the context length max_position_embeddings={limit}; shorten the "
+                                   "prompt or max_new_tokens")
 
 
 class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
@@ -228,11 +230,13 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss.
+        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss (with a
+        ``shift_labels`` keyword too, those pre-shifted targets are scored instead, as transformers does).
 
         An MoE model with ``output_router_logits`` (argument or config) also returns the load-balancing ``aux_loss``
         and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
         (:meth:`router_loss`), as transformers' Mixtral does."""
+        shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
@@ -242,14 +246,16 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         elif isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden)  # (B, T, V)
-        loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         if self.config.moe is None:
             return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         aux_loss = None
         requested = kwargs.get("output_router_logits")
         if self.config.output_router_logits if requested is None else requested:
-            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch)
+            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch, shift_labels=shifted)
             if loss is not None:
                 loss = loss + router_loss
         return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
@@ -258,7 +264,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
     def router_loss(self, router_stats: torch.Tensor, labels: torch.Tensor | None = None,
                     num_items_in_batch: int | torch.Tensor | None = None,
-                    counted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    counted: bool = True, shift_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(aux_loss, loss)``: this forward's load-balancing loss (transformers' ``aux_loss``) and the router
         losses to add to the language-model loss, ``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss.
 
@@ -270,7 +276,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         aux, z = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope)
         if labels is None:
             return aux, moe.aux_loss_factor * aux + moe.z_loss_factor * z
-        items = (shift_labels(labels) != IGNORE_INDEX).sum(-1).to(router_stats.device)
+        targets = next_token_targets(labels) if shift_labels is None else shift_labels
+        items = (targets != IGNORE_INDEX).sum(-1).to(router_stats.device)
         aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
         if counted and self.training and self.training_metrics is not None:
             self.training_metrics.add(router_stats, aux_share, z_share)

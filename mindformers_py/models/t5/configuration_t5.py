@@ -109,8 +109,8 @@ class T5Config(PretrainedConfig):
     relative_attention_max_distance: int = 128
     """Distances from here on share the last bucket."""
     max_position_embeddings: int = 512
-    """Longest source (and target) sequence the model accepts (``n_positions``; T5 trained on 512 tokens). The
-    relative bias itself has no length limit; longer inputs are refused with a one-line error."""
+    """The sequence length the model was trained for (``n_positions``; T5 trained on 512 tokens). The relative
+    position bias has no length limit, so longer inputs run, as in transformers (which does not read it either)."""
     dropout_rate: float = 0.1
     """Dropout after the embeddings, on attention probabilities, inside the feed-forward, on every residual branch
     and after each stack's final norm."""
@@ -196,6 +196,11 @@ class T5Config(PretrainedConfig):
     def num_key_value_heads(self) -> int:
         """Key/value heads: one per query head (T5 has no grouped-query attention)."""
         return self.num_attention_heads
+
+    @property
+    def position_limit(self) -> None:
+        """No limit on the sequence length: relative positions are bucketed, whatever the distance."""
+        return None
 
     @property
     def scales_decoder_outputs(self) -> bool:

@@ -154,7 +154,6 @@ class T5Stack(T5PreTrainedModel):
         batch, length = hidden_states.shape[:2]
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         past = int(self_cache.get_seq_length()) if self_cache is not None else 0
-        self._check_length(past + length)
         if self_cache is not None:
             kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
@@ -177,14 +176,6 @@ class T5Stack(T5PreTrainedModel):
             hidden_states = self.final_dropout(self.norm(hidden_states))
         return T5StackOutput(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None),
                              position_bias=position_bias if return_position_bias else None)
-
-    def _check_length(self, needed: int) -> None:
-        limit = self.config.max_position_embeddings
-        if needed > limit:
-            what = "target (decoder input)" if self.is_decoder else "source (encoder input)"
-            raise MindFormersError(f"the {what} has {needed} tokens, more than the model's limit max_position_embeddings="
-                                   f"{limit}; truncate it (tokenizer(..., truncation=True, max_length={limit})) or "
-                                   "raise max_position_embeddings")
 
 
 def _key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -426,6 +417,9 @@ class T5EncoderModel(T5PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: T5Config) -> None:
+        # An encoder alone keeps no cache and is no encoder-decoder: its config says so, as transformers' does.
+        config.use_cache = False
+        config.is_encoder_decoder = False
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size)
         self.encoder = T5Stack(config, is_decoder=False)

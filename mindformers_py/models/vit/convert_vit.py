@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, ConfigError
+from ..hf_config import carry_general_fields
 from .configuration_vit import ViTConfig
 
 SUPPORTED_HF_TYPES = ("vit",)
 HF_PREFIX = "vit."
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 # HF config field -> ours (same meaning; the aliases of ViTConfig).
 _CONFIG_FIELDS = {
     "image_size": "image_size", "patch_size": "patch_size", "num_channels": "num_channels", "hidden_size": "hidden_size",
@@ -42,10 +42,7 @@ def config_from_hf(hf: dict[str, Any]) -> ViTConfig:
         raise ConfigError(f"patch_size={hf['patch_size']!r} is not supported: ViT checkpoints with non-square patches "
                           "cannot interpolate their positions; expected one integer")
     config = ViTConfig(**{ours: hf[theirs] for theirs, ours in _CONFIG_FIELDS.items() if hf.get(theirs) is not None})
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, config)
 
 
 def hf_type_for(config: ViTConfig) -> str:
@@ -58,8 +55,7 @@ def config_to_hf(config: ViTConfig):
     import transformers
 
     kwargs = {theirs: getattr(config, ours) for theirs, ours in _CONFIG_FIELDS.items()}
-    kwargs.update({k: getattr(config, k) for k in _TASK_FIELDS})
-    return transformers.ViTConfig(**kwargs)
+    return carry_general_fields(config, transformers.ViTConfig(**kwargs))
 
 
 # --------------------------------------------------------------------------- weights

@@ -1,0 +1,173 @@
+"""transformers' model contract on our classes (issue 18): models built from HF configs, every general config
+setting carried over, the causal-LM loss with ``shift_labels``, rotary models past ``max_position_embeddings``, the
+config names and tensor-parallel plans a model of each flavour answers. Each is checked against transformers' own
+model (or config) on the same weights, in fp32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import mindformers_py as mf
+from hf_models import tiny_hf_config, tiny_hf_model
+from mindformers_py.errors import ConfigError
+from mindformers_py.models import hf_config
+from mindformers_py.models.gpt import convert_gpt
+
+
+def _ours_from(hf_model, cls=None):
+    """Our model built from the HF model's config object, holding its weights."""
+    ours = (cls or mf.GPTForCausalLM)(hf_model.config).eval()
+    ours.load_state_dict(convert_gpt.state_dict_from_hf(hf_model.state_dict(), ours.config))
+    return ours
+
+
+# -- 1. models built from HF configs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
+def test_models_are_built_from_transformers_configs(kind):
+    hf = tiny_hf_model(kind)
+    ours = _ours_from(hf)
+    assert isinstance(ours.config, mf.GPTConfig) and ours.model.config is ours.config
+    assert ours.config.hf_architecture == kind
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    random = mf.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+    assert isinstance(random, mf.GPTForCausalLM) and random.config.num_hidden_layers == 2
+    assert isinstance(mf.AutoModel.from_config(tiny_hf_config(kind)), mf.GPTModel)
+    with pytest.raises(ConfigError, match="BertConfig .*cannot build this model; pass a GPTConfig or transformers' gpt2"):
+        mf.GPTModel(transformers.BertConfig())
+
+
+# -- 2. the general config settings ------------------------------------------------------------------------------------
+
+GENERAL_VALUES = dict(
+    return_dict=False, output_hidden_states=True, use_cache=False, chunk_size_feed_forward=3,
+    id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2},
+    problem_type="single_label_classification", finetuning_task="sst2", tokenizer_class="PreTrainedTokenizerFast",
+    prefix="say: ", task_specific_params={"summarization": {"num_beams": 2}}, bos_token_id=1, pad_token_id=0,
+    eos_token_id=2, sep_token_id=3, decoder_start_token_id=4, tie_word_embeddings=False, is_decoder=True,
+    add_cross_attention=False, tie_encoder_decoder=False, dtype=torch.bfloat16,
+)
+
+
+def _hf_configs():
+    from bert_models import tiny_bert_config
+    from t5_models import tiny_hf_config as tiny_t5_config
+
+    return {"llama": tiny_hf_config("llama"), "gpt2": tiny_hf_config("gpt2"), "bert": tiny_bert_config("bert"),
+            "t5": tiny_t5_config("t5"), "vit": transformers.ViTConfig(hidden_size=32, num_hidden_layers=1,
+                                                                          num_attention_heads=4, image_size=8, patch_size=4)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "t5", "vit"])
+def test_every_general_config_setting_survives_a_round_trip(kind, tmp_path):
+    hf = _hf_configs()[kind]
+    for name, value in GENERAL_VALUES.items():
+        setattr(hf, name, value)
+    hf.output_attentions = True  # sets the eager implementation, as in transformers
+    hf.save_pretrained(tmp_path)
+    family = mf.models.registry.family_for_model_type(hf.model_type)
+    for ours in (mf.AutoConfig.from_pretrained(tmp_path), hf_config.own_config(family.config_class, hf)):
+        back = family.converter.config_to_hf(ours)
+        for name in (*GENERAL_VALUES, "output_attentions"):
+            expected = getattr(hf, name)
+            assert getattr(ours, name) == expected, name
+            assert getattr(back, name) == expected, name
+    assert hf_config.own_config(family.config_class, hf)._attn_implementation == "eager"
+
+
+def test_general_settings_reach_the_model(tmp_path):
+    hf = tiny_hf_model("gpt2")
+    hf.save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(3, 128, (1, 5))
+    config = transformers.GPT2Config.from_pretrained(tmp_path / "gpt2", output_hidden_states=True)
+    out = mf.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", config=config)(ids)
+    assert out.hidden_states is not None and len(out.hidden_states) == 3
+    saved = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**saved, "output_hidden_states": True,
+                                                               "gradient_checkpointing": True}))
+    model = mf.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    assert len(model(ids).hidden_states) == 3
+    assert model.is_gradient_checkpointing and transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path / "gpt2").is_gradient_checkpointing
+    from t5_models import tiny_hf_config as tiny_t5_config
+
+    encoder = mf.T5EncoderModel(tiny_t5_config("t5"))
+    reference = transformers.T5EncoderModel(tiny_t5_config("t5"))
+    assert encoder.config.is_encoder_decoder is reference.config.is_encoder_decoder is False
+    assert encoder.config.use_cache is reference.config.use_cache is False
+
+
+# -- 3. the causal-LM loss with shift_labels ---------------------------------------------------------------------------
+
+
+def test_causal_lm_loss_takes_shift_labels_as_transformers():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from mindformers_py.layers import causal_lm_loss
+
+    hf = tiny_hf_model("llama")
+    ours = _ours_from(hf)
+    ids = torch.randint(3, 128, (2, 9))
+    shifted = torch.randint(3, 128, (2, 9))
+    shifted[0, :4] = -100
+    with torch.no_grad():
+        for kwargs in ({}, {"shift_labels": shifted}, {"shift_labels": shifted, "num_items_in_batch": 11}):
+            a, b = ours(ids, labels=ids, **kwargs).loss, hf(ids, labels=ids, **kwargs).loss
+            assert abs(a - b) <= 1e-5, kwargs
+        assert ours(ids, labels=ids).loss != ours(ids, labels=ids, shift_labels=shifted).loss
+        logits = torch.randn(2, 9, 128)
+        for kwargs in ({}, {"shift_labels": shifted, "num_items_in_batch": torch.tensor(7)}):
+            assert torch.allclose(causal_lm_loss(logits, ids, 128, **kwargs), ForCausalLMLoss(logits, ids, 128, **kwargs))
+    batch = {"labels": ids, "shift_labels": shifted}
+    assert mf.task_registry.get_task("causal_lm").count_items(batch) == int((shifted != -100).sum())
+
+
+# -- 4. rotary positions past max_position_embeddings ------------------------------------------------------------------
+
+
+def test_rotary_models_run_past_max_position_embeddings():
+    hf = tiny_hf_model("llama")  # max_position_embeddings = 64
+    ours = _ours_from(hf)
+    ids = torch.randint(3, 128, (1, 80))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids[:, :60], **kw), hf.generate(ids[:, :60], **kw))
+    learned = _ours_from(tiny_hf_model("gpt2"))
+    with pytest.raises(mf.MindFormersError, match="exceeds the context length max_position_embeddings=64"):
+        learned(ids)
+
+
+# -- 9. config names, 10. tensor-parallel plans ------------------------------------------------------------------------
+
+
+def test_each_flavour_answers_its_transformers_names():
+    gpt2 = mf.GPTForCausalLM(tiny_hf_config("gpt2")).config
+    reference = tiny_hf_config("gpt2")
+    for name in ("n_layer", "n_embd", "n_head", "n_positions", "layer_norm_epsilon", "activation_function"):
+        assert getattr(gpt2, name) == getattr(reference, name), name
+    gpt2.n_layer = 3
+    assert gpt2.num_hidden_layers == 3 and "n_layer" not in gpt2.to_dict()
+    llama = mf.GPTConfig(flavour="llama", rms_norm_eps=1e-5)
+    assert llama.norm_eps == llama.rms_norm_eps == 1e-5 and not hasattr(llama, "n_layer")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
+    import re
+
+    model = mf.GPTModel(tiny_hf_config(kind))
+    names = [name for name, _ in model.named_modules()]
+    plan = model.config.base_model_tp_plan
+    for pattern in plan:
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        assert any(regex.match(name) for name in names), pattern
+    assert set(plan) <= set(mf.GPTConfig.base_model_tp_plan)
+    assert any("shared_expert" in p for p in plan) == (kind == "qwen2_moe")
