@@ -171,3 +171,40 @@ def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
         assert any(regex.match(name) for name in names), pattern
     assert set(plan) <= set(mf.GPTConfig.base_model_tp_plan)
     assert any("shared_expert" in p for p in plan) == (kind == "qwen2_moe")
+
+
+# -- 5. configs transformers runs: Mixtral's router jitter, GPT-2's attention options ----------------------------------
+
+
+def test_mixtral_router_jitter_noise_matches_transformers_in_training():
+    hf = tiny_hf_model("mixtral", router_jitter_noise=0.1)
+    ours = _ours_from(hf)
+    assert ours.config.moe.router_jitter_noise == 0.1
+    assert mf.models.gpt.convert_gpt.config_to_hf(ours.config).router_jitter_noise == 0.1
+    ids = torch.randint(3, 128, (2, 9))
+    hf.train(), ours.train()
+    torch.manual_seed(3)
+    jittered = ours(ids).logits
+    torch.manual_seed(3)
+    assert (jittered - hf(ids).logits).abs().max() <= 1e-4  # the same noise, drawn at the same place
+    hf.eval(), ours.eval()
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4  # no noise in evaluation
+        assert (ours(ids).logits - jittered).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("options", [dict(scale_attn_by_inverse_layer_idx=True), dict(reorder_and_upcast_attn=True),
+                                     dict(scale_attn_weights=False, reorder_and_upcast_attn=True)])
+def test_gpt2_attention_options_are_layer_options(options, impl):
+    hf = tiny_hf_model("gpt2", **options)
+    hf.config._attn_implementation = impl
+    ours = _ours_from(hf)
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+        if impl == "eager" and options.get("reorder_and_upcast_attn"):  # the fp32 scores show under bf16
+            a, b = ours.to(torch.bfloat16)(ids).logits.float(), hf.to(torch.bfloat16)(ids).logits.float()
+            assert (a - b).abs().max() <= 2e-2
+    back = mf.models.gpt.convert_gpt.config_to_hf(ours.config)
+    assert all(getattr(back, k) == v for k, v in options.items())

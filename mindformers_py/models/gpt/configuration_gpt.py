@@ -157,6 +157,13 @@ class GPTConfig(PretrainedConfig):
     """Share the LM head weight with the token embedding."""
     sliding_window: int | None = None
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
+    scale_attn_weights: bool = True
+    """Scale the attention scores by ``head_dim ** -0.5``; False leaves them unscaled (GPT-2's option)."""
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Also divide layer i's attention scores by i + 1 (GPT-2's option, for stable deep models)."""
+    reorder_and_upcast_attn: bool = False
+    """Under the eager attention implementation, compute the scores and their softmax in float32 whatever the
+    activations' dtype (GPT-2's option, for mixed precision; the SDPA path is unchanged, as in transformers)."""
     embedding_dropout: float = 0.0
     """Dropout after the embeddings."""
     attention_dropout: float = 0.0
@@ -231,6 +238,12 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax scale the attention layers use: None (``head_dim ** -0.5``) or 1.0 without
+        ``scale_attn_weights``."""
+        return None if self.scale_attn_weights else 1.0
 
     @property
     def position_limit(self) -> int | None:

@@ -29,6 +29,9 @@ _LLAMA_LIKE_FIELDS = (
     "tie_word_embeddings", "rope_parameters", "attention_dropout",
 )
 _SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# GPT-2's attention options (same names on both sides) and their defaults; the other architectures have none.
+_GPT2_ATTENTION_OPTIONS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                           "reorder_and_upcast_attn": False}
 
 
 # --------------------------------------------------------------------------- configs
@@ -42,8 +45,9 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
     if kind == "gpt2":
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or hf.get("add_cross_attention"):
-            raise ConfigError("gpt2 checkpoints with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or add_cross_attention are not supported")
+        if hf.get("add_cross_attention"):
+            raise ConfigError("gpt2 checkpoints with add_cross_attention=true (GPT-2 as the decoder of an "
+                              "EncoderDecoderModel) are not supported; supported: add_cross_attention=false")
         n_embd = hf.get("n_embd", 768)
         return GPTConfig(
             flavour="gpt2", hf_architecture="gpt2", vocab_size=hf.get("vocab_size", 50257), hidden_size=n_embd,
@@ -53,6 +57,7 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
             embedding_dropout=hf.get("embd_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
             hidden_dropout=hf.get("resid_pdrop", 0.1), initializer_range=hf.get("initializer_range", 0.02),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            **{k: hf.get(k, default) for k, default in _GPT2_ATTENTION_OPTIONS.items()},
             **{k: hf.get(k) for k in _SPECIAL_TOKEN_FIELDS},
         )
     kwargs = {k: hf[k] for k in _LLAMA_LIKE_FIELDS if hf.get(k) is not None}
@@ -87,10 +92,8 @@ def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -
                                num_experts_chosen=hf.get("num_experts_per_tok", 2),
                                aux_loss_factor=hf.get("router_aux_loss_coef", 0.001))
     if kind == "mixtral":
-        if hf.get("router_jitter_noise"):
-            raise ConfigError(f"mixtral checkpoints with router_jitter_noise={hf['router_jitter_noise']} are not supported; "
-                              "set router_jitter_noise=0 in config.json")
-        moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True)
+        moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True,
+                   router_jitter_noise=hf.get("router_jitter_noise") or 0.0)
         kwargs["sliding_window"] = hf.get("sliding_window")
     else:  # qwen2_moe: experts of their own size, a gated shared expert, some layers possibly dense
         if hf.get("use_sliding_window"):
@@ -137,6 +140,7 @@ def _config_to_hf(config: GPTConfig, kind: str):
             activation_function=config.hidden_act, layer_norm_epsilon=config.norm_eps, embd_pdrop=config.embedding_dropout,
             attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
             tie_word_embeddings=config.tie_word_embeddings, **tokens,
+            **{k: getattr(config, k) for k in _GPT2_ATTENTION_OPTIONS},
         )
     kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
     kwargs.update(rms_norm_eps=config.norm_eps, hidden_act=config.hidden_act)
@@ -152,7 +156,8 @@ def _config_to_hf(config: GPTConfig, kind: str):
                       output_router_logits=config.output_router_logits)
         if kind == "mixtral":  # its only MLPs are the experts, sized by intermediate_size
             kwargs["intermediate_size"] = moe.expert_size(config.intermediate_size)
-            return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num, **kwargs)
+            return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num,
+                                              router_jitter_noise=moe.router_jitter_noise, **kwargs)
         kwargs.pop("head_dim")
         return transformers.Qwen2MoeConfig(
             num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, qkv_bias=config.attention_bias,
@@ -177,6 +182,8 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         "qwen2_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=False,
                           mlp_bias=False, sliding_window=None, head_dim=config.hidden_size // config.num_attention_heads),
     }[kind]
+    if kind != "gpt2":
+        wanted.update(_GPT2_ATTENTION_OPTIONS)
     for field, value in wanted.items():
         if getattr(config, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")
@@ -190,6 +197,9 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         raise MindFormersError(f"cannot export to HF {kind}: transformers never drops tokens, so it needs "
                                f"moe_config.routing_policy='dropless', the model has {moe.routing_policy!r}")
     if kind == "qwen2_moe":
+        if moe.router_jitter_noise:
+            raise MindFormersError("cannot export to HF qwen2_moe: it has no router jitter, the model has "
+                                   f"moe_config.router_jitter_noise={moe.router_jitter_noise}; export as mixtral or set it to 0")
         if not moe.shared_expert_num or not moe.use_shared_expert_gating:
             raise MindFormersError("cannot export to HF qwen2_moe: it needs a gated shared expert (moe_config."
                                    "shared_expert_num >= 1, use_shared_expert_gating=true)")
