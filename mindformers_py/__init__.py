@@ -15,7 +15,11 @@ from .auto import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
+    AutoModelForMaskedImageModeling,
     AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForNextSentencePrediction,
+    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -26,20 +30,24 @@ from .convert import convert_checkpoint
 from .errors import CheckpointError, ConfigError, MindFormersError
 from .models.gpt import (
     GPTConfig,
+    GPTDoubleHeadsModel,
     GPTForCausalLM,
     GPTForQuestionAnswering,
     GPTForSequenceClassification,
     GPTForTokenClassification,
     GPTModel,
 )
-from .models.vit import ViTConfig, ViTForImageClassification, ViTModel
+from .models.vit import ViTConfig, ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 from .models.bert import (
     BertConfig,
     BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
     BertForPreTraining,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
+    BertLMHeadModel,
     BertModel,
 )
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
@@ -58,6 +66,8 @@ __all__ = [
     "Trainer", "TrainingArguments", "pipeline",
     "AutoImageProcessor", "ViTConfig", "ViTModel", "ViTForImageClassification",
     "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
-    "BertForQuestionAnswering", "BertForPreTraining",
+    "BertForQuestionAnswering", "BertForPreTraining", "BertLMHeadModel", "BertForMultipleChoice",
+    "BertForNextSentencePrediction", "GPTDoubleHeadsModel", "ViTForMaskedImageModeling", "AutoModelForMultipleChoice",
+    "AutoModelForPreTraining", "AutoModelForNextSentencePrediction", "AutoModelForMaskedImageModeling",
     "AutoModelForTextEncoding", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]

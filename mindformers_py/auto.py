@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -145,37 +145,63 @@ class _AutoModel:
         Takes transformers' loading arguments (:data:`LOADING_KWARGS`, see :func:`apply_loading_options`) with their
         meanings; every other keyword is a config field overriding the stored value (``num_labels=3``, dropout, ...).
         """
-        if model_args:
-            raise ConfigError(f"{cls.__name__}.from_pretrained takes no positional model arguments after the path "
-                              f"(got {len(model_args)}); pass config fields as keywords")
-        name_or_path = resolve_checkpoint_name(name_or_path)
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
-        folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
-        source = folder if folder.is_dir() else name_or_path
-        if options.get("use_safetensors") is False:
-            raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
-                                  "loaded (unpickling can run code); convert the checkpoint to safetensors")
-        if options.get("config") is not None:
-            config, family, from_hf = _given_config(options["config"], source, kwargs)
-        else:
-            config, family, from_hf = resolve_config(source, **kwargs)
-        config._name_or_path = str(name_or_path)
-        attn = options.get("attn_implementation")
-        if attn is not None:
-            check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
-            config._attn_implementation = attn
-        model_class = cls._model_class(family)  # a head the family lacks is refused before any weight is read
-        state = load_state_dict(folder) if folder.is_dir() else None
-        if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
-            state = family.converter.state_dict_from_hf(state, config)
-        model = model_class(config)
-        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        if state is not None:
-            info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
-            if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-                model.generation_config = GenerationConfig.from_pretrained(folder)
-        model = apply_loading_options(model.eval(), options, folder)
-        return (model, info) if options.get("output_loading_info") else model
+        return load_pretrained(cls._model_class, name_or_path, *model_args, caller=cls.__name__, **kwargs)
+
+
+def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], name_or_path: str | os.PathLike,
+                    *model_args: Any, caller: str = "from_pretrained", **kwargs: Any) -> Any:
+    """The loading behind every ``from_pretrained`` of ours (see :meth:`_AutoModel.from_pretrained`): the config of
+    the preset or checkpoint, the model class ``choose_class`` picks for its family, the weights (converted from an
+    HF checkpoint), transformers' loading options."""
+    if model_args:
+        raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
+                          f"(got {len(model_args)}); pass config fields as keywords")
+    name_or_path = resolve_checkpoint_name(name_or_path)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
+    folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
+    source = folder if folder.is_dir() else name_or_path
+    if options.get("use_safetensors") is False:
+        raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
+                              "loaded (unpickling can run code); convert the checkpoint to safetensors")
+    if options.get("config") is not None:
+        config, family, from_hf = _given_config(options["config"], source, kwargs)
+    else:
+        config, family, from_hf = resolve_config(source, **kwargs)
+    config._name_or_path = str(name_or_path)
+    attn = options.get("attn_implementation")
+    if attn is not None:
+        check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+        config._attn_implementation = attn
+    model_class = choose_class(family)  # a head the family lacks is refused before any weight is read
+    state = load_state_dict(folder) if folder.is_dir() else None
+    if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
+        state = family.converter.state_dict_from_hf(state, config)
+    model = model_class(config)
+    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    if state is not None:
+        info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
+        if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+    model = apply_loading_options(model.eval(), options, folder)
+    return (model, info) if options.get("output_loading_info") else model
+
+
+def load_model_class(model_class: type[PreTrainedModel], name_or_path: str | os.PathLike, *model_args: Any,
+                     **kwargs: Any) -> Any:
+    """``model_class.from_pretrained`` for a preset or an HF checkpoint of an architecture its family converts
+    (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``, as ``LlamaForCausalLM.from_pretrained`` is written):
+    loaded as the Auto classes load them, into ``model_class``."""
+
+    def choose(family: Family) -> type[PreTrainedModel]:
+        if not issubclass(model_class.config_class, family.config_class):
+            raise ConfigError(f"{name_or_path} holds a {family.name} model; {model_class.__name__} is not one of that "
+                              f"family's classes")
+        return model_class
+
+    return load_pretrained(choose, name_or_path, *model_args, caller=model_class.__name__, **kwargs)
+
+
+registry.CHECKPOINT_LOADER[0] = load_model_class
 
 
 LOADING_KWARGS = (
@@ -360,31 +386,73 @@ class AutoModelForImageClassification(_AutoModel):
     _task = "image_classification"
 
 
-class AutoModelForTextEncoding(_AutoModel):
-    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
-    name: text embeddings, or a base for classifiers."""
+class AutoModelForMultipleChoice(_AutoModel):
+    """A model scoring the choices of (batch, choices, length) inputs (SWAG-style multiple choice)."""
+
+    _task = "multiple_choice"
+
+
+class _ExtraAutoModel(_AutoModel):
+    """An Auto class for model classes that serve no training task of the registry, by the transformers Auto class
+    of the same name (``Family.extra_model_classes``)."""
 
     _task = BASE
+    _what = "model"
 
     @classmethod
     def _model_class(cls, family: Family) -> type[PreTrainedModel]:
         try:
             return family.extra_model_classes[cls.__name__]
         except KeyError:
-            raise ConfigError(f"the {family.name} family has no text-encoder model; families with one: "
+            raise ConfigError(f"the {family.name} family has no {cls._what}; families with one: "
                               f"{', '.join(f.name for f in registry.FAMILIES if cls.__name__ in f.extra_model_classes)}") from None
+
+
+class AutoModelForTextEncoding(_ExtraAutoModel):
+    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
+    name: text embeddings, or a base for classifiers."""
+
+    _what = "text-encoder model"
+
+
+class AutoModelForPreTraining(_ExtraAutoModel):
+    """A model with its pretraining heads (``BertForPreTraining``: masked LM and next-sentence prediction)."""
+
+    _what = "pretraining model"
+
+
+class AutoModelForNextSentencePrediction(_ExtraAutoModel):
+    """A model with a next-sentence-prediction head (``BertForNextSentencePrediction``)."""
+
+    _what = "next-sentence-prediction model"
+
+
+class AutoModelForMaskedImageModeling(_ExtraAutoModel):
+    """A vision model reconstructing masked patches (``ViTForMaskedImageModeling``, SimMIM)."""
+
+    _what = "masked-image-modelling model"
+
+
+EXTRA_AUTO_CLASSES: dict[str, type[_ExtraAutoModel]] = {
+    cls.__name__: cls for cls in (AutoModelForTextEncoding, AutoModelForPreTraining, AutoModelForNextSentencePrediction,
+                                  AutoModelForMaskedImageModeling)
+}
+"""Our Auto classes of the families' ``extra_model_classes``, by name."""
 
 
 _AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     cls._task: cls for cls in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
                                AutoModelForTokenClassification, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
-                               AutoModelForImageClassification)
+                               AutoModelForImageClassification, AutoModelForMultipleChoice)
 }
 assert set(_AUTO_CLASSES) == {BASE, *TASKS}, "every task of the registry has its Auto class"
 
 
 def auto_class_for(task: str) -> type[_AutoModel]:
-    """The Auto class of ``"base"`` or a task name or alias of the task registry."""
+    """The Auto class of ``"base"``, a task name or alias of the task registry, or an extra model class's Auto class
+    name (``"AutoModelForPreTraining"``)."""
+    if task in EXTRA_AUTO_CLASSES:
+        return EXTRA_AUTO_CLASSES[task]
     return _AUTO_CLASSES[task if task == BASE else get_task(task).name]
 
 
@@ -396,6 +464,7 @@ def auto_class_for_architectures(architectures: Sequence[str] | None) -> type[_A
 
 
 __all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
-           "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+           "AutoModelForMaskedImageModeling", "AutoModelForMultipleChoice", "AutoModelForNextSentencePrediction",
+           "AutoModelForPreTraining", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
            "AutoModelForTextEncoding", "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
            "MindFormersError"]

@@ -99,6 +99,15 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
     raise invalid_choice("problem_type", problem, PROBLEM_TYPES)
 
 
+def choice_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of one row of scores (B, choices) against the right choice's index (B,), -100 ignored:
+    multiple choice and next-sentence prediction (transformers' plain ``CrossEntropyLoss``). Items are rows."""
+    targets = labels.reshape(-1).to(logits.device)
+    summed = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _normalise(summed, num_items_in_batch, (targets != IGNORE_INDEX).sum())
+
+
 def question_answering_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positions: torch.Tensor,
                             end_positions: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
     """Extractive QA: the mean of the start and end cross-entropies over the sequence positions (transformers'

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
@@ -10,6 +13,8 @@ from ..layers import Attention, TransformerBlock
 from ..layers.moe import Router
 from .cache_names import CACHE_NAMES
 from .hf_config import own_config
+from .packaged import PACKAGED_CHECKPOINTS
+from . import registry
 from .registry import register_with_peft
 
 
@@ -48,6 +53,16 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
                            "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained`` for our own checkpoints; a preset name or an HF checkpoint of an
+        architecture the family converts (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``) loads through the
+        family's converter, as the Auto classes load it."""
+        loader = registry.CHECKPOINT_LOADER[0]
+        if loader is None or _holds_our_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder"), cls):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return loader(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
     def post_init(self) -> None:
         """transformers' ``post_init`` (weights, plans), then our model types into peft's tables if it is loaded."""
         super().post_init()
@@ -65,3 +80,19 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
         if roles is None or module not in roles:
             roles = self.__dict__["_init_roles"] = {m: n.rsplit(".", 1)[-1] for n, m in self.named_modules()}
         return roles.get(module, "")
+
+
+def _holds_our_checkpoint(name_or_path, subfolder: str | None, cls) -> bool:
+    """Whether ``name_or_path`` is a folder saved by one of our models (its ``config.json`` has our model type)
+    or something transformers' own loading handles (not a folder we know: a hub name raises there)."""
+    if registry.is_preset(str(name_or_path)) or str(name_or_path) in PACKAGED_CHECKPOINTS:
+        return False
+    folder = Path(name_or_path) / subfolder if subfolder else Path(name_or_path)
+    config = folder / "config.json"
+    if not config.is_file():
+        return True
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return True  # transformers' loading reports it
+    return model_type == cls.config_class.model_type

@@ -38,8 +38,10 @@ class Family:
     """``"base"`` or task name -> function of the HF model_type giving the transformers class name to export as."""
     extra_model_classes: dict[str, type[PreTrainedModel]] = field(default_factory=dict)
     """Model classes beyond the tasks', by the name of the transformers Auto class that loads them (T5's encoder
-    alone: ``{"AutoModelForTextEncoding": T5EncoderModel}``); registered with that transformers Auto class and
-    loaded by ours of the same name."""
+    alone: ``{"AutoModelForTextEncoding": T5EncoderModel}``), registered with that transformers Auto class and
+    loaded by ours of the same name; or, for a class transformers has no Auto class for, by its own name
+    (``GPTDoubleHeadsModel``), loaded by its ``from_pretrained``. ``convert_checkpoint`` finds them by the
+    ``architectures`` of a checkpoint."""
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
@@ -50,6 +52,10 @@ class Family:
 
 
 FAMILIES: list[Family] = []
+
+CHECKPOINT_LOADER: list[Callable | None] = [None]
+"""How a model class of ours loads a preset or an HF checkpoint (converting it): ``mindformers_py.auto`` puts its
+``load_model_class`` here when imported (the Auto classes sit above the models in the import order)."""
 
 
 def register_family(family: Family) -> None:
@@ -63,7 +69,9 @@ def register_family(family: Family) -> None:
     transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
     classes = [("AutoModel" if task == BASE else get_task(task).auto_class, cls) for task, cls in family.model_classes.items()]
     for auto_name, cls in classes + list(family.extra_model_classes.items()):
-        auto = getattr(transformers, auto_name)
+        auto = getattr(transformers, auto_name, None) if auto_name.startswith("Auto") else None
+        if auto is None:  # a class with no Auto class of transformers (GPT-2's double-heads model)
+            continue
         auto.register(family.config_class, cls, exist_ok=True)
         # The class-name table behind the Auto class (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ...).
         names = getattr(getattr(auto, "_model_mapping", None), "_model_mapping", None)
@@ -96,6 +104,11 @@ def family_for_model_type(model_type: str) -> Family | None:
 def family_for_preset(name: str) -> Family | None:
     """The family that defines the preset ``name``."""
     return next((f for f in FAMILIES if name in f.presets), None)
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` is a preset of some family."""
+    return family_for_preset(name) is not None
 
 
 def all_presets() -> list[str]:

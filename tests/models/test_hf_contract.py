@@ -208,3 +208,143 @@ def test_gpt2_attention_options_are_layer_options(options, impl):
             assert (a - b).abs().max() <= 2e-2
     back = mf.models.gpt.convert_gpt.config_to_hf(ours.config)
     assert all(getattr(back, k) == v for k, v in options.items())
+
+
+# -- 6. BERT as a decoder ----------------------------------------------------------------------------------------------
+
+
+def _bert_pair(hf_model):
+    """Our model of the same class name built from the HF model's config, holding its weights."""
+    from mindformers_py.models.bert import convert_bert
+
+    ours = mf.BertLMHeadModel(hf_model.config).eval()
+    assert not ours.load_state_dict(convert_bert.state_dict_from_hf(hf_model.state_dict(), ours.config),
+                                    strict=False).missing_keys
+    return ours
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_bert_lm_head_model_generates_as_transformers(kind):
+    from bert_models import tiny_bert_config
+
+    torch.manual_seed(1)
+    cls = transformers.BertLMHeadModel if kind == "bert" else transformers.RobertaForCausalLM
+    hf = cls(tiny_bert_config(kind, is_decoder=True)).eval()
+    ours = _bert_pair(hf)
+    ids = torch.randint(5, 128, (2, 9))
+    with torch.no_grad():
+        a, b = ours(ids, labels=ids), hf(ids, labels=ids)
+        assert (a.logits - b.logits).abs().max() <= 1e-4 and abs(a.loss - b.loss) <= 1e-5
+    for kw in (dict(max_new_tokens=6, do_sample=False), dict(max_new_tokens=4, do_sample=False, num_beams=2)):
+        assert torch.equal(ours.generate(ids[:, :4], pad_token_id=0, **kw), hf.generate(ids[:, :4], pad_token_id=0, **kw))
+
+
+def test_bert_to_bert_encoder_decoder_runs_on_our_layers(tmp_path):
+    from bert_models import tiny_bert_config
+    from mindformers_py.models.bert import convert_bert
+
+    torch.manual_seed(0)
+    decoder_config = tiny_bert_config("bert", is_decoder=True, add_cross_attention=True)
+    hf = transformers.EncoderDecoderModel(encoder=transformers.BertModel(tiny_bert_config("bert")),
+                                          decoder=transformers.BertLMHeadModel(decoder_config)).eval()
+    encoder = mf.BertModel(hf.encoder.config)
+    state = convert_bert.state_dict_from_hf(hf.encoder.state_dict(), encoder.config)
+    encoder.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    ours = transformers.EncoderDecoderModel(encoder=encoder, decoder=_bert_pair(hf.decoder)).eval()
+    for model in (hf, ours):
+        model.config.decoder_start_token_id, model.config.pad_token_id = 2, 0
+    source, target = torch.randint(5, 128, (2, 7)), torch.randint(5, 128, (2, 5))
+    mask = torch.ones_like(source)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        a, b = ours(input_ids=source, attention_mask=mask, labels=target), hf(input_ids=source, attention_mask=mask, labels=target)
+        assert (a.logits - b.logits).abs().max() <= 1e-4 and abs(a.loss - b.loss) <= 1e-5
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, decoder_start_token_id=2, pad_token_id=0, num_beams=2)
+    assert torch.equal(ours.generate(source, **kw), hf.generate(source, **kw))
+    encoder.save_pretrained(tmp_path / "bert")  # transformers builds BERT-to-BERT from our checkpoints too
+    pair = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "bert", tmp_path / "bert")
+    assert isinstance(pair.decoder, mf.BertLMHeadModel) and pair.decoder.config.add_cross_attention
+
+
+# -- 7. the missing heads, loaded and exported ---------------------------------------------------------------------------
+
+
+def _randomised(model, folder):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def _round_trip(folder, reference_class):
+    mf.convert_checkpoint(folder, folder.with_name(folder.name + "_ours"), to="mindformers")
+    mf.convert_checkpoint(folder.with_name(folder.name + "_ours"), folder.with_name(folder.name + "_hf"), to="hf")
+    return reference_class.from_pretrained(folder.with_name(folder.name + "_hf")).eval()
+
+
+@pytest.mark.parametrize("name", ["BertForMultipleChoice", "RobertaForMultipleChoice", "BertForNextSentencePrediction",
+                                  "BertForPreTraining", "RobertaForCausalLM"])
+def test_bert_family_heads_match_transformers(name, tmp_path):
+    from bert_models import tiny_bert_config
+
+    hf_class = getattr(transformers, name)
+    hf = _randomised(hf_class(tiny_bert_config("roberta" if name.startswith("Roberta") else "bert")), tmp_path / "hf")
+    auto = {"ForMultipleChoice": mf.AutoModelForMultipleChoice, "ForNextSentencePrediction": mf.AutoModelForNextSentencePrediction,
+            "ForPreTraining": mf.AutoModelForPreTraining, "ForCausalLM": mf.AutoModelForCausalLM}
+    ours = next(a for suffix, a in auto.items() if name.endswith(suffix)).from_pretrained(tmp_path / "hf")
+    assert transformers.AutoModel.from_config(ours.config).__class__ is mf.BertModel
+    choices = "MultipleChoice" in name
+    ids = torch.randint(5, 128, (2, 3, 8) if choices else (2, 8))
+    kw = {"labels": torch.tensor([1, 2] if choices else [0, 1])} if choices or "NextSentence" in name else {}
+    back = _round_trip(tmp_path / "hf", hf_class)
+    with torch.no_grad():
+        a, b, c = ours(ids, **kw), hf(ids, **kw), back(ids, **kw)
+        index = 1 if kw else 0
+        assert (a[index] - b[index]).abs().max() <= 1e-4 and (c[index] - b[index]).abs().max() == 0
+        if kw:
+            assert abs(a.loss - b.loss) <= 1e-5
+
+
+def test_gpt2_double_heads_model_matches_transformers(tmp_path):
+    hf = _randomised(transformers.GPT2DoubleHeadsModel(tiny_hf_config("gpt2")), tmp_path / "hf")
+    ours = mf.GPTDoubleHeadsModel.from_pretrained(tmp_path / "hf")  # an HF checkpoint, converted on load
+    ids = torch.randint(3, 128, (2, 3, 8))
+    kw = dict(mc_token_ids=torch.tensor([[7, 5, 3], [1, 2, 7]]), labels=ids, mc_labels=torch.tensor([0, 2]))
+    back = _round_trip(tmp_path / "hf", transformers.GPT2DoubleHeadsModel)
+    with torch.no_grad():
+        a, b = ours(ids, **kw), hf(ids, **kw)
+        assert (a.logits - b.logits).abs().max() <= 1e-4 and (a.mc_logits - b.mc_logits).abs().max() <= 1e-4
+        assert abs(a.loss - b.loss) <= 1e-5 and abs(a.mc_loss - b.mc_loss) <= 1e-5
+        assert torch.equal(back(ids, **kw).mc_logits, b.mc_logits)
+
+
+def test_vit_masked_image_modeling_checkpoints_load(tmp_path):
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                                    image_size=16, patch_size=4, encoder_stride=4)
+    hf = transformers.ViTForMaskedImageModeling(config)
+    with torch.no_grad():
+        hf.vit.embeddings.mask_token.normal_()
+    hf = _randomised(hf, tmp_path / "hf")
+    ours = mf.AutoModelForMaskedImageModeling.from_pretrained(tmp_path / "hf")
+    pixels, masked = torch.randn(2, 3, 16, 16), torch.rand(2, 16) > 0.5
+    back = _round_trip(tmp_path / "hf", transformers.ViTForMaskedImageModeling)
+    with torch.no_grad():
+        a, b = ours(pixels, bool_masked_pos=masked), hf(pixels, bool_masked_pos=masked)
+        assert (a.reconstruction - b.reconstruction).abs().max() <= 1e-4 and abs(a.loss - b.loss) <= 1e-5
+        assert torch.equal(back(pixels, bool_masked_pos=masked).reconstruction, b.reconstruction)
+
+
+def test_model_classes_load_hf_checkpoints_as_transformers_classes_do(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path / "llama")
+    model = mf.GPTForCausalLM.from_pretrained(tmp_path / "llama")  # as LlamaForCausalLM.from_pretrained reads
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max() <= 1e-4
+    model.save_pretrained(tmp_path / "ours")
+    assert isinstance(mf.GPTForCausalLM.from_pretrained(tmp_path / "ours"), mf.GPTForCausalLM)  # transformers' path
+    with pytest.raises(ConfigError, match="holds a gpt model; BertModel is not one of that family's classes"):
+        mf.BertModel.from_pretrained(tmp_path / "llama")

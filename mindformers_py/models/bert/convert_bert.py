@@ -38,6 +38,11 @@ _LAYER_RENAMES = [
     ("encoder.layer.{i}.intermediate.dense.{p}", "layers.{i}.mlp.up_proj.{p}"),
     ("encoder.layer.{i}.output.dense.{p}", "layers.{i}.mlp.down_proj.{p}"),
     ("encoder.layer.{i}.output.LayerNorm.{p}", "layers.{i}.post_feedforward_layernorm.{p}"),
+    ("encoder.layer.{i}.crossattention.self.query.{p}", "layers.{i}.cross_attn.q_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.self.key.{p}", "layers.{i}.cross_attn.k_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.self.value.{p}", "layers.{i}.cross_attn.v_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.output.dense.{p}", "layers.{i}.cross_attn.o_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.output.LayerNorm.{p}", "layers.{i}.cross_attn_layernorm.{p}"),
     ("pooler.dense.{p}", "pooler.dense.{p}"),
 ]
 # (HF head name, ours), per architecture. The MLM output bias is stored by HF as ``<head>.bias`` (tied to
@@ -102,9 +107,6 @@ def config_from_hf(hf: dict[str, Any]) -> BertConfig:
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise ConfigError(f"{kind} checkpoints with position_embedding_type={hf['position_embedding_type']!r} are not "
                           "supported; supported: 'absolute'")
-    if hf.get("is_decoder") or hf.get("add_cross_attention"):
-        raise ConfigError(f"{kind} checkpoints used as decoders (is_decoder or add_cross_attention) are not supported; "
-                          "the BERT family is an encoder")
     kwargs = {k: hf[k] for k in _SHARED_FIELDS if k in hf}
     kwargs["hidden_dropout"] = hf.get("hidden_dropout_prob", 0.1)
     kwargs["attention_dropout"] = hf.get("attention_probs_dropout_prob", 0.1)

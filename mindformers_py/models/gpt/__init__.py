@@ -2,6 +2,7 @@
 
 from .configuration_gpt import GPTConfig
 from .modeling_gpt import (
+    GPTDoubleHeadsModel,
     GPTForCausalLM,
     GPTForQuestionAnswering,
     GPTForSequenceClassification,
@@ -11,7 +12,7 @@ from .modeling_gpt import (
 )
 from .presets import GPT_PRESETS
 
-__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification",
+__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTDoubleHeadsModel", "GPTForSequenceClassification", "GPTForTokenClassification",
            "GPTForQuestionAnswering", "GPTPreTrainedModel", "GPT_PRESETS"]
 
 from .. import registry as _registry
@@ -39,5 +40,9 @@ _registry.register_family(_registry.Family(
     presets=GPT_PRESETS,
     converter=_convert,
     hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get,
-                      "token_classification": _HF_TOKEN_CLS.get, "question_answering": _HF_QA.get},
+                      "token_classification": _HF_TOKEN_CLS.get, "question_answering": _HF_QA.get,
+                      "GPTDoubleHeadsModel": {"gpt2": "GPT2DoubleHeadsModel"}.get},
+    # GPT-2's double-heads model serves no training task of the registry (two losses) and transformers has no Auto
+    # class for it: loaded as GPTDoubleHeadsModel.from_pretrained, converted by convert_checkpoint.
+    extra_model_classes={"GPTDoubleHeadsModel": GPTDoubleHeadsModel},
 ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
+import torch
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError, check_choice
@@ -76,11 +77,14 @@ class _ByFlavour:
     def __init__(self, default: dict, of, combine: bool = False) -> None:
         self.default, self.of, self.combine = default, of, combine
         self.tables = {key: {**default, **extra} for key, extra in of.items()} if combine else {}
+        self.every = {k: v for table in self.tables.values() for k, v in table.items()}
 
     def __get__(self, config, owner=None):
         if config is None:
             return self.default
         if self.combine:  # read on every attribute access (transformers' alias lookup): no recursion, no copies
+            if torch.compiler.is_compiling():  # inside a compiled graph: every flavour's names (no __dict__ peek)
+                return self.every
             return self.tables.get(object.__getattribute__(config, "__dict__").get("flavour"), self.default)
         return self.of(config)
 
@@ -172,6 +176,18 @@ class GPTConfig(PretrainedConfig):
     """Dropout on each residual branch."""
     classifier_dropout: float | None = None
     """Dropout before the token-classification head; None means ``hidden_dropout``."""
+    summary_type: str = "cls_index"
+    """How :class:`GPTDoubleHeadsModel`'s multiple-choice head summarises a choice: ``"cls_index"`` (the token at
+    ``mc_token_ids``, else the last), ``"last"``, ``"first"`` or ``"mean"`` (transformers' GPT-2 names, all the
+    ``summary_*`` fields)."""
+    summary_use_proj: bool = True
+    """The multiple-choice head projects the summary (to one score, with ``summary_proj_to_labels``)."""
+    summary_proj_to_labels: bool = True
+    """The projection has ``num_labels`` outputs (one score per choice) instead of ``hidden_size``."""
+    summary_activation: str | None = None
+    """Activation after the projection (a transformers ACT2FN name), or None."""
+    summary_first_dropout: float = 0.1
+    """Dropout on the summary before the projection."""
     initializer_range: float = 0.02
     """Std of the normal weight init (output projections are scaled by 1/sqrt(2·layers), as GPT-2/Megatron)."""
     use_cache: bool = True

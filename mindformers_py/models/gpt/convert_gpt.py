@@ -32,6 +32,9 @@ _SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # GPT-2's attention options (same names on both sides) and their defaults; the other architectures have none.
 _GPT2_ATTENTION_OPTIONS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                            "reorder_and_upcast_attn": False}
+# GPT-2's multiple-choice head (GPT2DoubleHeadsModel) settings, same names on both sides, and their defaults.
+_GPT2_SUMMARY = {"summary_type": "cls_index", "summary_use_proj": True, "summary_proj_to_labels": True,
+                 "summary_activation": None, "summary_first_dropout": 0.1}
 
 
 # --------------------------------------------------------------------------- configs
@@ -57,7 +60,7 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
             embedding_dropout=hf.get("embd_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
             hidden_dropout=hf.get("resid_pdrop", 0.1), initializer_range=hf.get("initializer_range", 0.02),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
-            **{k: hf.get(k, default) for k, default in _GPT2_ATTENTION_OPTIONS.items()},
+            **{k: hf.get(k, default) for k, default in {**_GPT2_ATTENTION_OPTIONS, **_GPT2_SUMMARY}.items()},
             **{k: hf.get(k) for k in _SPECIAL_TOKEN_FIELDS},
         )
     kwargs = {k: hf[k] for k in _LLAMA_LIKE_FIELDS if hf.get(k) is not None}
@@ -140,7 +143,7 @@ def _config_to_hf(config: GPTConfig, kind: str):
             activation_function=config.hidden_act, layer_norm_epsilon=config.norm_eps, embd_pdrop=config.embedding_dropout,
             attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
             tie_word_embeddings=config.tie_word_embeddings, **tokens,
-            **{k: getattr(config, k) for k in _GPT2_ATTENTION_OPTIONS},
+            **{k: getattr(config, k) for k in (*_GPT2_ATTENTION_OPTIONS, *_GPT2_SUMMARY)},
         )
     kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
     kwargs.update(rms_norm_eps=config.norm_eps, hidden_act=config.hidden_act)
@@ -241,7 +244,7 @@ def _rename(key: str, rules) -> str | None:
 
 
 # Head modules (ours) that sit beside the base model; HF GPT-2's token classifier is named "classifier".
-_HEADS = ("lm_head.", "score.", "qa_outputs.")
+_HEADS = ("lm_head.", "score.", "qa_outputs.", "multiple_choice_head.")
 _HF_HEAD_RENAMES = {"classifier.": "score."}
 # HF question-answering classes that keep their base model under "transformer." (transformers' old name).
 _TRANSFORMER_PREFIX_QA = ("gpt2", "llama", "qwen2")

@@ -36,6 +36,7 @@ from ...errors import ConfigError, MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
+from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
 from ..cache_names import CACHE_NAMES, accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -168,7 +169,7 @@ class T5Stack(T5PreTrainedModel):
         scores_bias = additive_mask(position_bias, mask, causal=self.is_decoder)
         cross_mask = None
         if encoder_hidden_states is not None:
-            cross_mask = _key_padding_mask(encoder_attention_mask)
+            cross_mask = key_padding_mask(encoder_attention_mask)
         for layer in self.layers:
             hidden_states = layer(hidden_states, None, None, past_key_values, scores_bias,
                                   encoder_hidden_states, cross_mask)
@@ -176,16 +177,6 @@ class T5Stack(T5PreTrainedModel):
             hidden_states = self.final_dropout(self.norm(hidden_states))
         return T5StackOutput(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None),
                              position_bias=position_bias if return_position_bias else None)
-
-
-def _key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean (B, 1, 1, S) mask of the encoder's real tokens for cross-attention; None when nothing is padded (the
-    value check is skipped under ``torch.compile``)."""
-    if mask is None or mask.dim() == 4:
-        return None if mask is None else mask.bool()
-    if not torch.compiler.is_compiling() and bool(mask.all()):
-        return None
-    return mask.bool()[:, None, None, :]
 
 
 class T5EncoderView:

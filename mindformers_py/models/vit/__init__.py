@@ -1,10 +1,11 @@
 """ViT family (Vision Transformer): image classification on the shared encoder block."""
 
 from .configuration_vit import ViTConfig
-from .modeling_vit import ViTForImageClassification, ViTModel, ViTPreTrainedModel
+from .modeling_vit import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel, ViTPreTrainedModel
 from .presets import VIT_PRESETS
 
-__all__ = ["ViTConfig", "ViTModel", "ViTForImageClassification", "ViTPreTrainedModel", "VIT_PRESETS"]
+__all__ = ["ViTConfig", "ViTModel", "ViTForImageClassification", "ViTForMaskedImageModeling", "ViTPreTrainedModel",
+           "VIT_PRESETS"]
 
 from .. import registry as _registry
 from . import convert_vit as _convert
@@ -15,5 +16,7 @@ _registry.register_family(_registry.Family(
     model_classes={"base": ViTModel, "image_classification": ViTForImageClassification},
     presets=VIT_PRESETS,
     converter=_convert,
-    hf_model_classes={"base": lambda kind: "ViTModel", "image_classification": lambda kind: "ViTForImageClassification"},
+    hf_model_classes={"base": lambda kind: "ViTModel", "image_classification": lambda kind: "ViTForImageClassification",
+                      "AutoModelForMaskedImageModeling": lambda kind: "ViTForMaskedImageModeling"},
+    extra_model_classes={"AutoModelForMaskedImageModeling": ViTForMaskedImageModeling},
 ))

@@ -27,7 +27,7 @@ _CONFIG_FIELDS = {
     "intermediate_size": "intermediate_size", "hidden_act": "hidden_act", "layer_norm_eps": "norm_eps",
     "qkv_bias": "attention_bias", "hidden_dropout_prob": "hidden_dropout",
     "attention_probs_dropout_prob": "attention_dropout", "initializer_range": "initializer_range",
-    "pooler_output_size": "pooler_output_size", "pooler_act": "pooler_act",
+    "pooler_output_size": "pooler_output_size", "pooler_act": "pooler_act", "encoder_stride": "encoder_stride",
 }
 
 
@@ -64,6 +64,7 @@ def config_to_hf(config: ViTConfig):
 _RENAMES = [
     ("embeddings.cls_token", "embeddings.cls_token"),
     ("embeddings.position_embeddings", "embeddings.position_embeddings"),
+    ("embeddings.mask_token", "embeddings.mask_token"),
     ("embeddings.patch_embeddings.projection.{p}", "embeddings.projection.{p}"),
     ("encoder.layer.{i}.attention.attention.query.{p}", "layers.{i}.self_attn.q_proj.{p}"),
     ("encoder.layer.{i}.attention.attention.key.{p}", "layers.{i}.self_attn.k_proj.{p}"),
@@ -86,7 +87,7 @@ _MODULAR_RENAMES = [
     ("layers.{i}.layernorm_before.{p}", "layers.{i}.input_layernorm.{p}"),
     ("layers.{i}.layernorm_after.{p}", "layers.{i}.post_attention_layernorm.{p}"),
 ]
-_HEADS = ("classifier.",)
+_HEADS = ("classifier.", "decoder.")  # image classification; masked image modelling's pixel decoder
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -118,8 +119,7 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: ViTConfig) -> 
         body = key.removeprefix(HF_PREFIX)
         new = _rename(body, _HF_TO_OURS)
         if new is None:
-            hint = " (masked-image-modelling checkpoints are not supported)" if "mask_token" in body else ""
-            raise CheckpointError(f"unexpected tensor {key!r} in the vit checkpoint{hint}")
+            raise CheckpointError(f"unexpected tensor {key!r} in the vit checkpoint")
         out[f"model.{new}"] = value
     return out
 
