@@ -234,10 +234,18 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
 def apply_loading_options(model: PreTrainedModel, options: dict[str, Any], folder: Path) -> PreTrainedModel:
     """Apply transformers' ``dtype``/``torch_dtype`` (a dtype, its name, or ``"auto"``: the checkpoint's) and
     ``device_map`` (a device, ``{"": device}``, a per-module dict, or a strategy such as ``"auto"``, placed with
-    accelerate) to a loaded model."""
+    accelerate) to a loaded model. As transformers does, the modules a model keeps in float32
+    (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16) stay so."""
     dtype = options.get("dtype") or options.get("torch_dtype")
     if dtype is not None:
-        model = model.to(_resolve_dtype(dtype, model, folder))
+        dtype = _resolve_dtype(dtype, model, folder)
+        model = model.to(dtype)
+        keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+        if dtype == torch.float16:
+            keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, module in model.named_modules():
+            if keep and name.rsplit(".", 1)[-1] in keep:
+                module.float()
     device_map = options.get("device_map")
     if device_map is None:
         return model

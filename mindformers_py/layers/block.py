@@ -50,7 +50,8 @@ class TransformerBlock(GradientCheckpointingLayer):
     def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False,
                  mlp: nn.Module | None = None, cross_attention: bool = False) -> None:
         super().__init__()
-        norm = lambda: build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)  # noqa: E731
+        norm = lambda: build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias,  # noqa: E731
+                                  cast_to_weight_dtype=getattr(config, "norm_casts_to_weight_dtype", False))
         self.post_norm = post_norm
         if not post_norm:
             self.input_layernorm = norm()

@@ -348,3 +348,30 @@ def test_model_classes_load_hf_checkpoints_as_transformers_classes_do(tmp_path):
     assert isinstance(mf.GPTForCausalLM.from_pretrained(tmp_path / "ours"), mf.GPTForCausalLM)  # transformers' path
     with pytest.raises(ConfigError, match="holds a gpt model; BertModel is not one of that family's classes"):
         mf.BertModel.from_pretrained(tmp_path / "llama")
+
+
+# -- 8. T5's stacks and fp16 loading -------------------------------------------------------------------------------------
+
+
+def test_t5_stacks_take_input_ids_and_keep_wo_in_float32(tmp_path):
+    from t5_models import batch, load_hf, save_tiny_hf
+
+    save_tiny_hf("t5_v1_1", tmp_path / "t5")
+    ours, hf = mf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5"), load_hf(tmp_path / "t5", "t5_v1_1")
+    ids, mask, labels = batch(rows=2, source=12, target=6)
+    decoder_ids = labels.clamp(min=0)
+    with torch.no_grad():
+        encoded = ours.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert (encoded - hf.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state).abs().max() <= 1e-4
+        kw = dict(input_ids=decoder_ids, encoder_hidden_states=encoded, encoder_attention_mask=mask)
+        a, b = ours.get_decoder()(**kw).last_hidden_state, hf.get_decoder()(**kw).last_hidden_state
+        assert (a - b).abs().max() <= 1e-4
+    assert ours.get_decoder() is ours.model.decoder and ours.get_encoder().embed_tokens is ours.model.shared
+    assert "down_proj" in ours._keep_in_fp32_modules and "wo" in hf._keep_in_fp32_modules
+    half = mf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=torch.float16).eval()
+    assert half.model.encoder.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert half.model.encoder.layers[0].mlp.up_proj.weight.dtype == torch.float16
+    with torch.no_grad():
+        a, b = half(ids, attention_mask=mask, labels=labels).logits, reference(ids, attention_mask=mask, labels=labels).logits
+    assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= 3e-2  # a few float16 steps at |logit| ~ 10

@@ -217,3 +217,5 @@ class T5Config(PretrainedConfig):
     hidden_dropout = _Derived(lambda self: self.dropout_rate, "Dropout on each residual branch.", "dropout_rate")
     mlp_dropout = _Derived(lambda self: self.dropout_rate, "Dropout inside the feed-forward, before its output.",
                            "dropout_rate")
+    norm_casts_to_weight_dtype = _Derived(lambda self: True, "Half-precision norms return their own dtype, so float32 "
+                                          "feed-forward outputs (kept in float32 under float16) meet float16 layers.")
