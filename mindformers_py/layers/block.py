@@ -101,7 +101,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             attn, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, self_cache,
                                      position_bias=position_bias)
             hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(attn))
-            if self.cross_attn is not None:
+            if self._cross_attends(encoder_hidden_states, past_key_values):
                 attn, _ = self.cross_attn(hidden_states, encoder_attention_mask, None, past_key_values,
                                           key_value_states=encoder_hidden_states)
                 hidden_states = self.cross_attn_layernorm(hidden_states + self.dropout(attn))
@@ -111,13 +111,20 @@ class TransformerBlock(GradientCheckpointingLayer):
         attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings, self_cache,
                                  position_bias=position_bias)
         hidden_states = hidden_states + self.dropout(attn)
-        if self.cross_attn is not None:
+        if self._cross_attends(encoder_hidden_states, past_key_values):
             attn, _ = self.cross_attn(self.cross_attn_layernorm(hidden_states), encoder_attention_mask, None,
                                       past_key_values, key_value_states=encoder_hidden_states)
             hidden_states = hidden_states + self.dropout(attn)
         fed, stats = self._feed_forward(self.post_attention_layernorm(hidden_states), token_mask)
         hidden_states = hidden_states + self.dropout(fed)
         return (hidden_states, stats) if self.routed else hidden_states
+
+    def _cross_attends(self, encoder_hidden_states: torch.Tensor | None, cache) -> bool:
+        """Whether the cross-attention sublayer runs: with an encoder output given, or its keys and values cached
+        (transformers' layers skip it without an encoder output: a BERT decoder then is a plain causal LM)."""
+        if self.cross_attn is None:
+            return False
+        return encoder_hidden_states is not None or bool(getattr(cache, "is_updated", {}).get(self.layer_idx))
 
     def _feed_forward(self, x: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MLP's output and, for an MoE layer, its router statistics."""

@@ -15,6 +15,7 @@ import mindformers_py as mf
 from hf_models import tiny_hf_config, tiny_hf_model
 from mindformers_py.errors import ConfigError
 from mindformers_py.models import hf_config
+from mindformers_py.models.cache_names import output_cache
 from mindformers_py.models.gpt import convert_gpt
 
 
@@ -264,6 +265,26 @@ def test_bert_to_bert_encoder_decoder_runs_on_our_layers(tmp_path):
     encoder.save_pretrained(tmp_path / "bert")  # transformers builds BERT-to-BERT from our checkpoints too
     pair = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "bert", tmp_path / "bert")
     assert isinstance(pair.decoder, mf.BertLMHeadModel) and pair.decoder.config.add_cross_attention
+
+
+def test_gpt2_cross_attention_as_transformers(tmp_path):
+    """GPT-2 with add_cross_attention (the decoder of a BERT-to-GPT-2 encoder-decoder) was refused."""
+    torch.manual_seed(0)
+    config = tiny_hf_config("gpt2")
+    config.add_cross_attention = True
+    hf = _randomised(transformers.GPT2LMHeadModel(config), tmp_path / "hf")
+    ours = mf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids, encoded = torch.randint(3, 128, (2, 7)), torch.randn(2, 5, 32)
+    encoder_mask = torch.ones(2, 5, dtype=torch.long)
+    encoder_mask[1, 3:] = 0
+    kw = dict(encoder_hidden_states=encoded, encoder_attention_mask=encoder_mask)
+    back = _round_trip(tmp_path / "hf", transformers.GPT2LMHeadModel)
+    with torch.no_grad():
+        a, b = ours(ids, **kw).logits, hf(ids, **kw).logits
+        assert (a - b).abs().max() <= 1e-4 and torch.equal(back(ids, **kw).logits, b)
+        step = ours(ids[:, :-1], use_cache=True, **kw)  # the cache keeps the cross-attention keys too
+        last = ours(ids[:, -1:], past_key_values=output_cache(step), **kw).logits[:, -1]
+        assert (last - b[:, -1]).abs().max() <= 1e-4
 
 
 # -- 7. the missing heads, loaded and exported ---------------------------------------------------------------------------

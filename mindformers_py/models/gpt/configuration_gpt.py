@@ -161,6 +161,10 @@ class GPTConfig(PretrainedConfig):
     """Share the LM head weight with the token embedding."""
     sliding_window: int | None = None
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
+    add_cross_attention: bool = False
+    """Every layer of a GPT-2-flavoured model attends, after its self-attention, to an encoder's output: the decoder
+    of transformers' ``EncoderDecoderModel`` (BERT-to-GPT-2). A Llama-flavoured model ignores it, as transformers'
+    Llama does."""
     scale_attn_weights: bool = True
     """Scale the attention scores by ``head_dim ** -0.5``; False leaves them unscaled (GPT-2's option)."""
     scale_attn_by_inverse_layer_idx: bool = False
@@ -254,6 +258,11 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    @property
+    def cross_attends(self) -> bool:
+        """Whether the layers have a cross-attention sublayer (``add_cross_attention`` on a GPT-2 flavour)."""
+        return bool(self.add_cross_attention) and self.flavour == "gpt2"
 
     @property
     def attention_scale(self) -> float | None:

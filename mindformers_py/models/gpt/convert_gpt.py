@@ -48,9 +48,6 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
     if kind == "gpt2":
-        if hf.get("add_cross_attention"):
-            raise ConfigError("gpt2 checkpoints with add_cross_attention=true (GPT-2 as the decoder of an "
-                              "EncoderDecoderModel) are not supported; supported: add_cross_attention=false")
         n_embd = hf.get("n_embd", 768)
         return GPTConfig(
             flavour="gpt2", hf_architecture="gpt2", vocab_size=hf.get("vocab_size", 50257), hidden_size=n_embd,
@@ -59,7 +56,7 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
             hidden_act=hf.get("activation_function", "gelu_new"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             embedding_dropout=hf.get("embd_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
             hidden_dropout=hf.get("resid_pdrop", 0.1), initializer_range=hf.get("initializer_range", 0.02),
-            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True), add_cross_attention=bool(hf.get("add_cross_attention")),
             **{k: hf.get(k, default) for k, default in {**_GPT2_ATTENTION_OPTIONS, **_GPT2_SUMMARY}.items()},
             **{k: hf.get(k) for k in _SPECIAL_TOKEN_FIELDS},
         )
@@ -142,7 +139,7 @@ def _config_to_hf(config: GPTConfig, kind: str):
             n_head=config.num_attention_heads, n_inner=config.intermediate_size, n_positions=config.max_position_embeddings,
             activation_function=config.hidden_act, layer_norm_epsilon=config.norm_eps, embd_pdrop=config.embedding_dropout,
             attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
-            tie_word_embeddings=config.tie_word_embeddings, **tokens,
+            tie_word_embeddings=config.tie_word_embeddings, add_cross_attention=config.add_cross_attention, **tokens,
             **{k: getattr(config, k) for k in (*_GPT2_ATTENTION_OPTIONS, *_GPT2_SUMMARY)},
         )
     kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
@@ -224,7 +221,12 @@ _GPT2_RENAMES = [  # (HF GPT-2 pattern, ours); {i} is the layer index
     ("h.{i}.attn.c_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
     ("h.{i}.mlp.c_fc.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
     ("h.{i}.mlp.c_proj.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+    ("h.{i}.ln_cross_attn.{p}", "model.layers.{i}.cross_attn_layernorm.{p}"),
+    ("h.{i}.crossattention.q_attn.{p}", "model.layers.{i}.cross_attn.q_proj.{p}"),
+    ("h.{i}.crossattention.c_proj.{p}", "model.layers.{i}.cross_attn.o_proj.{p}"),
 ]
+# GPT-2's Conv1D layers store weights as (in, out); nn.Linear wants (out, in).
+_CONV1D = (".c_proj.", ".c_fc.", ".q_attn.")
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -325,25 +327,24 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
     out = {}
     for key, value in hf_state.items():
         key = key.removeprefix("transformer.")
-        if key.endswith((".attn.bias", ".attn.masked_bias")):
+        if key.endswith((".attn.bias", ".attn.masked_bias", ".crossattention.bias", ".crossattention.masked_bias")):
             continue  # causal-mask buffers of old GPT-2 checkpoints
         head = _our_head_key(key)
         if head is not None:
             out[head] = value
             continue
-        m = re.match(r"^h\.(\d+)\.attn\.c_attn\.(weight|bias)$", key)
-        if m:
-            i, p = m.groups()
-            parts = value.t().chunk(3, dim=0) if p == "weight" else value.chunk(3)
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                out[f"model.layers.{i}.self_attn.{name}.{p}"] = part.contiguous()
+        m = re.match(r"^h\.(\d+)\.(attn|crossattention)\.c_attn\.(weight|bias)$", key)
+        if m:  # fused q, k, v (self-attention) or k, v (cross-attention, whose queries are q_attn)
+            i, where, p = m.groups()
+            names, attn = (("q_proj", "k_proj", "v_proj"), "self_attn") if where == "attn" else (("k_proj", "v_proj"), "cross_attn")
+            parts = value.t().chunk(len(names), dim=0) if p == "weight" else value.chunk(len(names))
+            for name, part in zip(names, parts):
+                out[f"model.layers.{i}.{attn}.{name}.{p}"] = part.contiguous()
             continue
         new = _rename(key, _GPT2_TO_OURS)
         if new is None:
             raise MindFormersError(f"unexpected tensor {key!r} in the gpt2 checkpoint")
-        # GPT-2's Conv1D stores weights as (in, out); nn.Linear wants (out, in).
-        conv = key.endswith(".weight") and (".c_proj." in key or ".c_fc." in key)
-        out[new] = value.t().contiguous() if conv else value
+        out[new] = value.t().contiguous() if key.endswith(".weight") and any(c in key for c in _CONV1D) else value
     return out
 
 
@@ -363,19 +364,20 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: st
             body = {"transformer." + k.split(".", 1)[1]: v for k, v in body.items()}
         return {**body, **heads}
     out: dict[str, torch.Tensor] = dict(heads)
-    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    fused: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
     for key, value in body.items():
-        m = re.match(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
+        m = re.match(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]|cross_attn\.[kv])_proj\.(weight|bias)$", key)
         if m:
             i, which, p = m.groups()
-            qkv.setdefault((i, p), {})[which] = value
+            attn, part = which.split(".")
+            fused.setdefault((i, "attn" if attn == "self_attn" else "crossattention", p), {})[part] = value
             continue
         new = _rename(key, _OURS_TO_GPT2)
         if new is None:
             raise MindFormersError(f"tensor {key!r} has no place in a gpt2 checkpoint")
-        conv = new.endswith(".weight") and (".c_proj." in new or ".c_fc." in new)
+        conv = new.endswith(".weight") and any(c in new for c in _CONV1D)
         out[f"transformer.{new}"] = value.t().contiguous() if conv else value
-    for (i, p), parts in qkv.items():
-        fused = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-        out[f"transformer.h.{i}.attn.c_attn.{p}"] = fused.t().contiguous() if p == "weight" else fused
+    for (i, where, p), parts in fused.items():
+        joined = torch.cat([parts[n] for n in "qkv" if n in parts], dim=0)
+        out[f"transformer.h.{i}.{where}.c_attn.{p}"] = joined.t().contiguous() if p == "weight" else joined
     return out

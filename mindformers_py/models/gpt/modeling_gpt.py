@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 from transformers import GenerationMixin
@@ -34,6 +34,7 @@ from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
 from ...layers.heads import SequenceSummary
+from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
@@ -87,7 +88,8 @@ class GPTModel(GPTPreTrainedModel):
             self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters)
         self.drop = nn.Dropout(config.embedding_dropout)
         moe_layers = set(config.moe_layers())
-        self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None)
+        self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None,
+                                                     cross_attention=config.cross_attends)
                                     for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
         self.gradient_checkpointing = False
@@ -110,6 +112,8 @@ class GPTModel(GPTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         token_type_ids: torch.LongTensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Last hidden states (B, T, C) of ``input_ids`` (or ``inputs_embeds``); with ``output_hidden_states`` /
@@ -120,7 +124,9 @@ class GPTModel(GPTPreTrainedModel):
         ``position_ids`` (which then must cover the whole sequence) give the length masks are built for.
 
         ``token_type_ids`` (B, T), GPT-2's segment ids, are embedded with the token embedding and added, as
-        transformers' GPT-2 does (a Llama-flavoured model ignores them, as transformers' Llama does).
+        transformers' GPT-2 does (a Llama-flavoured model ignores them, as transformers' Llama does). A GPT-2 with
+        ``config.add_cross_attention`` (the decoder of an encoder-decoder) attends to ``encoder_hidden_states``
+        (B, S, C), padded as ``encoder_attention_mask`` (B, S) says, and keeps an ``EncoderDecoderCache``.
 
         An MoE model also returns ``router_stats`` (B, layers, width), adding its layers' rows to the
         ``router_stats`` keyword argument (a previous pipeline stage's) or to zeros, and ``router_logits`` with
@@ -137,15 +143,18 @@ class GPTModel(GPTPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None and not self.training:
             past_key_values = DynamicCache()
-        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        if self.config.cross_attends and past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values = EncoderDecoderCache(past_key_values, DynamicCache())
+        self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        past_length = int(self_cache.get_seq_length()) if self_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + length, device=hidden_states.device)[None]
             self._check_context(past_length + length, f"sequence of {past_length + length} tokens ({past_length} cached + "
                                                       f"{length} new)")
         elif not torch.compiler.is_compiling():  # the positions decide (packed rows restart them): a data check
             self._check_context(int(position_ids.max()) + 1, f"position id {int(position_ids.max())}")
-        if past_key_values is not None:
-            kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
+        if self_cache is not None:
+            kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
             kv_length, kv_offset = length, 0
         mask = build_attention_mask(
@@ -163,8 +172,10 @@ class GPTModel(GPTPreTrainedModel):
             hidden_states = self.drop(hidden_states)
         moe = self.config.moe
         if moe is None:
+            cross = dict(encoder_hidden_states=encoder_hidden_states,
+                         encoder_attention_mask=key_padding_mask(encoder_attention_mask)) if self.config.cross_attends else {}
             for layer in self.layers:
-                hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values)
+                hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values, **cross)
         else:
             router_stats = kwargs.get("router_stats")
             if router_stats is None:
@@ -306,6 +317,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
     cross-entropy over the choices, each a mean, as there."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     # Two losses with different items (tokens, choices): Trainers average it per micro-batch, as transformers'.
     accepts_loss_kwargs = False
 
