@@ -396,3 +396,48 @@ def test_t5_stacks_take_input_ids_and_keep_wo_in_float32(tmp_path):
     with torch.no_grad():
         a, b = half(ids, attention_mask=mask, labels=labels).logits, reference(ids, attention_mask=mask, labels=labels).logits
     assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= 3e-2  # a few float16 steps at |logit| ~ 10
+
+
+# -- generation: what transformers' GenerationTesterMixin checks, on the same weights ------------------------------------
+
+GENERATE_CASES = {
+    "beam_search": dict(num_beams=3, num_return_sequences=2, max_new_tokens=5, length_penalty=0.7, output_scores=True,
+                        return_dict_in_generate=True),
+    "processors": dict(max_new_tokens=6, repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[5], [7, 8]],
+                       min_new_tokens=3),
+    "sampling": dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.7, max_new_tokens=5),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_generation_modes_match_transformers(case):
+    hf = tiny_hf_model("llama")
+    ours = _ours_from(hf)
+    ids = torch.randint(3, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # left padding
+    kw = dict(attention_mask=mask, pad_token_id=0, **GENERATE_CASES[case])
+    torch.manual_seed(0)
+    a = ours.generate(ids, **kw)
+    torch.manual_seed(0)
+    b = hf.generate(ids, **kw)
+    if case != "beam_search":
+        assert torch.equal(a, b)
+        return
+    assert torch.equal(a.sequences, b.sequences) and (a.sequences_scores - b.sequences_scores).abs().max() <= 1e-4
+    transition = ours.compute_transition_scores(a.sequences, a.scores, a.beam_indices, normalize_logits=False)
+    reference = hf.compute_transition_scores(b.sequences, b.scores, b.beam_indices, normalize_logits=False)
+    assert (transition - reference).abs().max() <= 1e-4
+
+
+def test_generate_from_embeddings_and_assisted_decoding_match_transformers():
+    hf = tiny_hf_model("llama")
+    ours, assistant = _ours_from(hf), _ours_from(tiny_hf_model("llama"))
+    ids = torch.randint(3, 128, (1, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        embedded = ours.get_input_embeddings()(ids)
+    assert torch.equal(ours.generate(inputs_embeds=embedded, **kw), hf.generate(inputs_embeds=embedded, **kw))
+    expected = hf.generate(ids, **kw)
+    assert torch.equal(ours.generate(ids, assistant_model=assistant, **kw), expected)
+    assert torch.equal(ours.generate(ids, prompt_lookup_num_tokens=3, **kw), expected)
