@@ -34,6 +34,7 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     ModelOutput,
 )
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -288,11 +289,7 @@ class BertLMHeadModel(_VocabularyHead, BertPreTrainedModel, GenerationMixin):
                          encoder_attention_mask, past_key_values, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden = hidden[:, logits_to_keep]
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 from transformers import GenerationMixin
@@ -255,11 +256,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden = hidden[:, logits_to_keep]
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)  # (B, T, V)
         loss = None
         if labels is not None:

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
 )
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -372,11 +373,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
         )
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden = hidden[:, logits_to_keep]
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         if self.config.scales_decoder_outputs:  # T5 v1: the tied head sees the output scaled by d_model^-0.5
             hidden = hidden * self.config.hidden_size**-0.5
         logits = self.lm_head(hidden)
