@@ -98,6 +98,16 @@ def family_for_preset(name: str) -> Family | None:
     return next((f for f in FAMILIES if name in f.presets), None)
 
 
+def model_class_named(name: str) -> type[PreTrainedModel] | None:
+    """Our model class called ``name`` (a ``config.json``'s ``architectures`` entry), among every family's classes;
+    None when no family has one."""
+    for family in FAMILIES:
+        for cls in (*family.model_classes.values(), *family.extra_model_classes.values()):
+            if cls.__name__ == name:
+                return cls
+    return None
+
+
 def all_presets() -> list[str]:
     return [p for f in FAMILIES for p in f.presets]
 
