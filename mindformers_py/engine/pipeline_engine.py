@@ -54,6 +54,7 @@ class PipelineEngine(DistributedEngine):
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.pipeline: PipelineParallel | None = None
+        self._model_name = ""
 
     def prepare_model(self, model: nn.Module, task: Any = None) -> PipelineParallel:
         """Cut ``model`` into stages computing ``task`` (the Trainer's; None: the model's own), keep and parallelize
@@ -68,6 +69,7 @@ class PipelineEngine(DistributedEngine):
                 f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
+        self._model_name = type(model).__name__
         self.pipeline = build_pipeline(model, config, self.mesh, self.device,
                                        parallelize=lambda part: self.parallelize(part, stage=part.pp_rank), task=task)
         return self.pipeline
@@ -80,8 +82,8 @@ class PipelineEngine(DistributedEngine):
             carried = ", ".join(carried_names(self.pipeline.model_parts[-1]))
             raise ConfigError(
                 f"{loss.override} cannot run under pipeline_stage={self.parallel_config.pp}: "
-                f"{type(self.pipeline.model_parts[-1]).__name__} carries {carried} between stages, so the last "
-                "stage has not the whole model's outputs to give it; use pipeline_stage=1 or the model's own loss")
+                f"{self._model_name} carries {carried} between stages, so the last stage does not have the whole "
+                "model's outputs to give it; use pipeline_stage=1 or the model's own loss")
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
                          num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
