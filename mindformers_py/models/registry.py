@@ -43,6 +43,11 @@ class Family:
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
+    planner_config: Callable[[PretrainedConfig], dict] | None = None
+    """How the ``auto_parallel`` planner reads the sizes of this family's models: a function of one of its configs
+    giving the ``config.json`` dict of the transformers architecture of the same shape (:func:`hf_export`: its HF
+    export), which the planner reads; None reads the config field by field, GPT-style (HF field names, a
+    ``moe_config`` section)."""
 
     @property
     def hf_types(self) -> tuple[str, ...]:
@@ -106,6 +111,13 @@ def model_class_named(name: str) -> type[PreTrainedModel] | None:
             if cls.__name__ == name:
                 return cls
     return None
+
+
+def hf_export(config: PretrainedConfig) -> dict:
+    """The ``config.json`` dict of the transformers config ``config`` converts to (its family's ``config_to_hf``):
+    a family's :attr:`Family.planner_config` when its models have the shape of their HF export."""
+    family = family_for_model_type(config.model_type)
+    return family.converter.config_to_hf(config).to_dict()
 
 
 def all_presets() -> list[str]:
