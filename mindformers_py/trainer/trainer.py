@@ -38,7 +38,7 @@ from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
-from .loss import FusedCausalLMLoss
+from .fused_loss import FusedCausalLMLoss
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
