@@ -13,7 +13,7 @@ from .base import Engine
 from .loss import LossFn, StepLoss, TrainingLoss
 from .distributed import DistributedEngine
 from .pipeline_engine import PipelineEngine
-from .registry import build_engine, current_world_size, register_engine
+from .registry import build_engine, current_world_size, plan_layout, register_engine
 
 __all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "StepLoss", "TrainingLoss",
-           "build_engine", "current_world_size", "register_engine"]
+           "build_engine", "current_world_size", "plan_layout", "register_engine"]
