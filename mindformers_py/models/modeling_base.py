@@ -23,6 +23,8 @@ class MindFormersPreTrainedModel(PreTrainedModel):
       (computed under ``attn_implementation="eager"``, as in transformers), ``output_router_logits`` each MoE
       router's logits (tokens, experts).
     * models register the family with peft's defaults when they are built (peft may be imported after us).
+    * ``_whole_sequence_modules``: the modules that read the whole sequence (a head that pools or scores positions,
+      a pooler), which sequence parallelism gathers the sequence for; declared by each head and base model.
     * ``task_spec``: the training task the model's head serves (task registry), found from its class name as
       transformers finds a model's ``loss_type``; what its pipeline stages compute when no engine gives a task.
     """
@@ -34,6 +36,7 @@ class MindFormersPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
                            "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
+    _whole_sequence_modules: tuple[str, ...] = ()
 
     def post_init(self) -> None:
         """transformers' ``post_init`` (weights, plans), then our model types into peft's tables if it is loaded."""
