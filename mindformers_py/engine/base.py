@@ -27,7 +27,7 @@ from ..parallel.recompute import apply_recompute
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
 from .cpu_memory import keep_freed_cpu_memory
-from .loss import LossFn, StepLoss, TrainingLoss, count_step_items
+from .step_loss import LossFn, StepLoss, TrainingLoss, count_step_items
 from .optim import create_optimizer, parameter_groups
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, load_state_into, \
@@ -135,7 +135,7 @@ class Engine:
     def loss_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold other samples of a step: the loss items are counted over them, and their number is
         what data parallelism averages gradients over (None: this process alone). The one place a layout widens
-        the loss normalisation (:mod:`.loss`)."""
+        the loss normalisation (:mod:`.step_loss`)."""
         return None
 
     def count_items(self, micro_batches: Sequence[Mapping[str, Any]], loss: TrainingLoss) -> torch.Tensor | None:

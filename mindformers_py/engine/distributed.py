@@ -5,7 +5,7 @@ group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh
 :func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
-* **Loss normalisation** follows the one path of :mod:`.loss`: the loss group is the data-parallel ranks, so
+* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the data-parallel ranks, so
   every micro-batch loss is (its item-summed loss) / (items of the global batch), multiplied by ``dp`` before
   backward because DDP and FSDP average gradients over those ranks: the gradients are exactly those of one
   stand-alone step over the global batch. ``forward_backward`` returns that backpropagated value;
@@ -47,7 +47,7 @@ from ..parallel.parallelize import parallelize
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .base import Engine
-from .loss import LossFn, TrainingLoss
+from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 

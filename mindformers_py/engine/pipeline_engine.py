@@ -15,7 +15,7 @@ What the Trainer sees:
   every stage when saved (``save_pretrained``), so ``from_pretrained`` loads a pipeline run's output.
 * The loss is the Trainer's (its ``compute_loss``, a user's override or ``compute_loss_func``), computed on the
   last stage for each pipeline micro-batch from the outputs the stages computed, through the same loss path as
-  every engine (:mod:`.loss`: global item count, share, data-parallel rescale), so loss curves match
+  every engine (:mod:`.step_loss`: global item count, share, data-parallel rescale), so loss curves match
   ``stand_alone`` for every task head. A user's loss that cannot run there is refused before training
   (:meth:`PipelineEngine.check_loss`).
 * Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
@@ -38,7 +38,7 @@ from ..parallel.pipeline_stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .distributed import DistributedEngine, global_grad_norm
-from .loss import LossFn, TrainingLoss
+from .step_loss import LossFn, TrainingLoss
 
 
 class PipelineEngine(DistributedEngine):

@@ -13,7 +13,7 @@ driven by torch's schedules: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``.
 pipeline micro-batch, with that micro-batch's rows of the batch and a :class:`LastStageModel` that answers
 ``model(**inputs)`` as the whole model would, from the outputs the stages computed: the engine passes the
 Trainer's loss there (its ``compute_loss``, a user's override or ``compute_loss_func``), normalised and rescaled
-by the engine's one loss path (:mod:`mindformers_py.engine.loss`). Gradients are not rescaled by the schedule, so a
+by the engine's one loss path (:mod:`mindformers_py.engine.step_loss`). Gradients are not rescaled by the schedule, so a
 pipelined step computes the same loss and gradients as one stand-alone forward/backward of the whole batch.
 Callers without an engine get the task's loss normalised by the batch's items. State the stages carry
 (``pipeline_carry``) becomes the last stage's model's ``carried_loss(carried, labels, num_items_in_batch,

@@ -27,7 +27,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
 from transformers.utils.generic import find_labels
 
 from ..engine import Engine, TrainingLoss, build_engine
-from ..engine.loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
+from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
 from ..task_registry import TaskSpec, get_task, task_of_model
@@ -68,8 +68,8 @@ class Trainer:
 
     The training loss is :meth:`compute_loss` (override it to change the objective, as in transformers); the engine
     normalises it over the step's items, micro-batches and data-parallel ranks in one place
-    (:mod:`mindformers_py.engine.loss`). Set ``loss_is_scaled_for_ga`` (transformers' class attribute) on a subclass
-    whose ``compute_loss`` divides by ``num_items_in_batch`` (True) or averages over its batch (False).
+    (:mod:`mindformers_py.engine.step_loss`). Set ``loss_is_scaled_for_ga`` (transformers' class attribute) on a
+    subclass whose ``compute_loss`` divides by ``num_items_in_batch`` (True) or averages over its batch (False).
     """
 
     loss_is_scaled_for_ga: bool | None = None
@@ -126,7 +126,8 @@ class Trainer:
         self._fused_probed = False
         self._loss_mode_measured = False
         # What the engine's one loss path normalises: this Trainer's compute_loss and the task's item count.
-        self.training_loss = TrainingLoss(self._compute_training_loss, self._count_items, self._share_mode, self._loss_override())
+        self.training_loss = TrainingLoss(self._compute_training_loss, self._count_items, self._share_mode,
+                                          self._loss_override())
         self.engine.check_loss(self.training_loss)
         self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
                                   is_world_process_zero=self.engine.is_main_process)
@@ -377,10 +378,10 @@ class Trainer:
         return self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
 
     def _share_mode(self, inputs: Mapping[str, Any]) -> str:
-        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (:mod:`mindformers_py.engine.loss`):
-        the fused loss and a ``compute_loss_func`` divide by it; an overriding ``compute_loss`` does as
-        ``loss_is_scaled_for_ga`` says, else it is trusted to when the model takes it (transformers' rule); else
-        what the model was found to do."""
+        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (see
+        :mod:`mindformers_py.engine.step_loss`): the fused loss and a ``compute_loss_func`` divide by it; an
+        overriding ``compute_loss`` does as ``loss_is_scaled_for_ga`` says, else it is trusted to when the model
+        takes it (transformers' rule); else what the model was found to do."""
         if self._fused_loss is not None and "labels" in inputs:
             return NORMALISED
         if self.compute_loss_func is not None:

@@ -147,7 +147,8 @@ def initial_mode(model: nn.Module) -> str:
     return UNKNOWN if accepts_loss_kwargs(model) else MEAN
 
 
-def probe_mode(model: nn.Module, inputs: Mapping[str, Any], count_items: Callable[[Mapping[str, Any]], int | None]) -> str | None:
+def probe_mode(model: nn.Module, inputs: Mapping[str, Any],
+               count_items: Callable[[Mapping[str, Any]], int | None]) -> str | None:
     """Measure whether ``model`` normalises by ``num_items_in_batch`` on (the first rows of) ``inputs``; None when
     the rows hold no item to measure with. Runs in eval mode without gradients and restores the mode."""
     sample = {k: v[:_PROBE_ROWS] if isinstance(v, torch.Tensor) and v.ndim >= 1 else v for k, v in inputs.items()}
