@@ -1,6 +1,7 @@
 """The table of model families: which config, model classes, presets and HF architectures each one covers.
 
-``mindformers_py.auto`` reads this table; a new family adds one :class:`Family` entry and nothing else changes.
+``mindformers_py.auto``, checkpoint consolidation and the ``auto_parallel`` planner read this table; a new family adds
+one :class:`Family` entry and nothing else changes.
 """
 
 from __future__ import annotations
