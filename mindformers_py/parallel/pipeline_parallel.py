@@ -114,6 +114,8 @@ class LastStageModel:
         return task.output_class(**fields)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_pipeline":  # not set yet (copying): no model to ask
+            raise AttributeError(name)
         return getattr(self._pipeline.model_parts[-1], name)
 
 
