@@ -80,6 +80,14 @@ class TaskHead:
         super().__init_subclass__(**kwargs)
         if "base_model_class" in cls.__dict__:  # a family's concrete head: its forward takes the base model's inputs
             cls.forward = _forward_taking(cls.base_model_class.forward, cls.excluded_inputs, cls.head_inputs)
+            if "_whole_sequence_modules" not in cls.__dict__:  # what sequence parallelism gathers the sequence for
+                cls._whole_sequence_modules = (cls.head_name,) if cls.scores_positions() else ()
+
+    @classmethod
+    def scores_positions(cls) -> bool:
+        """Whether the head module reads every position (so it needs the whole sequence under sequence
+        parallelism), rather than a pooled vector the base model's pooler gives."""
+        return True
 
     def build_head(self, config: Any) -> None:
         """Create the head's modules."""
@@ -141,6 +149,10 @@ class SequenceClassification(TaskHead):
     pooling: ClassVar[str] = "first"
     head_bias: ClassVar[bool] = True
     output_class: ClassVar[type[ModelOutput]] = SequenceClassifierOutput
+
+    @classmethod
+    def scores_positions(cls) -> bool:
+        return cls.pooling == "last"
 
     def build_head(self, config: Any) -> None:
         self.num_labels = config.num_labels

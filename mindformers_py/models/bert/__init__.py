@@ -40,6 +40,7 @@ _registry.register_family(_registry.Family(
                    "multiple_choice": BertForMultipleChoice},
     presets=BERT_PRESETS,
     converter=_convert,
+    planner_config=_registry.hf_export,  # the planner reads its HF export's shape
     hf_model_classes={"base": _hf_class("BertModel"), "masked_lm": _hf_class("BertForMaskedLM"),
                       "causal_lm": _hf_class("BertLMHeadModel", "RobertaForCausalLM"),
                       "sequence_classification": _hf_class("BertForSequenceClassification"),

@@ -85,6 +85,8 @@ class BertModel(BertPreTrainedModel):
     ``classification_pooler``: the pooler is RoBERTa's classification head (``classifier.dense``), which applies
     ``config.pooler_dropout`` before its dense layer; a base model's pooler has no dropout."""
 
+    _whole_sequence_modules = ("pooler",)  # it reads the first token
+
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True, classification_pooler: bool = False) -> None:
         if config.add_cross_attention and not config.is_decoder:
             raise ConfigError("add_cross_attention=True needs is_decoder=True: cross-attention layers belong to a "
@@ -216,6 +218,7 @@ class _VocabularyHead:
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
+    _whole_sequence_modules = ("lm_head",)  # its dense + norm run on whole rows
 
     def _vocabulary_head(self, config: BertConfig) -> MaskedLMHead:
         return MaskedLMHead(config.hidden_size, config.vocab_size, config.mlm_head_act or config.hidden_act,
@@ -364,6 +367,7 @@ class BertForPreTraining(_VocabularyHead, TaskHead, BertPreTrainedModel):
     base_model_class = BertModel
     head_name = "lm_head"
     head_inputs = ("labels", "next_sentence_label")
+    _whole_sequence_modules = ("lm_head", "nsp_head")
     # Two losses with different items (masked tokens, pairs): Trainers average it per micro-batch, as transformers'.
     accepts_loss_kwargs = False
 

@@ -213,6 +213,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("lm_head",)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -315,6 +316,7 @@ class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
+    _whole_sequence_modules = ("lm_head", "multiple_choice_head")  # every position, and the chosen ones
     # Two losses with different items (tokens, choices): Trainers average it per micro-batch, as transformers'.
     accepts_loss_kwargs = False
 
