@@ -194,6 +194,28 @@ def test_mixtral_router_jitter_noise_matches_transformers_in_training():
         assert (ours(ids).logits - jittered).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe"])
+def test_qwen_models_mixing_sliding_and_full_attention_layers(kind):
+    """Found by transformers' common tests (test_sliding_window_mask): these configs were refused."""
+    fields = {**tiny_hf_config(kind).to_dict(), "use_sliding_window": True, "sliding_window": 3,
+              "max_window_layers": 1 if kind == "qwen2" else 3}
+    config = type(tiny_hf_config(kind))(**{k: v for k, v in fields.items() if k not in ("layer_types", "model_type")})
+    assert len(set(config.layer_types)) == 2
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ours = _ours_from(hf)
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        a, b = ours(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
+    assert (a - b)[mask.bool()].abs().max() <= 1e-4
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), hf.generate(ids, **kw))
+    back = mf.models.gpt.convert_gpt.config_to_hf(ours.config)
+    assert back.layer_types == config.layer_types and back.sliding_window == 3
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("options", [dict(scale_attn_by_inverse_layer_idx=True), dict(reorder_and_upcast_attn=True),
                                      dict(scale_attn_weights=False, reorder_and_upcast_attn=True)])

@@ -25,6 +25,7 @@ FLAVOURS: dict[str, dict[str, Any]] = {
     ),
 }
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _MINDFORMERS_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                       "n_kv_heads": "num_key_value_heads", "seq_length": "max_position_embeddings",
@@ -161,6 +162,9 @@ class GPTConfig(PretrainedConfig):
     """Share the LM head weight with the token embedding."""
     sliding_window: int | None = None
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
+    layer_types: list[str] | None = None
+    """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (transformers' field: Qwen2 and
+    Qwen2-MoE mix them); None means every layer slides when ``sliding_window`` is set."""
     add_cross_attention: bool = False
     """Every layer of a GPT-2-flavoured model attends, after its self-attention, to an encoder's output: the decoder
     of transformers' ``EncoderDecoderModel`` (BERT-to-GPT-2). A Llama-flavoured model ignores it, as transformers'
@@ -248,6 +252,7 @@ class GPTConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        self._check_layer_types()
         moe = moe_config_of(self)
         if moe is not None:
             outside = [i for i in moe.mlp_only_layers if i >= self.num_hidden_layers]
@@ -258,6 +263,27 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        self.layer_types = list(self.layer_types)
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types holds {bad[0]!r}; each entry must be one of: {', '.join(LAYER_TYPES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types names {len(self.layer_types)} layers but num_hidden_layers="
+                              f"{self.num_hidden_layers}; give one entry per layer")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set; set "
+                              "sliding_window (the window) or make every layer full_attention")
+
+    def attention_kinds(self) -> list[str]:
+        """Each layer's attention kind: :attr:`layer_types`, else every layer ``"sliding_attention"`` with a
+        ``sliding_window`` and ``"full_attention"`` without."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_hidden_layers
 
     @property
     def cross_attends(self) -> bool:

@@ -75,13 +75,23 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
         kwargs["mlp_bias"] = hf.get("mlp_bias", False)
     elif kind == "qwen2":
         kwargs["attention_bias"] = True
-        if hf.get("use_sliding_window"):
-            if hf.get("max_window_layers", 0) < hf.get("num_hidden_layers", 0):
-                raise ConfigError("qwen2 checkpoints mixing sliding-window and full-attention layers are not supported (use_sliding_window=true)")
-            kwargs["sliding_window"] = hf.get("sliding_window")
+        # transformers' rule when config.json has no layer_types: layers from max_window_layers on slide
+        kwargs.update(_windowed_layers(hf, lambda i: i >= hf.get("max_window_layers", 28)))
     else:  # mistral
         kwargs["sliding_window"] = hf.get("sliding_window")
     return GPTConfig(flavour="llama", hf_architecture=kind, **kwargs)
+
+
+def _windowed_layers(hf: dict[str, Any], slides) -> dict[str, Any]:
+    """Qwen2's and Qwen2-MoE's sliding window: ``sliding_window`` and ``layer_types`` (each layer's attention) from
+    ``use_sliding_window`` and ``config.json``'s ``layer_types``, else from the architecture's rule ``slides(i)``."""
+    if not hf.get("use_sliding_window"):
+        return {}
+    layers = hf.get("num_hidden_layers", 32)
+    types = hf.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": hf.get("sliding_window"), "layer_types": list(types)}
 
 
 def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -> GPTConfig:
@@ -96,8 +106,8 @@ def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -
                    router_jitter_noise=hf.get("router_jitter_noise") or 0.0)
         kwargs["sliding_window"] = hf.get("sliding_window")
     else:  # qwen2_moe: experts of their own size, a gated shared expert, some layers possibly dense
-        if hf.get("use_sliding_window"):
-            raise ConfigError("qwen2_moe checkpoints with use_sliding_window=true are not supported")
+        # transformers' rule when config.json has no layer_types: every other layer below max_window_layers slides
+        kwargs.update(_windowed_layers(hf, lambda i: bool((i + 1) % 2) and i < hf.get("max_window_layers", 28)))
         step = hf.get("decoder_sparse_step", 1)
         dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
         moe.update(expert_num=hf.get("num_experts", 60), norm_topk_prob=hf.get("norm_topk_prob", False),
@@ -148,8 +158,7 @@ def _config_to_hf(config: GPTConfig, kind: str):
         return transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **kwargs)
     if kind == "qwen2":
         kwargs.pop("head_dim")
-        return transformers.Qwen2Config(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
-                                        max_window_layers=config.num_hidden_layers, **kwargs)
+        return transformers.Qwen2Config(**kwargs, **_hf_window(config))
     if kind in MOE_HF_TYPES:
         moe = config.moe
         kwargs.update(num_experts_per_tok=moe.num_experts_chosen, router_aux_loss_coef=moe.aux_loss_factor,
@@ -163,8 +172,17 @@ def _config_to_hf(config: GPTConfig, kind: str):
             num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, qkv_bias=config.attention_bias,
             moe_intermediate_size=moe.expert_size(config.intermediate_size), decoder_sparse_step=1,
             shared_expert_intermediate_size=moe.shared_expert_size(config.intermediate_size),
-            mlp_only_layers=list(moe.mlp_only_layers), **kwargs)
+            mlp_only_layers=list(moe.mlp_only_layers), **kwargs, **_hf_window(config))
     return transformers.MistralConfig(sliding_window=config.sliding_window, **kwargs)
+
+
+def _hf_window(config: GPTConfig) -> dict[str, Any]:
+    """Qwen2's and Qwen2-MoE's sliding-window fields for ``config``'s layers."""
+    kinds = config.attention_kinds()
+    if "sliding_attention" not in kinds:
+        return {"use_sliding_window": False}
+    return {"use_sliding_window": True, "sliding_window": config.sliding_window, "layer_types": kinds,
+            "max_window_layers": config.num_hidden_layers}
 
 
 def _check_exportable(config: GPTConfig, kind: str) -> None:
@@ -180,10 +198,13 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         "mixtral": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=False,
                         attention_out_bias=False, mlp_bias=False),
         "qwen2_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=False,
-                          mlp_bias=False, sliding_window=None, head_dim=config.hidden_size // config.num_attention_heads),
+                          mlp_bias=False, head_dim=config.hidden_size // config.num_attention_heads),
     }[kind]
     if kind != "gpt2":
         wanted.update(_GPT2_ATTENTION_OPTIONS)
+    if kind not in ("qwen2", "qwen2_moe") and len(set(config.attention_kinds())) > 1:
+        raise MindFormersError(f"cannot export to HF {kind}: its layers all attend alike, the model mixes "
+                               "sliding_attention and full_attention layers (layer_types); export as qwen2 or qwen2_moe")
     for field, value in wanted.items():
         if getattr(config, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")

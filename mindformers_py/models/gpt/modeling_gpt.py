@@ -158,10 +158,12 @@ class GPTModel(GPTPreTrainedModel):
             kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
             kv_length, kv_offset = length, 0
-        mask = build_attention_mask(
+        kinds = self.config.attention_kinds()
+        masks = {kind: build_attention_mask(
             attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
-            sliding_window=self.config.sliding_window, device=hidden_states.device, position_ids=position_ids,
-        )
+            sliding_window=self.config.sliding_window if kind == "sliding_attention" else None,
+            device=hidden_states.device, position_ids=position_ids,
+        ) for kind in set(kinds)}  # one mask per attention kind, shared by the layers of that kind
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = self.rotary_emb(position_ids, hidden_states.dtype)
@@ -176,7 +178,8 @@ class GPTModel(GPTPreTrainedModel):
             cross = dict(encoder_hidden_states=encoder_hidden_states,
                          encoder_attention_mask=key_padding_mask(encoder_attention_mask)) if self.config.cross_attends else {}
             for layer in self.layers:
-                hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values, **cross)
+                hidden_states = layer(hidden_states, masks[kinds[layer.layer_idx]], rotary, past_key_values=past_key_values,
+                                      **cross)
         else:
             router_stats = kwargs.get("router_stats")
             if router_stats is None:
@@ -184,7 +187,8 @@ class GPTModel(GPTPreTrainedModel):
                                                        stat_width(moe.expert_num), dtype=torch.float32)
             token_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
             for layer in self.layers:
-                out = layer(hidden_states, mask, rotary, past_key_values=past_key_values, token_mask=token_mask)
+                out = layer(hidden_states, masks[kinds[layer.layer_idx]], rotary, past_key_values=past_key_values,
+                            token_mask=token_mask)
                 if isinstance(out, tuple):  # an MoE layer: its statistics go to its own row
                     hidden_states, stats = out
                     row = torch.tensor([layer.layer_idx], device=stats.device)
