@@ -14,7 +14,6 @@ import transformers
 import mindformers_py as mf
 from hf_models import tiny_hf_config, tiny_hf_model
 from mindformers_py.errors import ConfigError
-from mindformers_py.models import hf_config
 from mindformers_py.models.cache_names import output_cache
 from mindformers_py.models.gpt import convert_gpt
 
@@ -68,6 +67,8 @@ def _hf_configs():
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "t5", "vit"])
 def test_every_general_config_setting_survives_a_round_trip(kind, tmp_path):
+    from mindformers_py.models import hf_config
+
     hf = _hf_configs()[kind]
     for name, value in GENERAL_VALUES.items():
         setattr(hf, name, value)
@@ -144,6 +145,21 @@ def test_rotary_models_run_past_max_position_embeddings():
     learned = _ours_from(tiny_hf_model("gpt2"))
     with pytest.raises(mf.MindFormersError, match="exceeds the context length max_position_embeddings=64"):
         learned(ids)
+
+
+@pytest.mark.parametrize("rope", [dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
+                                  dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
+                                       long_factor=[2.0, 3.0, 4.0, 5.0], original_max_position_embeddings=16)])
+def test_rope_rescaling_past_the_trained_length_matches_transformers(rope):
+    config = tiny_hf_config("llama")  # head_dim 8: four frequencies
+    config.rope_parameters = rope
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    ours = _ours_from(hf)
+    with torch.no_grad():
+        for length in (10, 100, 10):  # within, past (rescaled), and back within (reset) the trained length
+            ids = torch.randint(3, 128, (1, length))
+            assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4, length
 
 
 # -- 9. config names, 10. tensor-parallel plans ------------------------------------------------------------------------
