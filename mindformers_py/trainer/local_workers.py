@@ -53,6 +53,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
+from transformers.utils import logging as hf_logging
 
 from ..engine import Engine
 from ..engine.state_files import copy_weights
@@ -261,6 +262,7 @@ def _worker_main(job_path: str, events: Any) -> bytes | None:
     os.environ.update({k: v for k, v in job.env.items()
                        if k not in _AGENT_VARIABLES and not k.startswith("TORCHELASTIC_")})
     torch.set_num_threads(job.threads)
+    hf_logging.disable_progress_bar()  # the whole-weights save's "Writing model shards": rank 0's bar is the parent's
     rank = int(os.environ["RANK"])
     trainer = job.trainer
     try:
