@@ -29,7 +29,7 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,13 +244,10 @@ def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
             stopped.
         KeyboardInterrupt: the program was interrupted; every worker was stopped.
     """
-    import multiprocessing
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))  # no effect once the server runs, which has imported them
+    prepare_fork_server(preload)
     saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     try:
-        with _main_module_not_rerun(), _quiet_agent():
+        with main_module_not_rerun(), quiet_agent():
             return launch(target, nproc, *args, start_method="forkserver")
     except SignalException as err:
         if err.sigval == signal.SIGINT:
@@ -262,8 +259,35 @@ def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
                 signal.signal(sig, handler)
 
 
+# What the elastic agent sets in each worker's environment: the launching program's values (a notebook's MASTER_PORT)
+# must not replace them.
+AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def adopt_environment(env: Mapping[str, str]) -> None:
+    """In a worker forked from the fork server (which has the environment of the moment it started), take the
+    launching program's environment ``env`` as it is now, keeping what the agent set for this worker."""
+    os.environ.update({k: v for k, v in env.items() if k not in AGENT_VARIABLES and not k.startswith("TORCHELASTIC_")})
+
+
+def threads_per_worker(nproc: int) -> int:
+    """CPU threads for each of ``nproc`` local workers: ``OMP_NUM_THREADS`` when set (torchrun's rule), else the
+    cores shared out."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def prepare_fork_server(preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
+    """Have multiprocessing's fork server import ``preload`` when it starts (no effect once it runs: it has)."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+
+
 @contextlib.contextmanager
-def _main_module_not_rerun() -> Iterator[None]:
+def main_module_not_rerun() -> Iterator[None]:
     """Hide the main module's origin while workers start: multiprocessing would otherwise import a script (or a
     ``python -m`` module) again in each worker, running its top-level code, which starts the run again when it lacks
     a ``__main__`` guard. Workers get everything they need pickled, so they do not need the main module."""
@@ -282,7 +306,7 @@ def _main_module_not_rerun() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_agent() -> Iterator[None]:
+def quiet_agent() -> Iterator[None]:
     """Silence the elastic agent's logs (a failed worker's traceback, the shutdown warning): the caller raises one
     line for them instead."""
     import logging

@@ -59,7 +59,8 @@ from ..engine import Engine
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
-from ..parallel.launch import LaunchError, launch_from_python, launched_by_torchrun
+from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, \
+    threads_per_worker
 from ..utils.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
 
@@ -73,10 +74,6 @@ _PEER_GRACE_S = 1.0  # how long a rank whose peer vanished waits before exiting 
 # The callback events a progress display reacts to; rank 0 relays them to the parent.
 _RELAYED_EVENTS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_predict", "on_prediction_step",
                    "on_train_end")
-# What the elastic agent sets in each worker's environment: the parent's values (a notebook's MASTER_PORT) must not
-# replace them.
-_AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 # Trainer attributes -> the constructor argument a user knows them by (for the one-line refusal).
 _ARGUMENT_NAMES = {"processing_class": "processing_class (tokenizer)", "callback_handler": "callbacks"}
 
@@ -137,7 +134,7 @@ class LocalWorkers:
         try:
             weights = folder / _WEIGHTS_DIR if function.__name__ == "train" else None
             job = _Job(trainer=self._portable(trainer), function=function, args=args, kwargs=kwargs,
-                       env=dict(os.environ), threads=_threads_per_worker(self.world_size),
+                       env=dict(os.environ), threads=threads_per_worker(self.world_size),
                        weights=str(weights) if weights else None, folder=str(folder))
             _write_job(job, folder / _JOB_NAME, self.world_size)
             if relay is not None:
@@ -182,13 +179,6 @@ class _Job:
     """Folder the workers write the trained weights to (after ``train``), else None."""
     folder: str
     """The call's temporary folder (exceptions of the workers are pickled there)."""
-
-
-def _threads_per_worker(world_size: int) -> int:
-    """CPU threads per worker: ``OMP_NUM_THREADS`` when set (torchrun's rule), else the cores shared out."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _write_job(job: _Job, path: Path, world_size: int) -> None:
@@ -258,9 +248,7 @@ def _worker_main(job_path: str, events: Any) -> bytes | None:
     """One worker: read the job, build the engine (joining the workers' process group), run the call; rank 0 returns
     the pickled result and state."""
     job: _Job = cloudpickle.loads(Path(job_path).read_bytes())
-    # Workers fork from a server started earlier: take the parent's environment as it is now.
-    os.environ.update({k: v for k, v in job.env.items()
-                       if k not in _AGENT_VARIABLES and not k.startswith("TORCHELASTIC_")})
+    adopt_environment(job.env)  # workers fork from a server started earlier: the parent's environment as it is now
     torch.set_num_threads(job.threads)
     hf_logging.disable_progress_bar()  # the whole-weights save's "Writing model shards": rank 0's bar is the parent's
     rank = int(os.environ["RANK"])
