@@ -252,15 +252,22 @@ def run(parallel):
 print("script started", flush=True)  # no __main__ guard: the workers must not run this again
 one, two = run(mf.ParallelConfig()), run(mf.ParallelConfig(parallel_mode="data_parallel", data_parallel=2))
 print("losses agree", all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(one, two)) and len(one) == len(two) == 2)
+pipe = mf.pipeline("summarization", model=T5_FOLDER, parallel_config={"model_parallel": 2})
+pipe("read the lines of a file", max_new_tokens=2, num_beams=1)
+print("pool", *pipe.model.pool.pids, flush=True)  # not closed: the pool stops when the interpreter exits
 """
 
 
 def test_a_plain_script_without_main_guard_starts_its_workers(tmp_path):
+    """... and a parallel pipeline it leaves open stops with the interpreter."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+    t5_folder = ROOT / "tests" / "fixtures" / "t5_pipelines"
+    script.write_text(f"T5_FOLDER = {str(t5_folder)!r}\n" + textwrap.dedent(SCRIPT))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("script started") == 1
     assert "losses agree True" in done.stdout and done.stdout.count("ran 2 steps") == 2
+    pool = [int(pid) for pid in done.stdout.split("pool ")[1].split()]
+    assert len(pool) == 2 and not any(_alive(pid) for pid in pool)
