@@ -47,7 +47,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import cloudpickle
 import torch
@@ -63,9 +63,6 @@ from ..parallel.launch import LaunchError, adopt_environment, launch_from_python
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 ERRORS_DIR = "worker_errors"
 """Folder of ``output_dir`` where a failed worker leaves its traceback (``rank<N>.txt``)."""
@@ -120,7 +117,7 @@ class LocalWorkers:
         (``save_model``, ``finetune``'s weights)."""
         return Engine(ParallelConfig(), args)
 
-    def run(self, trainer: Trainer, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, trainer: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function(trainer, *args, **kwargs)`` (``Trainer.train``, ...) in the workers; returns rank 0's result
         and updates the parent's state (and model, after training)."""
         if trainer.optimizer is not None or trainer.lr_scheduler is not None:
@@ -155,7 +152,7 @@ class LocalWorkers:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _portable(self, trainer: Trainer) -> Trainer:
+    def _portable(self, trainer: Any) -> Any:
         """A shallow copy of ``trainer`` for the workers: their layout, no parent engine."""
         clone = copy.copy(trainer)
         clone._workers = None
