@@ -56,6 +56,7 @@ from transformers import TrainerControl, TrainerState
 from transformers.utils import logging as hf_logging
 
 from ..engine import Engine
+from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
@@ -84,12 +85,10 @@ def planned_layout(parallel_config: ParallelConfig, model_config: Any, per_devic
         return 1, parallel_config
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config.required_world_size(), parallel_config
-    from ..planner.search import auto_parallel, default_world_size
-
-    world = default_world_size(parallel_config)
+    world = local_world_size(parallel_config)
     if world == 1 or model_config is None:
         return 1, parallel_config  # the engine plans the one-process layout (or names what is missing)
-    return world, auto_parallel(parallel_config, model_config, world, per_device_batch, seq_length)
+    return world, plan_layout(parallel_config, model_config, world, per_device_batch, seq_length)
 
 
 @dataclass
@@ -276,6 +275,7 @@ def _start_trainer(trainer: Any, events: Any) -> None:
     """Build the Trainer's engine in this worker and, on rank 0, relay the progress callbacks' events to the
     parent (which draws the bar) instead of drawing one here."""
     trainer._setup_engine()
+    trainer.engine.check_loss(trainer.training_loss)  # the layout's own refusals (the parent checked stand-alone's)
     trainer.state.is_world_process_zero = trainer.engine.is_main_process
     trainer.state.is_local_process_zero = trainer.engine.is_local_main_process
     if events is not None:
