@@ -16,6 +16,7 @@ import yaml
 from transformers import TextIteratorStreamer
 
 import mindformers_py as mf
+from dist_utils import process_alive
 from mindformers_py.cli import main
 from mindformers_py.data.tokenizer import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError
@@ -62,14 +63,6 @@ def _streamed(pipe, prompt: str) -> str:
     return text
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 LAYOUTS = {
     "tp2_vocab_parallel": ({"model_parallel": 2, "vocab_emb_dp": False}, 2, 1),
     "pp2": ({"pipeline_stage": 2}, 1, 2),
@@ -89,7 +82,7 @@ def test_gpt_generates_stand_alone_tokens_with_sharded_weights_and_cache(name, g
         assert _streamed(pipe, PROMPTS[0]) == expected["single"][0][len(PROMPTS[0]):]
         assert pipe.model.pool.pids == pids  # the same workers served every call
         memory = pipe.model.pool.memory()
-    assert not any(_alive(pid) for pid in pids)  # closed with the pipeline
+    assert not any(process_alive(pid) for pid in pids)  # closed with the pipeline
     # Each rank holds 1/(tp*pp) of the heads' cache; its weights are less than the whole model's.
     assert all(m["kv_cache_bytes_per_token"] * tp * pp == expected["kv_per_token"] for m in memory)
     assert all(m["weights_bytes"] < expected["weights"] for m in memory)

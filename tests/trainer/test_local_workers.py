@@ -23,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 import mindformers_py as mf
+from dist_utils import process_alive
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.parallel.launch import LaunchError
@@ -202,14 +203,6 @@ class WritePid(TrainerCallback):
         time.sleep(0.2)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_an_interrupt_stops_every_worker(tmp_path):
     trainer = make_trainer(tmp_path, ParallelConfig(parallel_mode="data_parallel", data_parallel=2), max_steps=10_000,
                            callbacks=[WritePid(str(tmp_path))])
@@ -224,7 +217,7 @@ def test_an_interrupt_stops_every_worker(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     pids = [int(Path(p).read_text()) for p in glob.glob(str(tmp_path / "pid*"))]
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(process_alive(pid) for pid in pids)
     assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
 
 
@@ -270,4 +263,4 @@ def test_a_plain_script_without_main_guard_starts_its_workers(tmp_path):
     assert done.stdout.count("script started") == 1
     assert "losses agree True" in done.stdout and done.stdout.count("ran 2 steps") == 2
     pool = [int(pid) for pid in done.stdout.split("pool ")[1].split()]
-    assert len(pool) == 2 and not any(_alive(pid) for pid in pool)
+    assert len(pool) == 2 and not any(process_alive(pid) for pid in pool)
