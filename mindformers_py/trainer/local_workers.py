@@ -35,6 +35,7 @@ the rank and the signal; an interrupt (Ctrl-C, the notebook's stop button) stops
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import multiprocessing
@@ -47,6 +48,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import cloudpickle
@@ -129,10 +131,11 @@ class LocalWorkers:
         relay = _EventPump(trainer, progress) if progress else None
         try:
             weights = folder / _WEIGHTS_DIR if function.__name__ == "train" else None
-            job = _Job(trainer=self._portable(trainer), function=function, args=args, kwargs=kwargs,
-                       env=dict(os.environ), threads=threads_per_worker(self.world_size),
-                       weights=str(weights) if weights else None, folder=str(folder))
-            _write_job(job, folder / _JOB_NAME, self.world_size)
+            job = _Job(trainer=trainer, function=function, args=args, kwargs=kwargs, env=dict(os.environ),
+                       threads=threads_per_worker(self.world_size), weights=str(weights) if weights else None,
+                       folder=str(folder))
+            with self._as_sent(trainer):
+                _write_job(job, folder / _JOB_NAME, self.world_size)
             if relay is not None:
                 relay.start()
             try:
@@ -151,14 +154,19 @@ class LocalWorkers:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _portable(self, trainer: Any) -> Any:
-        """A shallow copy of ``trainer`` for the workers: their layout, no parent engine."""
-        clone = copy.copy(trainer)
-        clone._workers = None
-        clone.engine = None
-        clone.model_wrapped = None
-        clone.args = dataclasses.replace(trainer.args, parallel_config=self.layout)
-        return clone
+    @contextlib.contextmanager
+    def _as_sent(self, trainer: Any) -> Iterator[None]:
+        """``trainer`` as the workers get it while it is pickled: their layout, no parent engine. The object itself,
+        not a copy, so what refers to it (its bound methods held by the loss, the callbacks) refers to the one the
+        workers set up."""
+        sent = {"_workers": None, "engine": None, "model_wrapped": None,
+                "args": dataclasses.replace(trainer.args, parallel_config=self.layout)}
+        kept = {name: getattr(trainer, name) for name in sent}
+        vars(trainer).update(sent)
+        try:
+            yield
+        finally:
+            vars(trainer).update(kept)
 
 
 @dataclass
