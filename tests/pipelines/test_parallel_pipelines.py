@@ -54,9 +54,9 @@ def _kv_per_token(model) -> int:
     return cache_bytes(out["cache"] if "cache" in out else out["past_key_values"]) // 8
 
 
-def _streamed(pipe, prompt: str) -> str:
-    streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True)
-    worker = threading.Thread(target=pipe, args=(prompt,), kwargs=dict(streamer=streamer, **GREEDY))
+def _streamed(pipe, prompt: str, **kwargs) -> str:
+    streamer = TextIteratorStreamer(pipe.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    worker = threading.Thread(target=pipe, args=(prompt,), kwargs=dict(streamer=streamer, **(kwargs or GREEDY)))
     worker.start()
     text = "".join(streamer)
     worker.join()
@@ -97,6 +97,7 @@ def test_t5_summarizes_with_stand_alone_tokens_on_two_tensor_parallel_ranks():
     try:
         assert pipe(texts, **kwargs) == expected
         assert pipe(texts, batch_size=2, **kwargs) == expected
+        assert _streamed(pipe, texts[0], **kwargs).strip() == expected[0]["summary_text"].strip()
     finally:
         pipe.close()
 
@@ -118,6 +119,7 @@ def test_moe_with_expert_parallelism_generates_and_samples_as_stand_alone(gpt):
     layout = mf.ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=2, expert_parallel=2)
     with mf.pipeline("text-generation", model=model, tokenizer=tokenizer, parallel_config=layout) as pipe:
         assert pipe(PROMPTS, batch_size=2, **GREEDY) == greedy
+        assert _streamed(pipe, PROMPTS[0]) == alone(PROMPTS[0], **GREEDY)[0]["generated_text"][len(PROMPTS[0]):]
         torch.manual_seed(5)
         assert pipe(PROMPTS[0], **sampling) == sampled  # the workers draw from this process's random state
 
