@@ -16,10 +16,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig
 
 from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
@@ -28,6 +28,9 @@ from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.safetensors_io import load_state_dict
 from .utils.typed_values import coerce_fields
+
+if TYPE_CHECKING:  # transformers' modeling module costs seconds; it loads with the first model
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 

@@ -7,11 +7,16 @@ parallelism, recompute, resharding checkpoints, the planner) live in :mod:`mindf
 Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
 """
 
-from .args import EngineArguments
-from .base import Engine, LossFn
-from .distributed import DistributedEngine
-from .pipeline_engine import PipelineEngine
-from .registry import build_engine, current_world_size, register_engine
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "build_engine",
-           "current_world_size", "register_engine"]
+_EXPORTS = {
+    "EngineArguments": ".args",
+    **dict.fromkeys(["Engine", "LossFn"], ".base"),
+    "DistributedEngine": ".distributed",
+    "PipelineEngine": ".pipeline_engine",
+    **dict.fromkeys(["build_engine", "current_world_size", "register_engine"], ".registry"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

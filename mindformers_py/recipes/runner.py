@@ -57,8 +57,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
     from ..planner.search import auto_parallel, default_world_size
-    from ..trainer.arguments import TrainingArguments
-    from ..trainer.seq2seq import Seq2SeqTrainingArguments
+    from ..trainer.arguments import Seq2SeqTrainingArguments, TrainingArguments
 
     training = dict(recipe.get("training") or {})
     if training.get("task") not in (None, task.name) and get_task(training["task"]) is not task:
