@@ -64,10 +64,14 @@ def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, m
         raise ConfigError("parallel_mode='auto_parallel' needs the model's config to plan a layout; pass the model "
                           "to the Trainer (or model_config= to build_engine)")
     world = current_world_size()
-    layout = auto_parallel(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length)
+    summary: list[str] = []
+    layout = auto_parallel(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length,
+                           summary=summary)
     if world == 1:  # the one-process plan runs without a process group
         layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
-    return build_engine(layout, args)
+    engine = build_engine(layout, args)
+    engine.plan_summary = summary[0] if summary else None  # rank 0's reason, for the run's layout line
+    return engine
 
 
 _ENGINES: dict[str, EngineFactory] = {

@@ -10,6 +10,7 @@ and which pipeline runs on ``generate.prompts`` after training.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
+
+logger = logging.getLogger(__name__)
 
 RESOLVED_NAME = "run_config.yaml"
 DEFAULT_TASK = "causal_lm"
@@ -84,6 +87,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
     parallel = auto_parallel(parallel, config, world, per_device_batch, seq_length)
+    if parallel.ignored_sizes_warning():  # e.g. stand_alone with data_parallel=2: say so, record what runs
+        logger.warning("%s", parallel.ignored_sizes_warning())
+        parallel = parallel.without_ignored_sizes()
     recipe["parallel"] = parallel.to_dict()
 
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,

@@ -105,8 +105,8 @@ class TrainingArguments:
     logging_steps: int = 10
     """Log every this many optimizer steps (HF's default is 500; ours suits small runs). Logging is the only
     point where the training loop waits for the device."""
-    logging_first_step: bool = False
-    """Also log after the first step."""
+    logging_first_step: bool = True
+    """Also log after the first step, so the starting loss shows at once (HF's default is False)."""
     logging_dir: str | None = None
     """TensorBoard folder; None = ``<output_dir>/runs``."""
     report_to: str | list[str] = "tensorboard"
@@ -125,6 +125,9 @@ class TrainingArguments:
     """Evaluate every this many steps; None = ``logging_steps``."""
     eval_delay: float = 0
     """Steps (or epochs, with ``eval_strategy="epoch"``) to wait before the first evaluation."""
+    eval_on_start: bool = False
+    """Evaluate once before the first training step (logged at step 0, as in transformers): the untrained model's
+    scores, for comparison."""
     prediction_loss_only: bool = False
     """In ``evaluate``/``predict``, compute only the loss (no logits gathered for ``compute_metrics``)."""
 

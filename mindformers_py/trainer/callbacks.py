@@ -54,7 +54,10 @@ class ProgressCallback(TrainerCallback):
                     postfix[key] = f"{logs[key]:.4g}"
             self.bar.set_postfix(postfix, refresh=False)
             return
-        line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())
+        if set(logs) <= {"layout", "epoch"}:  # the run's layout line, as it is
+            line = str(logs["layout"])
+        else:
+            line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())
         if self.bar is not None:
             self.bar.write(line)
         else:

@@ -92,6 +92,8 @@ class Trainer:
         self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
                                            seq_length=_sequence_length(train_dataset, model))
         self.engine.setup()
+        if self.args.parallel_config.ignored_sizes_warning() and self.engine.is_main_process:
+            logger.warning("%s", self.args.parallel_config.ignored_sizes_warning())
         set_seed(self.args.seed)
         self.model = model
         self.model_wrapped = self.engine.prepare_model(model)
@@ -296,9 +298,11 @@ class Trainer:
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
+        # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
+        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
-                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+                                num_steps=steps_run, num_tokens=tokens)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)
@@ -639,6 +643,14 @@ class Trainer:
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
+
+
+def _layout_line(engine: Engine) -> str:
+    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
+    for ``auto_parallel`` what the planner chose and why."""
+    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
+    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
