@@ -60,6 +60,11 @@ _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batc
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _processes(count: int) -> str:
+    """How to start ``count`` processes, for an error's fix."""
+    return f"{count} processes (torchrun --nproc_per_node {count}, or mindformers-py run without torchrun)"
+
+
 @dataclass
 class ParallelConfig(_Section):
     """How training is spread over processes (MindFormers' ``parallel_config`` plus ``parallel_mode``).
@@ -262,12 +267,17 @@ class ParallelConfig(_Section):
         if mode == "data_parallel" and self.data_parallel != world_size:
             raise ConfigError(
                 f"data_parallel={self.data_parallel} does not match world_size={world_size}; "
-                f"expected data_parallel={world_size} with parallel_mode='data_parallel'"
+                f"expected data_parallel={world_size} with parallel_mode='data_parallel', or run "
+                f"{_processes(self.data_parallel)}"
             )
         if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
+            others = self.model_parallel * self.pipeline_stage
+            fits = world_size % others == 0 and (world_size // others) % self.expert_parallel == 0
+            fix = f"set data_parallel={world_size // others}" if fits else "change the layout"
             raise ConfigError(
                 f"data_parallel*model_parallel*pipeline_stage = {self.data_parallel}*{self.model_parallel}*"
-                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}"
+                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}; run "
+                f"{_processes(self.required_world_size())}, or {fix}"
             )
         if model_config is not None:
             self._validate_model(model_config)

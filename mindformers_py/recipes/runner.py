@@ -82,6 +82,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
+    parallel.validate_for(world)  # a layout torchrun's world cannot hold fails here, before any data is prepared
     per_device_batch = args.per_device_train_batch_size
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.

@@ -19,7 +19,6 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
-from ..task_registry import get_task
 from ..utils.typed_values import coerce_value
 
 
@@ -258,6 +257,8 @@ class TrainingArguments:
         check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
         check_choice("optim", self.optim, OPTIMIZERS)
         if self.task is not None:
+            from ..task_registry import get_task  # imports torch: not needed to read the fields
+
             get_task(self.task)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "eval_steps", "save_steps"):
