@@ -176,6 +176,20 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, title: 
     return path
 
 
+class SaveBeforeFinalEvaluationCallback(TrainerCallback):
+    """Saves ``trainer``'s model (``save_model``) when training reaches its last step, before the evaluation that
+    step may run: evaluating (generated texts above all) can take long, and a run stopped during it keeps its
+    model. ``saved`` says whether it did. The recipes install it."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer, self.saved = trainer, False
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if control.should_training_stop and control.should_evaluate:
+            self.trainer.save_model()
+            self.saved = True
+
+
 def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
     """The callbacks every Trainer starts with (before the user's): flow control, progress, log.jsonl,
     TensorBoard when ``report_to`` asks for it, and the loss curve."""
