@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
                       "mindformers_py/planner/devices.yaml (default h100_80gb; a wrong name lists them)")
     plan.add_argument("--devices_per_node", type=int, help="accelerators per node (default: the catalog's, 8)")
-    plan.add_argument("--global_batch", type=int, help="sequences per optimizer step (default: the recipe's "
-                      "per-device batch, else one per device)")
+    plan.add_argument("--global_batch", type=int, help="sequences per optimizer step, the same for every layout "
+                      "(default: a recipe's: per-device batch x gradient accumulation x its data_parallel; else one "
+                      "per device)")
     plan.add_argument("--seq_length", type=int, help="tokens per sequence (default: the recipe's block_size, else "
                       "the model's context length up to 4096)")
     plan.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",

@@ -45,9 +45,9 @@ class ProgressCallback(TrainerCallback):
             return
         if self.bar is not None and "loss" in logs:
             postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0.0):.2e}"}
-            if "tokens_per_second" in logs:  # the task's throughput unit: images for image tasks
-                unit = "img/s" if _counts_images(args, kwargs.get("model")) else "tok/s"
-                postfix[unit] = f"{logs['tokens_per_second']:.0f}"
+            for key, unit in (("tokens_per_second", "tok/s"), ("images_per_second", "img/s")):
+                if key in logs:  # the task's throughput item
+                    postfix[unit] = f"{logs[key]:.0f}"
             tracker = getattr(kwargs.get("model"), "training_metrics", None)
             for key in getattr(tracker, "postfix_keys", ()):
                 if key in logs:
@@ -198,14 +198,6 @@ def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
         callbacks.append(TensorBoardCallback())
     callbacks.append(LossCurveCallback())
     return callbacks
-
-
-def _counts_images(args: TrainingArguments, model: Any) -> bool:
-    """Whether the run's task (``args.task``, else the model's) counts its throughput in images."""
-    from ..task_registry import get_task, task_of_model
-
-    spec = get_task(args.task) if args.task else task_of_model(model) if model is not None else None
-    return spec is not None and spec.items == "images"
 
 
 def _step_of(line: str) -> float:

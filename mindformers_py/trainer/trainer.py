@@ -222,7 +222,10 @@ class Trainer:
         self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
+        self.log({"layout": _layout_line(engine)})  # printed once (before the bar), kept in log.jsonl and trainer_state
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
         return self._train_loop(source, position, num_epochs)
@@ -339,6 +342,10 @@ class Trainer:
         ids = batch.get("input_ids")
         return ids.numel() if isinstance(ids, torch.Tensor) else 0
 
+    def _throughput_unit(self) -> str:
+        """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
+        return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
+
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
         ``num_items_in_batch`` (only for models that take it without declaring ``accepts_loss_kwargs``)."""
@@ -442,8 +449,9 @@ class Trainer:
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
-            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
