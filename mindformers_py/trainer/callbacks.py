@@ -185,9 +185,11 @@ class SaveBeforeFinalEvaluationCallback(TrainerCallback):
         self.trainer, self.saved = trainer, False
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if control.should_training_stop and control.should_evaluate:
+        if control.should_training_stop and control.should_evaluate and not self.saved:
             self.trainer.save_model()
             self.saved = True
+
+    on_epoch_end = on_step_end  # eval_strategy="epoch" asks for the last evaluation at the epoch's end
 
 
 def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
