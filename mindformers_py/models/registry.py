@@ -1,6 +1,7 @@
 """The table of model families: which config, model classes, presets and HF architectures each one covers.
 
-``mindformers_py.auto`` reads this table; a new family adds one :class:`Family` entry and nothing else changes.
+``mindformers_py.auto``, checkpoint consolidation and the ``auto_parallel`` planner read this table; a new family adds
+one :class:`Family` entry and nothing else changes.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class Family:
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
+    planner_config: Callable[[PretrainedConfig], dict] | None = None
+    """How the ``auto_parallel`` planner reads the sizes of this family's models: a function of one of its configs
+    giving the ``config.json`` dict of the transformers architecture of the same shape (:func:`hf_export`: its HF
+    export), which the planner reads; None reads the config field by field, GPT-style (HF field names, a
+    ``moe_config`` section)."""
 
     @property
     def hf_types(self) -> tuple[str, ...]:
@@ -116,13 +122,16 @@ def register_model_class(auto_class: type, config_class: type[PretrainedConfig],
     (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ...)."""
     if isinstance(classes, ModelClasses):
         register_deferred_model(auto_class, config_class, classes.deferred(key))
-        class_name = classes.names[key]
     else:
         auto_class.register(config_class, classes[key], exist_ok=True)
-        class_name = classes[key].__name__
     names = getattr(getattr(auto_class, "_model_mapping", None), "_model_mapping", None)
     if isinstance(names, dict):
-        names.setdefault(config_class.model_type, class_name)
+        names.setdefault(config_class.model_type, _class_name(classes, key))
+
+
+def _class_name(classes: Mapping[str, type[PreTrainedModel]], key: str) -> str:
+    """The name of ``classes[key]``, without importing it when ``classes`` is a :class:`ModelClasses`."""
+    return classes.names[key] if isinstance(classes, ModelClasses) else classes[key].__name__
 
 
 def register_with_peft() -> None:
@@ -149,6 +158,24 @@ def family_for_model_type(model_type: str) -> Family | None:
 def family_for_preset(name: str) -> Family | None:
     """The family that defines the preset ``name``."""
     return next((f for f in families() if name in f.presets), None)
+
+
+def model_class_named(name: str) -> type[PreTrainedModel] | None:
+    """Our model class called ``name`` (a ``config.json``'s ``architectures`` entry), among every family's classes;
+    None when no family has one."""
+    for family in families():
+        for classes in (family.model_classes, family.extra_model_classes):
+            for key in classes:
+                if _class_name(classes, key) == name:
+                    return classes[key]  # imports only this class's module
+    return None
+
+
+def hf_export(config: PretrainedConfig) -> dict:
+    """The ``config.json`` dict of the transformers config ``config`` converts to (its family's ``config_to_hf``):
+    a family's :attr:`Family.planner_config` when its models have the shape of their HF export."""
+    family = family_for_model_type(config.model_type)
+    return family.converter.config_to_hf(config).to_dict()
 
 
 def all_presets() -> list[str]:

@@ -6,7 +6,8 @@ _EXPORTS = {
     **dict.fromkeys(["Seq2SeqTrainingArguments", "TrainingArguments"], ".arguments"),
     **dict.fromkeys(["JsonlLoggerCallback", "LossCurveCallback", "ProgressCallback", "TensorBoardCallback",
                      "default_callbacks", "plot_loss_curve"], ".callbacks"),
-    **dict.fromkeys(["FusedCausalLMLoss", "linear_cross_entropy"], ".loss"),
+    "FusedCausalLMLoss": ".fused_loss",
+    "linear_cross_entropy": "mindformers_py.layers.linear_cross_entropy",
     "Seq2SeqTrainer": ".seq2seq",
     "Trainer": ".trainer",
 }

@@ -25,6 +25,7 @@ _registry.register_family(_registry.Family(
     model_classes=_MODELS,
     presets=T5_PRESETS,
     converter=_convert,
+    planner_config=_registry.hf_export,  # the planner reads its HF export's shape
     hf_model_classes={"base": _HF_BASE.get, "seq2seq_lm": _HF_SEQ2SEQ.get},
     extra_model_classes=_EXTRA_MODELS,
 ))
