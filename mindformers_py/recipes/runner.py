@@ -59,7 +59,6 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
-    from ..engine.registry import plan_layout
     from ..planner.search import default_world_size
     from ..trainer.arguments import Seq2SeqTrainingArguments, TrainingArguments
 
@@ -88,6 +87,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
+    from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
+
     parallel = plan_layout(parallel, config, world, per_device_batch, seq_length)
     if parallel.ignored_sizes_warning():  # e.g. stand_alone with data_parallel=2: say so, record what runs
         logger.warning("%s", parallel.ignored_sizes_warning())
