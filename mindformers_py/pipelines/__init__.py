@@ -17,7 +17,6 @@ from .image_classification import ImageClassificationPipeline
 from .encoder import FeatureExtractionPipeline, FillMaskPipeline
 from .question_answering import QuestionAnsweringPipeline
 from .text2text import SummarizationPipeline, Text2TextGenerationPipeline, TranslationPipeline
-from .parallel_pool import start_pooled_model
 from .text_generation import TextGenerationPipeline
 
 register_pipeline(PipelineTask("text-generation", TextGenerationPipeline, "causal_lm", aliases=("text_generation",)))
@@ -67,6 +66,8 @@ def pipeline(
         if kwargs.get("device") is not None:
             raise MindFormersError("device= does not apply with parallel_config: each worker process uses its own "
                                    "device (GPU LOCAL_RANK, else the CPU)")
+        from .parallel_pool import start_pooled_model  # the launcher's imports only for parallel pipelines
+
         pooled = start_pooled_model(entry.pipeline_class, entry.name, entry.auto_model, entry.task, model,
                                     parallel_config, load_kwargs)
     if pooled is not None:

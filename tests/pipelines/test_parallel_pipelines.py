@@ -158,5 +158,5 @@ def test_cli_predicts_with_a_layout(gpt, tmp_path, capsys):
     path = tmp_path / "predict.yaml"
     path.write_text(yaml.safe_dump(recipe))
     assert main(["run", str(path)]) == 0, capsys.readouterr().err
-    samples = (tmp_path / "out" / "samples.txt").read_text()
+    samples = (tmp_path / "out" / "predictions.txt").read_text()
     assert all(text in samples for text in expected["single"])
