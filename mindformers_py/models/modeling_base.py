@@ -64,7 +64,7 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
         """transformers' ``from_pretrained`` for our own checkpoints; a preset name or an HF checkpoint of an
         architecture the family converts (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``) loads through the
         family's converter, as the Auto classes load it."""
-        loader = registry.CHECKPOINT_LOADER[0]
+        loader = registry.checkpoint_loader()
         if loader is None or pretrained_model_name_or_path is None or \
                 _holds_our_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder"), cls):
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)

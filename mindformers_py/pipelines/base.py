@@ -8,6 +8,7 @@ folder), and the preprocessor it needs.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,9 +21,12 @@ from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
 
+logger = logging.getLogger(__name__)
+
 class AcceptsOurModels:
     """Mixin for a transformers ``Pipeline`` subclass: our families' models count as supported (transformers
-    checks the class name against its own tables, which list only transformers' classes, and logs an error)."""
+    checks the class name against its own tables, which list only transformers' classes, and logs an error); and
+    ``close()`` / ``with`` stop the worker pool of a parallel pipeline."""
 
     def check_model_type(self, supported_models: list[str] | dict) -> None:
         """transformers' check, passing our families' model classes."""
@@ -30,6 +34,18 @@ class AcceptsOurModels:
         if type(self.model) in ours or any(isinstance(self.model, cls) for cls in ours):
             return
         super().check_model_type(supported_models)
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel pipeline (``parallel_config``); nothing for one process."""
+        close_pool = getattr(self.model, "close_pool", None)
+        if close_pool is not None:
+            close_pool()
+
+    def __enter__(self) -> AcceptsOurModels:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 PREPROCESSOR_LOADERS: dict[str, Any] = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor}
@@ -98,7 +114,13 @@ def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreT
         return model, None
     if isinstance(model, (str, os.PathLike)):
         folder = Path(model)
-        loaded = task.auto_model.from_pretrained(model, **load_kwargs)
+        loaded, info = task.auto_model.from_pretrained(model, output_loading_info=True, **load_kwargs)
+        if info["missing_keys"] and task.task != "base":
+            # e.g. fill-mask on all-MiniLM-L6-v2, a checkpoint of embeddings without its masked-LM head
+            logger.warning("pipeline(%r) on %s: the checkpoint has no trained head for this task (%d tensors newly "
+                           "initialised, e.g. %s), so the outputs are noise; fine-tune it first, or use "
+                           "pipeline('feature-extraction') for the checkpoint's embeddings", task.name, model,
+                           len(info["missing_keys"]), sorted(info["missing_keys"])[0])
         return loaded, folder if folder.is_dir() else None
     if model is None:
         what = "a model object, a checkpoint folder or a preset (" + ", ".join(registry.all_presets()) + ")"

@@ -39,6 +39,7 @@ from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosi
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
 from .fused_loss import FusedCausalLMLoss
+from .local_workers import LocalWorkers
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class Trainer:
     normalises it over the step's items, micro-batches and data-parallel ranks in one place
     (:mod:`mindformers_py.engine.step_loss`). Set ``loss_is_scaled_for_ga`` (transformers' class attribute) on a
     subclass whose ``compute_loss`` divides by ``num_items_in_batch`` (True) or averages over its batch (False).
+
+    Processes: under torchrun each process is one rank of the layout. In a program or notebook without torchrun, a
+    layout needing more processes (``data_parallel=2``, ...) makes ``train``/``evaluate``/``predict`` start them
+    on this machine and bring the results back (the state, metrics, and the trained weights into ``model``); see
+    :mod:`mindformers_py.trainer.local_workers` for how the objects given here reach them and what cannot.
     """
 
     loss_is_scaled_for_ga: bool | None = None
@@ -104,12 +110,19 @@ class Trainer:
         self.task = self.task_spec.name if self.task_spec is not None else None
         self.label_names = list(self.args.label_names or find_labels(type(model))
                                 or (self.task_spec.label_names if self.task_spec else ["labels"]))
-        self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
-                                           seq_length=_sequence_length(train_dataset, model))
-        self.engine.setup()
-        set_seed(self.args.seed)
         self.model = model
-        self.model_wrapped = self.engine.prepare_model(model, task=self.task_spec)
+        # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
+        # and this process builds no engine and joins no process group.
+        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model))
+        if self._workers is None:
+            self._setup_engine(_sequence_length(train_dataset, model))
+        else:
+            self.engine: Engine = self._workers.host_engine(self.args)
+            set_seed(self.args.seed)
+            self.model_wrapped = model
+        ignored = self.args.parallel_config.ignored_sizes_warning()
+        if ignored and self.engine.is_main_process:
+            logger.warning("%s", ignored)
         self.data_collator = data_collator or _default_collator(self.task_spec, self.processing_class)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -137,6 +150,15 @@ class Trainer:
             self.optimizer, self.lr_scheduler,
         )
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def _setup_engine(self, seq_length: int | None = None) -> None:
+        """Build the layout's engine (joining the process group of a distributed layout) and prepare the model on
+        it; in this process, or in each worker the Trainer started (:mod:`.local_workers`)."""
+        self.engine = build_engine(self.args.parallel_config, self.args,
+                                   model_config=getattr(self.model, "config", None), seq_length=seq_length)
+        self.engine.setup()
+        set_seed(self.args.seed)
+        self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)
 
     # -- callbacks (HF's API) ------------------------------------------------------------------------------------
 
@@ -176,9 +198,11 @@ class Trainer:
         or True for the latest in ``output_dir``: weights, optimizer, scheduler, RNG and data position are
         restored, so the run continues exactly as if it had not stopped.
         """
-        args, engine = self.args, self.engine
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
+        args, engine = self.args, self.engine
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         checkpoint = resolve_resume(resume, args.output_dir)
         if checkpoint is None:
@@ -239,7 +263,10 @@ class Trainer:
         self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
+        self.log({"layout": _layout_line(engine)})  # printed once (before the bar), kept in log.jsonl and trainer_state
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
         return self._train_loop(source, position, num_epochs)
@@ -315,9 +342,11 @@ class Trainer:
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
+        # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
+        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
-                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+                                num_steps=steps_run, num_tokens=tokens)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)
@@ -353,6 +382,10 @@ class Trainer:
             return int(mask.sum())
         ids = batch.get("input_ids")
         return ids.numel() if isinstance(ids, torch.Tensor) else 0
+
+    def _throughput_unit(self) -> str:
+        """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
+        return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
 
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
@@ -464,8 +497,9 @@ class Trainer:
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
-            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
@@ -551,6 +585,8 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise MindFormersError("evaluate needs an eval_dataset (pass one to the Trainer or to evaluate)")
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.evaluate, eval_dataset, ignore_keys, metric_key_prefix)
         if isinstance(dataset, dict):
             metrics: dict[str, float] = {}
             for name, part in dataset.items():
@@ -566,6 +602,8 @@ class Trainer:
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits, or ``preprocess_logits_for_metrics`` of them) for ``test_dataset`` as NumPy
         arrays, its label ids when it has labels, and metrics (loss, ``compute_metrics``, speed)."""
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.predict, test_dataset, ignore_keys, metric_key_prefix)
         output = self._evaluation_loop(test_dataset, "test_dataset", False, ignore_keys, metric_key_prefix)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
@@ -670,6 +708,14 @@ class Trainer:
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
+
+
+def _layout_line(engine: Engine) -> str:
+    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
+    for ``auto_parallel`` what the planner chose and why."""
+    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
+    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
