@@ -425,6 +425,15 @@ def test_t5_stacks_take_input_ids_and_keep_wo_in_float32(tmp_path):
         kw = dict(input_ids=decoder_ids, encoder_hidden_states=encoded, encoder_attention_mask=mask)
         a, b = ours.get_decoder()(**kw).last_hidden_state, hf.get_decoder()(**kw).last_hidden_state
         assert (a - b).abs().max() <= 1e-4
+        # Called alone, the decoder opens its own cache as transformers' does; one step on it gives the full pass's last
+        # position.
+        cache, reference = output_cache(ours.get_decoder()(**kw)), output_cache(hf.get_decoder()(**kw))
+        assert cache is not None and cache.get_seq_length() == reference.get_seq_length() == decoder_ids.shape[1]
+        step = torch.randint(1, 100, (2, 1))
+        full = ours.get_decoder()(**{**kw, "input_ids": torch.cat([decoder_ids, step], 1)}, use_cache=False)
+        assert output_cache(full) is None
+        one = ours.get_decoder()(**{**kw, "input_ids": step}, past_key_values=cache).last_hidden_state
+        assert (one[:, 0] - full.last_hidden_state[:, -1]).abs().max() <= 1e-4
     assert ours.get_decoder() is ours.model.decoder and ours.get_encoder().embed_tokens is ours.model.shared
     assert "down_proj" in ours._keep_in_fp32_modules and "wo" in hf._keep_in_fp32_modules
     half = mf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=torch.float16)

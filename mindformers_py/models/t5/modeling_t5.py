@@ -174,6 +174,10 @@ class T5Stack(T5PreTrainedModel):
         stage computed (``return_position_bias`` hands it on)."""
         hidden_states = self._embed(input_ids, inputs_embeds)
         length = hidden_states.shape[1]
+        if self.is_decoder:  # as transformers' decoder stack, which opens its own cache (get_decoder() called alone)
+            use_cache = self.config.use_cache if use_cache is None else use_cache
+            if use_cache and past_key_values is None and not self.training:
+                past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         past = int(self_cache.get_seq_length()) if self_cache is not None else 0
         if self_cache is not None:
@@ -283,9 +287,6 @@ class T5Model(T5PreTrainedModel):
                 hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
                 attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
             )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None and not self.training:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, encoder_hidden_states=encoder_outputs[0],
             encoder_attention_mask=attention_mask, inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
