@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
+from .errors import CheckpointError, ConfigError, MindFormersError, MismatchedSizesError, check_choice
 from .models import registry
 from .models.packaged import resolve_checkpoint_name
 from .models.registry import BASE, Family
@@ -232,7 +232,9 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Family, bool]:
     """``from_pretrained(..., config=...)``: our config object (copied, overrides applied) or a transformers config
-    of an architecture we load (converted); the checkpoint's weights are read as that architecture's."""
+    of an architecture we load (converted). The weights are read as the checkpoint's own ``config.json`` says
+    (ours, or an HF architecture's to convert), else as the given config's architecture; the third value says
+    whether they are converted from HF."""
     if not isinstance(config, PretrainedConfig):
         raise ConfigError(f"config={type(config).__name__} is not valid; expected a transformers PretrainedConfig")
     family = _family_of(getattr(config, "model_type", None), type(config).__name__)
@@ -241,6 +243,8 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
     ours = family.converter.config_from_hf(config.to_dict()) if from_hf else copy.deepcopy(config)
     for key, value in coerce_fields(family.config_class, overrides).items():
         setattr(ours, key, value)
+    if isinstance(source, Path) and (source / "config.json").is_file():  # our checkpoint with an HF config, ...
+        from_hf = _read_config_json(source).get("model_type") != family.config_class.model_type
     return ours, family, from_hf
 
 
@@ -325,9 +329,10 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     mismatched = [k for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
     if mismatched and not ignore_mismatched_sizes:
         k = mismatched[0]
-        raise CheckpointError(f"weights in {folder} do not match the config: {k}: checkpoint {tuple(state[k].shape)} vs "
-                              f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
-                              "ignore_mismatched_sizes=True to re-initialise them")
+        raise MismatchedSizesError(f"weights in {folder} do not match the config: {k}: checkpoint "
+                                   f"{tuple(state[k].shape)} vs model {tuple(expected[k].shape)} ({len(mismatched)} "
+                                   "tensors differ); pass "
+                                   "ignore_mismatched_sizes=True to re-initialise them")
     state = {k: v for k, v in state.items() if k not in mismatched}
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))

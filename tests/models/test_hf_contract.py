@@ -106,6 +106,28 @@ def test_general_settings_reach_the_model(tmp_path):
     assert encoder.config.use_cache is reference.config.use_cache is False
 
 
+def test_a_transformers_config_loads_our_checkpoint_and_mismatched_sizes_raise_runtime_error(tmp_path):
+    """``from_pretrained(folder, config=<HF config>)`` reads the folder's weights as its own ``config.json`` says
+    (ours or HF's); a shape that does not fit is transformers' RuntimeError (ours is also a CheckpointError)."""
+    hf = tiny_hf_model("gpt2", "sequence_classification")
+    hf.save_pretrained(tmp_path / "hf")
+    mf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "ours")
+    config, ids = tiny_hf_config("gpt2"), torch.randint(3, 128, (2, 5))
+    config.num_labels = hf.config.num_labels
+    with torch.no_grad():
+        for folder in ("hf", "ours"):
+            ours = mf.AutoModelForSequenceClassification.from_pretrained(tmp_path / folder, config=config)
+            assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    config.vocab_size = 10
+    for folder in ("hf", "ours"):
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes=True"):
+            mf.AutoModel.from_pretrained(tmp_path / folder, config=config)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        transformers.AutoModel.from_pretrained(tmp_path / "hf", config=config)
+    resized = mf.AutoModel.from_pretrained(tmp_path / "ours", config=config, ignore_mismatched_sizes=True)
+    assert resized.get_input_embeddings().weight.shape == (10, 32)
+
+
 # -- 3. the causal-LM loss with shift_labels ---------------------------------------------------------------------------
 
 
