@@ -44,6 +44,32 @@ def test_models_are_built_from_transformers_configs(kind):
         mf.GPTModel(transformers.BertConfig())
 
 
+def _converted_architectures():
+    """A tiny transformers config of every architecture a family converts, and the input its base model takes."""
+    from bert_models import tiny_bert_config
+    from t5_models import tiny_hf_config as tiny_t5_config
+
+    ids = torch.randint(3, 100, (2, 7))
+    text, seq2seq = {"input_ids": ids}, {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    vit = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
+                                 image_size=8, patch_size=4)
+    return {**{kind: (tiny_hf_config(kind), text) for kind in ("gpt2", "llama", "mistral", "qwen2", "mixtral",
+                                                               "qwen2_moe")},
+            "bert": (tiny_bert_config("bert"), text), "roberta": (tiny_bert_config("roberta"), text),
+            "t5": (tiny_t5_config("t5"), seq2seq), "mt5": (tiny_t5_config("mt5"), seq2seq),
+            "vit": (vit, {"pixel_values": torch.randn(2, 3, 8, 8)})}
+
+
+def test_every_converted_architecture_builds_from_its_transformers_config():
+    for kind, (config, inputs) in _converted_architectures().items():
+        ours = mf.AutoModel.from_config(config).eval()
+        assert ours.config.model_type.startswith("mindformers_"), kind
+        assert type(ours)(config).config.to_dict() == ours.config.to_dict(), kind  # the constructor takes it too
+        length = {"pixel_values": 5, "decoder_input_ids": 4}.get(list(inputs)[-1], 7)  # ViT: 4 patches and [CLS]
+        with torch.no_grad():
+            assert ours(**inputs).last_hidden_state.shape == (2, length, 32), kind
+
+
 # -- 2. the general config settings ------------------------------------------------------------------------------------
 
 GENERAL_VALUES = dict(
