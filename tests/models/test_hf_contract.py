@@ -276,6 +276,8 @@ def test_qwen_models_mixing_sliding_and_full_attention_layers(kind):
     assert (a - b)[mask.bool()].abs().max() <= 1e-4
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **kw), hf.generate(ids, **kw))
+    kw["cache_implementation"] = "static"  # one ready mask per attention kind, from transformers' generation
+    assert torch.equal(ours.generate(ids, **kw), hf.generate(ids, **kw))
     back = mf.models.gpt.convert_gpt.config_to_hf(ours.config)
     assert back.layer_types == config.layer_types and back.sliding_window == 3
 
@@ -501,6 +503,8 @@ GENERATE_CASES = {
     "processors": dict(max_new_tokens=6, repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[5], [7, 8]],
                        min_new_tokens=3),
     "sampling": dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.7, max_new_tokens=5),
+    # transformers' StaticCache: its generation builds one mask per config.layer_types kind
+    "static_cache": dict(max_new_tokens=6, cache_implementation="static"),
 }
 
 

@@ -164,7 +164,8 @@ class GPTConfig(PretrainedConfig):
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
     layer_types: list[str] | None = None
     """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (transformers' field: Qwen2 and
-    Qwen2-MoE mix them); None means every layer slides when ``sliding_window`` is set."""
+    Qwen2-MoE mix them); None (the default) becomes every layer sliding when ``sliding_window`` is set, else every
+    layer full, when the config is made."""
     add_cross_attention: bool = False
     """Every layer of a GPT-2-flavoured model attends, after its self-attention, to an encoder's output: the decoder
     of transformers' ``EncoderDecoderModel`` (BERT-to-GPT-2). A Llama-flavoured model ignores it, as transformers'
@@ -266,6 +267,9 @@ class GPTConfig(PretrainedConfig):
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
+            # Always a list, as in transformers' configs that have the field: its generation code reads
+            # ``config.layer_types`` (one mask per kind) whenever the attribute exists.
+            self.layer_types = self.attention_kinds()
             return
         self.layer_types = list(self.layer_types)
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]

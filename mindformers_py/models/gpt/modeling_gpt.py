@@ -159,8 +159,9 @@ class GPTModel(GPTPreTrainedModel):
         else:
             kv_length, kv_offset = length, 0
         kinds = self.config.attention_kinds()
+        # transformers' generation may hand one ready mask per attention kind (a static cache, layer_types).
         masks = {kind: build_attention_mask(
-            attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
+            attention_mask.get(kind) if isinstance(attention_mask, dict) else attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
             sliding_window=self.config.sliding_window if kind == "sliding_attention" else None,
             device=hidden_states.device, position_ids=position_ids,
         ) for kind in set(kinds)}  # one mask per attention kind, shared by the layers of that kind
@@ -185,7 +186,8 @@ class GPTModel(GPTPreTrainedModel):
             if router_stats is None:
                 router_stats = hidden_states.new_zeros(hidden_states.shape[0], self.config.num_hidden_layers,
                                                        stat_width(moe.expert_num), dtype=torch.float32)
-            token_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
+            padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            token_mask = attention_mask[:, -length:] if padding else None
             for layer in self.layers:
                 out = layer(hidden_states, masks[kinds[layer.layer_idx]], rotary, past_key_values=past_key_values,
                             token_mask=token_mask)
