@@ -529,6 +529,16 @@ def test_generation_modes_match_transformers(case):
     assert (transition - reference).abs().max() <= 1e-4
 
 
+def test_gpt2_generates_with_token_type_ids_as_transformers():
+    """Found by transformers' GenerationTesterMixin on GPT-2: generate refused token_type_ids as unused."""
+    hf = tiny_hf_model("gpt2")
+    ours = _ours_from(hf)
+    ids, types = torch.randint(3, 128, (2, 6)), torch.randint(0, 3, (2, 6))
+    for kw in (dict(do_sample=False), dict(num_beams=2)):
+        kw.update(token_type_ids=types, max_new_tokens=5, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **kw), hf.generate(ids, **kw))
+
+
 def test_generate_from_embeddings_and_assisted_decoding_match_transformers():
     hf = tiny_hf_model("llama")
     ours, assistant = _ours_from(hf), _ours_from(tiny_hf_model("llama"))

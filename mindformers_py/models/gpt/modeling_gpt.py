@@ -251,6 +251,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss (with a
@@ -260,7 +261,9 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
         (:meth:`router_loss`), as transformers' Mixtral does."""
         shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
+        # token_type_ids (GPT-2's segments) named here: transformers' generate passes only the inputs forward names
+        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                         token_type_ids=token_type_ids, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
         hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
