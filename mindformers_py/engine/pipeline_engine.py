@@ -35,7 +35,7 @@ from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .base import LossFn
-from .distributed import DistributedEngine, global_grad_norm
+from .distributed import DistributedEngine, _task_name, global_grad_norm
 
 
 class PipelineEngine(DistributedEngine):
@@ -57,7 +57,7 @@ class PipelineEngine(DistributedEngine):
         returns the pipeline, which the Trainer calls to train and evaluate. Every rank must build the same model."""
         config = self.parallel_config
         config.validate_for(self.world_size, getattr(model, "config", None),
-                            per_device_batch=self.args.per_device_train_batch_size)
+                            per_device_batch=self.args.per_device_train_batch_size, task=_task_name(model))
         if config.data_parallel_engine == DDP_ZERO1:
             # torch's pipeline stages drive DDP-class and FSDP2/replicate modules only, not composable DDP.
             raise ConfigError(
@@ -66,6 +66,8 @@ class PipelineEngine(DistributedEngine):
             )
         self.pipeline = build_pipeline(model, config, self.mesh, self.device,
                                        parallelize=lambda part: self.parallelize(part, stage=part.pp_rank))
+        if self.context is not None:
+            self.context.prepare(model)
         return self.pipeline
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
@@ -77,9 +79,9 @@ class PipelineEngine(DistributedEngine):
         if not isinstance(model, PipelineParallel):
             raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
         # As in DistributedEngine: the ranks' losses are shares of one global loss, so undo DDP/FSDP's averaging.
-        scale = float(self.dp_size) if num_items_in_batch is not None else 1.0
+        scale = float(self.batch_ranks) if num_items_in_batch is not None else 1.0
         batches = [self.to_device(batch) for batch in micro_batches]
-        with self.autocast():
+        with self.autocast(), self.context_sharded():
             return model.forward_backward(batches, num_items_in_batch, loss_scale=scale)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

@@ -39,7 +39,8 @@ from .pipeline_stages import TOKEN_IDS_KEY, carried_names, split_model, stage_id
 
 
 def _pipeline_loss(output: Any, target: torch.Tensor, task: TaskSpec, config: Any, num_items_in_batch: Any = None,
-                   loss_scale: float = 1.0, last_stage: nn.Module | None = None, counted: bool = True) -> torch.Tensor:
+                   loss_scale: float = 1.0, last_stage: nn.Module | None = None, counted: bool = True,
+                   labels_shifted: bool = False) -> torch.Tensor:
     """Loss of one micro-batch on the last stage: the task's loss summed over the micro-batch's items and divided by
     the whole batch's ``num_items_in_batch``, plus the ``carried_loss`` of the state the stages carried (see
     :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`), times ``loss_scale`` (a data-parallel engine that averages gradients over N ranks
@@ -47,21 +48,22 @@ def _pipeline_loss(output: Any, target: torch.Tensor, task: TaskSpec, config: An
     outputs = output if isinstance(output, tuple) else (output,)
     labels = target.unbind(-1) if len(task.label_names) > 1 else (target,)
     count = len(task.output_fields)
-    loss = task.compute_loss(outputs[:count], labels, config, num_items_in_batch)
-    extra = _carried_loss(last_stage, outputs[count:], labels, num_items_in_batch, counted)
+    loss = task.compute_loss(outputs[:count], labels, config, num_items_in_batch, labels_shifted)
+    extra = _carried_loss(last_stage, outputs[count:], labels, num_items_in_batch, counted, labels_shifted)
     if extra is not None:
         loss = loss + extra
     return loss * loss_scale if loss_scale != 1.0 else loss
 
 
 def _carried_loss(stage: nn.Module | None, carried: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                  num_items_in_batch: Any, counted: bool = True) -> torch.Tensor | None:
+                  num_items_in_batch: Any, counted: bool = True, labels_shifted: bool = False) -> torch.Tensor | None:
     """The last stage's model's loss from the carried state, or None. State it leaves out of the loss still
     joins the graph (times zero), so every carried tensor gets a gradient to send back."""
     if stage is None or not carried:
         return None
+    shifted = {"labels_shifted": True} if labels_shifted else {}
     extra = stage.carried_loss(dict(zip(carried_names(stage), carried)), tuple(labels), num_items_in_batch,
-                               counted=counted)
+                               counted=counted, **shifted)
     unused = sum(t.sum() * 0.0 for t in carried if t.requires_grad)
     return unused if extra is None else extra + unused
 
@@ -125,6 +127,8 @@ class PipelineParallel:
         # Loss calls still to come on placeholder tensors: a new training schedule's first step infers the gradient
         # shapes by running the stages and the loss once on empty tensors (torch's dynamic metadata inference).
         self._placeholder_losses = 0
+        # Whether the current batch's target is a causal LM's shift_labels (context parallelism cuts them so).
+        self._labels_shifted = False
 
     # -- parameters and modes ---------------------------------------------------------------------------------
 
@@ -172,7 +176,7 @@ class PipelineParallel:
         counted = self._placeholder_losses == 0
         self._placeholder_losses = max(self._placeholder_losses - 1, 0)
         return _pipeline_loss(output, target, self.task, self.config, num_items_in_batch, loss_scale, self._last_part(),
-                              counted)
+                              counted, self._labels_shifted)
 
     def _last_part(self) -> nn.Module | None:
         """The model part holding the last stage (None on other ranks)."""
@@ -213,6 +217,10 @@ class PipelineParallel:
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             kwargs[TOKEN_IDS_KEY] = ids
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor):  # every stage's positions (context parallelism's chunks)
+            kwargs["position_ids"] = positions.expand(ids.shape[0] if isinstance(ids, torch.Tensor)
+                                                      else positions.shape[0], -1)
         segments = batch.get("token_type_ids")
         if isinstance(segments, torch.Tensor):
             kwargs["token_type_ids"] = segments
@@ -236,8 +244,9 @@ class PipelineParallel:
         return shape
 
     def _target(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The batch's labels as one tensor (several label tensors stacked on a last dimension)."""
-        labels = [batch[name] for name in self.task.label_names]
+        """The batch's labels as one tensor (several label tensors stacked on a last dimension); a causal LM's
+        ``shift_labels`` when the batch has them."""
+        labels, self._labels_shifted = self.task.label_tensors(batch)
         return labels[0] if len(labels) == 1 else torch.stack(labels, dim=-1)
 
     def step(self, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None,

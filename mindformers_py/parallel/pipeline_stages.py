@@ -208,18 +208,21 @@ class PipelineStageMixin:
     """
 
     def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                token_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         spec: TaskSpec = self.pipeline_task
         names = carried_names(self)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
-        if self.is_first:  # the model numbers the positions itself (RoBERTa's count only real tokens)
+        if position_ids is not None:  # the batch's own (a context-parallel rank's chunks of the sequence)
+            kwargs["position_ids"] = position_ids
+        if self.is_first:  # else the model numbers the positions itself (RoBERTa's count only real tokens)
             kwargs[spec.model_input] = inputs
             if token_type_ids is not None:
                 kwargs["token_type_ids"] = token_type_ids
         else:
             length = inputs.shape[1] * self.sequence_shards
-            kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
+            if position_ids is None:
+                kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
             kwargs["inputs_embeds"] = inputs
             kwargs.update(zip(names, carried))
             if token_ids is not None:

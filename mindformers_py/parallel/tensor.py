@@ -93,7 +93,7 @@ def _styles(
     seq = Shard(1)
     styles: dict[str, ParallelStyle] = {}
     block_inputs: set[str] = set()
-    whole = _whole_sequence_modules(model) if sequence_parallel else []
+    whole = whole_sequence_modules(model) if sequence_parallel else []
     inside_whole = lambda name: any(name.startswith(f"{w}.") for w in whole)  # noqa: E731
     for key, kind in plan.items():
         if kind not in PLAN_STYLES:
@@ -157,7 +157,7 @@ def _styles(
     return styles
 
 
-def _whole_sequence_modules(model: nn.Module) -> list[str]:
+def whole_sequence_modules(model: nn.Module) -> list[str]:
     """Modules that take the whole sequence under sequence parallelism: the heads beside the base model that read
     its hidden states (a head declared in ``_pp_plan`` with other inputs, such as a classifier of the pooled
     output, is left alone) and the base model's modules after its layers other than norms (a pooler)."""

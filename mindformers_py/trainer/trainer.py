@@ -251,7 +251,8 @@ class Trainer:
             batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
-                micro_batches = list(itertools.islice(batches, accum))
+                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those.
+                micro_batches = [engine.shard_batch(b) for b in itertools.islice(batches, accum)]
                 if not micro_batches:
                     break
                 consumed += len(micro_batches)
@@ -274,7 +275,7 @@ class Trainer:
                 state.global_step += 1
                 state.epoch = epoch + consumed / batches_per_epoch  # a stream counts whole passes
                 state.num_input_tokens_seen += tokens
-                state.total_flos += float(self._flops_per_token * tokens * engine.dp_size)
+                state.total_flos += float(self._flops_per_token * tokens * engine.dp_size * engine.cp_size)
                 self._tokens_since_log += tokens
                 tokens_run += tokens
                 self._tr_loss += loss
@@ -298,7 +299,7 @@ class Trainer:
         train_loss = self._total_loss / max(steps_run, 1)
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
-                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size * engine.cp_size)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)
@@ -438,7 +439,7 @@ class Trainer:
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
-            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size * self.engine.cp_size
             logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
