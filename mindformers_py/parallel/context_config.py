@@ -110,7 +110,7 @@ def validate_context_model(config: Any, model_config: Any, task: str | None = No
                           f"({', '.join(map(str, _divisors(fixed)[1:]))}) or another image_size/patch_size")
     causal = is_causal_model(model_config)
     if isinstance(sequence_length, int) and fixed is None:
-        multiple = sequence_multiple(config, causal is not False)
+        multiple = sequence_multiple(config, bool(causal))
         if sequence_length % multiple:
             why = (f"2*context_parallel = 2*{cp} = {multiple} (the ring's load-balanced order cuts a causal "
                    f"sequence into 2 x {config.cp_ring} chunks)") if multiple > cp else f"context_parallel={cp}"

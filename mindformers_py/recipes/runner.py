@@ -106,7 +106,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
                                   f"remove model.{key}")
             model_s[key] = value
     config, _, _ = resolve_config(name_or_path, **model_s)
-    parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
     if world > 1 and not under_torchrun():
         return _relaunch(recipe, args.output_dir, world)
 
