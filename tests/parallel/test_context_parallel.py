@@ -92,6 +92,10 @@ def test_labels_are_shifted_positions_numbered_and_padding_added_before_cutting(
     assert parts[0]["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0]]
     packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]])}
     assert shard_batch(packed, _sharding(0))["position_ids"].tolist() == [[0, 1, 2, 6, 7, 8]]  # the last document goes on
+    roberta = BatchSharding(cp_rank=1, ring=2, ulysses=1, source=StreamSpec(causal=False, pad_token_id=1,
+                                                                           positions="padding_aware"))
+    row = {"input_ids": torch.tensor([[0, 5, 6, 7, 8, 2, 1, 1]])}  # RoBERTa numbers real tokens from padding_idx + 1
+    assert shard_batch(row, roberta)["position_ids"].tolist() == [[6, 7, 1, 1]]
     with pytest.raises(ConfigError, match="cannot split the batch key 'scores'"):
         shard_batch({"input_ids": ids, "scores": torch.ones(1, 10)}, _sharding(0))
 
