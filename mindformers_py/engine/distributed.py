@@ -5,16 +5,15 @@ group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh
 :func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
-* **Loss normalisation.** The Trainer hands over the label-token count of the whole global batch (summed over
-  the ranks holding different data with :meth:`all_reduce_sum`), so every micro-batch loss is (its token-summed
-  loss) / (tokens of the global batch). DDP and FSDP average gradients over those ranks, so the loss is multiplied
-  by their number before backward: the resulting gradients are exactly those of one stand-alone step over the
-  global batch. ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the
-  ranks is the global step loss (the convention of HF's Trainer).
-* **Context parallelism.** The ranks holding different data are data x context parallel (``batch_mesh``): each
-  context-parallel rank trains on its chunks of every sequence (:meth:`shard_batch`, inside
-  :meth:`ContextParallel.sharded <mindformers_py.parallel.context.ContextParallel.sharded>`) and counts the items
-  its own loss scores, so the counts, the loss scale and the gradient average all run over that group.
+* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the ranks holding
+  different data of a step (data x context parallel), so every micro-batch loss is (its item-summed loss) /
+  (items of the global batch), multiplied by the group's size before backward because DDP and FSDP average
+  gradients over those ranks: the gradients are exactly those of one stand-alone step over the global batch.
+  ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is the
+  global step loss (the convention of HF's Trainer).
+* **Context parallelism.** Each context-parallel rank trains on its chunks of every sequence (:meth:`shard_batch`,
+  inside :meth:`ContextParallel.sharded <mindformers_py.parallel.context.ContextParallel.sharded>`) and counts the
+  items its own loss scores, so the counts, the loss scale and the gradient average all run over ``batch_mesh``.
 * **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
   cross-entropy runs under ``loss_parallel()`` (forward and backward).
 * **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
@@ -53,7 +52,8 @@ from ..parallel.parallelize import parallelize
 from ..task_registry import task_of_model
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .base import Engine, LossFn
+from .base import Engine
+from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
@@ -123,12 +123,14 @@ class DistributedEngine(Engine):
 
     # -- model and optimizer --------------------------------------------------------------------------------------
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
         """Check the model against the layout, move it to the device and parallelize it in place (its parameter
         names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size,
-                                          task=_task_name(model))
+                                          task=_task_name(model, task))
+        if self.context is not None:
+            self.context.task = task
         model.to(self.device)
         model = self.parallelize(model)
         if self.context is not None:
@@ -165,12 +167,11 @@ class DistributedEngine(Engine):
         return loss_parallel() if self.parallel_config.vocab_parallel else contextlib.nullcontext()
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; gradients are reduced over the data-parallel ranks
-        after the last one. ``num_items_in_batch`` is the label-token count of the whole global batch (all ranks,
-        all micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
-        # With a global token count the ranks' losses are shares of one global loss: undo DDP/FSDP's averaging.
-        scale = float(self.batch_ranks) if num_items_in_batch is not None else 1.0
+        after the last one. ``num_items_in_batch`` is the item count of the whole global batch (all ranks, all
+        micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
+        step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         last = len(micro_batches) - 1
         with self.context_sharded():
@@ -178,8 +179,7 @@ class DistributedEngine(Engine):
                 set_gradient_sync(model, i == last)
                 with self.loss_context():
                     with self.autocast():
-                        loss = loss_fn(model, self.to_device(batch), num_items_in_batch)
-                    loss = loss * scale if scale != 1.0 else loss
+                        loss = step(model, self.to_device(batch))
                     loss.backward()
                 value = loss.detach()
                 value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -228,12 +228,19 @@ class DistributedEngine(Engine):
     def _dp_group(self) -> dist.ProcessGroup:
         return self.mesh.dp_mesh.get_group()
 
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding different data: data x context parallel (tensor-parallel and pipeline ranks of one
+        replica share its samples; context-parallel ranks hold different tokens of them and count the items of
+        their own loss)."""
+        return self.mesh.batch_mesh.get_group() if self.batch_ranks > 1 else None
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over the ranks holding different data: the data-parallel ranks, times the
         context-parallel ones (a new tensor on the engine's device)."""
         out = tensor.detach().to(self.device).clone()
-        if self.batch_ranks > 1:
-            dist.all_reduce(out, group=self.mesh.batch_mesh.get_group())
+        group = self.loss_group()
+        if group is not None:
+            dist.all_reduce(out, group=group)
         return out
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -364,9 +371,10 @@ def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
             group.update(foreach=False, fused=False)
 
 
-def _task_name(model: nn.Module) -> str | None:
-    task = task_of_model(model)
-    return task.name if task is not None else None
+def _task_name(model: nn.Module, task: Any = None) -> str | None:
+    """The name of the task ``model`` trains: ``task``'s (the Trainer's), else the model's own."""
+    task = task if task is not None else task_of_model(model)
+    return getattr(task, "name", None)
 
 
 def _tied_names(model: nn.Module) -> set[str]:

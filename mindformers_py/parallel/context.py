@@ -43,7 +43,6 @@ from ..layers import Attention, attention_core
 from ..layers.block import TransformerBlock
 from ..layers.moe import MoE
 from ..layers.position_bias import RelativePositionBias
-from ..task_registry import task_of_model
 from .config import ParallelConfig
 from .context_attention import AttentionView, ContextGroups, context_attention, gather_sequence, \
     gathered_cross_attention, sum_over_group
@@ -92,6 +91,9 @@ class ContextParallel:
         self.active = False
         self.stacks: list[_Stack] = []
         self.batch_sharding: BatchSharding | None = None
+        self.task: Any = None
+        """The task the model trains (the engine's task registry entry; None: the model's own ``task_spec``): its
+        model input, labels and kind of items decide how batches are cut and which heads gather the sequence."""
 
     @property
     def size(self) -> int:
@@ -136,7 +138,7 @@ class ContextParallel:
         """Learn from ``model`` (the whole model, or a pipeline rank's cut of it) how its batches are cut: its task,
         which of its sequences are causal, its positions and padding id."""
         config = getattr(model, "config", None)
-        task = task_of_model(model)
+        task = self.task_of(model)
         stacks = _stacks(model) or self.stacks
         if not stacks:
             raise ConfigError(f"context_parallel={self.size} is not supported for {type(model).__name__}: it has no "
@@ -161,6 +163,10 @@ class ContextParallel:
             target=target, shift_labels=bool(task is not None and task.shifted_labels),
             token_labels=tokens_task and not (task is not None and task.shifted_labels),
             decoder_inputs=getattr(model, "prepare_decoder_input_ids_from_labels", None) if encoder_decoder else None)
+
+    def task_of(self, model: nn.Module) -> Any:
+        """The task ``model`` trains: :attr:`task`, else the model's own ``task_spec`` (None for a base model)."""
+        return self.task if self.task is not None else getattr(model, "task_spec", None)
 
     def shard_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of a batch (see :mod:`.context_data`)."""
@@ -254,7 +260,7 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> nn.Mod
     if not stacks:
         raise ConfigError(f"context_parallel={context.size} is not supported for {type(model).__name__}: it has no "
                           "stack of mindformers_py TransformerBlocks whose attention could be split")
-    task = task_of_model(model)
+    task = context.task_of(model)
     for stack in stacks:
         context.stacks.append(stack)
         stack.module.register_forward_pre_hook(_view_hook(stack, context), with_kwargs=True)
@@ -315,7 +321,7 @@ def _cut_embeddings(model: nn.Module, stack: _Stack, context: ContextParallel) -
 def _gather_before_heads(model: nn.Module, stack: _Stack, context: ContextParallel) -> None:
     """Heads over the whole sequence (pooled classifiers, question answering) get the whole hidden states, in
     sequence order, on every rank."""
-    from .tensor import whole_sequence_modules
+    from .tensor import _whole_sequence_modules as whole_sequence_modules
 
     def gather(module: nn.Module, args: tuple):
         view = stack.view

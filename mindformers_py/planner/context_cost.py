@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.config import ParallelConfig
+from .collectives import group_bandwidth, all_to_all_seconds, ring_seconds
 from .device_spec import DeviceSpec
 from .model_shape import ModelShape
 
@@ -53,12 +54,6 @@ def attention_geometry(shape: ModelShape, pc: ParallelConfig, batch: int, seq: i
     return AttentionGeometry(batch * shape.heads / (pc.tp * pc.cp_ulysses), seq // pc.cp_ring, seq, causal)
 
 
-def _link(size: int, stride: int, device: DeviceSpec) -> float:
-    from .step_time import _group_bandwidth  # the time model's link rates (one module, no import cycle)
-
-    return _group_bandwidth(size, stride, device)
-
-
 def kv_block_bytes(shape: ModelShape, pc: ParallelConfig, batch: int, seq: int, act_bytes: int) -> float:
     """Bytes of one rank's keys and values of one layer for one micro-batch (its ring share, its heads)."""
     kv_width = shape.kv_width if shape.kv_heads % pc.cp_ulysses == 0 or pc.cp_ulysses == 1 else shape.q_width
@@ -79,7 +74,7 @@ def context_forward_backward_seconds(shape: ModelShape, pc: ParallelConfig, batc
         stride = tp * ulysses
         block = kv_block_bytes(shape, pc, batch, seq, act_bytes)
         gradient = block / act_bytes * FP32_BYTES
-        bandwidth = _link(ring, stride, device)
+        bandwidth = group_bandwidth(ring, stride, device)
         hop = block / bandwidth + device.link_latency_s
         grad_hop = gradient / bandwidth + device.link_latency_s
         if kv_exchange == "allgather":
@@ -89,8 +84,6 @@ def context_forward_backward_seconds(shape: ModelShape, pc: ParallelConfig, batc
             forward += (ring - 1) * max(0.0, hop - core_forward / ring)
             backward += (ring - 1) * max(0.0, hop - core_backward / ring) + ring * grad_hop
     if ulysses > 1:
-        from .step_time import all_to_all_seconds
-
         local = batch * seq / pc.cp  # tokens a rank holds before the exchange
         kv_width = shape.kv_width if shape.kv_heads % ulysses == 0 else shape.q_width
         inputs = local * (shape.q_width + 2 * kv_width) / tp * act_bytes
@@ -107,8 +100,6 @@ def cross_attention_gather_seconds(shape: ModelShape, pc: ParallelConfig, batch:
     are all-gathered in forward and their gradients reduced back in backward."""
     if pc.cp == 1:
         return 0.0, 0.0
-    from .step_time import ring_seconds
-
     whole = batch * seq * 2 * shape.kv_width / pc.tp * act_bytes
     gather = ring_seconds(whole, pc.cp, pc.tp, device, all_reduce=False)
     return gather, gather
