@@ -24,17 +24,17 @@ the memory columns there, the times on an idle machine with a core per rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import os
 import statistics
 import time
-from typing import Any
 
 import torch
+from bench_parallel import MIB, SavedActivations
 
 import mindformers_py as mf
-from bench_parallel import MIB, SavedActivations
 from mindformers_py.parallel import ParallelConfig, build_mesh, parallelize
 from mindformers_py.planner.cost_model import estimate_memory
 
@@ -91,7 +91,7 @@ def measure(seq: int, cp: int, args: argparse.Namespace) -> dict[str, float]:
 
     def step(counter: SavedActivations | None = None) -> float:
         start = time.perf_counter()
-        with (context.sharded() if context is not None else _nothing()):
+        with (context.sharded() if context is not None else contextlib.nullcontext()):
             if counter is not None:
                 with counter.hooks():
                     loss = model(**batch).loss
@@ -108,14 +108,6 @@ def measure(seq: int, cp: int, args: argparse.Namespace) -> dict[str, float]:
     counter = SavedActivations([model])
     times = [step(counter)] + [step() for _ in range(args.steps - 1)]
     return {"saved": counter.bytes, "rss": max(_peak_rss() - before, 0), "step": statistics.median(times)}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _job(cases: list[tuple[int, int]], args: argparse.Namespace) -> dict[tuple[int, int], dict[str, float]]:
@@ -143,8 +135,9 @@ def run(args: argparse.Namespace) -> dict[tuple[int, int], list[dict[str, float]
 def table(results: dict[tuple[int, int], list[dict[str, float]]], args: argparse.Namespace) -> str:
     head = (f"{'seq':>7}{'cp':>4}{'saved (MiB)':>13}{'vs cp1':>8}{'rss+ (MiB)':>12}{'vs cp1':>8}{'step (s)':>10}"
             f"{'planner (MiB)':>15}{'plan/saved':>12}")
-    lines = [f"GPT llama flavour: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}; "
-             f"batch 1; context_parallel_algo={args.algo}; busiest rank shown", head, "-" * len(head)]
+    title = (f"GPT llama flavour: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}; "
+             f"batch 1; context_parallel_algo={args.algo}; busiest rank shown")
+    lines = [title, head, "-" * len(head)]
     for (seq, cp), ranks in sorted(results.items()):
         saved = max(r["saved"] for r in ranks)
         rss = max(r["rss"] for r in ranks)

@@ -304,7 +304,7 @@ class ParallelConfig(_Section):
                 f"expected data_parallel={world_size} with parallel_mode='data_parallel'"
             )
         if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
-            cp = f"*context_parallel" if self.context_parallel > 1 else ""
+            cp = "*context_parallel" if self.context_parallel > 1 else ""
             cp_size = f"*{self.context_parallel}" if self.context_parallel > 1 else ""
             raise ConfigError(
                 f"data_parallel{cp}*model_parallel*pipeline_stage = {self.data_parallel}{cp_size}*{self.model_parallel}*"

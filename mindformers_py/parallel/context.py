@@ -44,8 +44,14 @@ from ..layers.block import TransformerBlock
 from ..layers.moe import MoE
 from ..layers.position_bias import RelativePositionBias
 from .config import ParallelConfig
-from .context_attention import AttentionView, ContextGroups, context_attention, gather_sequence, \
-    gathered_cross_attention, sum_over_group
+from .context_attention import (
+    AttentionView,
+    ContextGroups,
+    context_attention,
+    gather_sequence,
+    gathered_cross_attention,
+    sum_over_group,
+)
 from .context_data import BatchSharding, StreamSpec, shard_batch
 from .context_layout import ContextLayout
 from .mesh import ParallelMesh
@@ -152,11 +158,11 @@ class ContextParallel:
             positions = None
             if takes_positions:
                 positions = "padding_aware" if getattr(config, "padded_positions", False) else "arange"
-            source = StreamSpec(causal=_causal(stacks[0]), pad_token_id=pad, positions=positions,
+            source = StreamSpec(causal=stacks[0].causal, pad_token_id=pad, positions=positions,
                                 first_position=getattr(config, "first_position", 0) or 0)
         target = None
         if encoder_decoder:
-            target = StreamSpec(causal=_causal(stacks[-1]), pad_token_id=pad, positions=None)
+            target = StreamSpec(causal=stacks[-1].causal, pad_token_id=pad, positions=None)
         tokens_task = task is not None and task.items == "tokens" and not encoder_decoder
         self.batch_sharding = BatchSharding(
             cp_rank=self.groups.cp_rank, ring=self.groups.ring, ulysses=self.groups.ulysses, source=source,
@@ -201,10 +207,6 @@ class ContextParallel:
         return AttentionView(layout, whole_mask if had_mask else None,
                              whole_positions if position_ids is not None else None, stack.causal,
                              stack.sliding_window, stack.bias)
-
-
-def _causal(stack: _Stack) -> bool:
-    return stack.causal
 
 
 def _stack_attentions(module: nn.Module) -> list[Attention]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +45,6 @@ from ..layers.attention import attention_core
 from ..layers.masks import additive_mask, build_attention_mask, packed_sequence_ids
 from ..layers.position_bias import relative_position_bucket
 from .context_layout import ContextLayout
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # What one forward pass's attention must see: the whole sequence's masks, per stack.
@@ -478,5 +476,14 @@ def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return dist_fn.all_reduce(x, group=group)
 
 
-__all__: list[Any] = ["AttentionView", "ContextGroups", "RingAttention", "context_attention", "gather_sequence",
-                      "gathered_cross_attention", "sequence_to_heads", "heads_to_sequence", "sum_over_group"]
+__all__ = [
+    "AttentionView",
+    "ContextGroups",
+    "RingAttention",
+    "context_attention",
+    "gather_sequence",
+    "gathered_cross_attention",
+    "heads_to_sequence",
+    "sequence_to_heads",
+    "sum_over_group",
+]

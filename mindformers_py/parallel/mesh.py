@@ -278,5 +278,8 @@ def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_typ
     if 1 < config.cp_ulysses < config.cp:  # hybrid: the context-parallel index c = ring index * ulysses + its member
         context = init_device_mesh(device_type, (config.pp, config.dp, config.cp_ring, config.cp_ulysses, config.tp),
                                    mesh_dim_names=CONTEXT_MESH_DIMS)
+    # Every rank finishes creating its groups before any goes on: a rank that then stops at once (a refused layout)
+    # must not take the store down while another still creates its single-rank groups of the size-1 dimensions.
+    dist.barrier()
     return ParallelMesh(world=world, ep=config.ep, expert_world=experts, cp_ulysses=config.cp_ulysses,
                         context_world=context, **sizes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .config import ParallelConfig
 from .context import ContextParallel, apply_context_parallel
 from .data import apply_data_parallel, layer_modules
@@ -60,6 +61,10 @@ def parallelize(
                               vocab_parallel=parallel_config.vocab_parallel)
     apply_expert_parallel(model, mesh)
     context_fn = None
+    if mesh.cp > 1 and compile_layers:
+        raise ConfigError(f"torch_compile=True is not supported with context_parallel={mesh.cp}: the context-parallel "
+                          "attention exchanges keys and values between ranks inside each layer, which a compiled layer "
+                          "would break into pieces; set torch_compile=false")
     if mesh.cp > 1:
         context = context or ContextParallel(mesh, parallel_config)
         apply_context_parallel(model, context)

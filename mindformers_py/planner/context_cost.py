@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.config import ParallelConfig
-from .collectives import group_bandwidth, all_to_all_seconds, ring_seconds
+from .collectives import all_to_all_seconds, group_bandwidth, ring_seconds
 from .device_spec import DeviceSpec
 from .model_shape import ModelShape
 

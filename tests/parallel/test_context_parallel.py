@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import run_workers
+from task_heads import N, assert_same, first_step, make_data, make_model
 
 import mindformers_py as mf
-from dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.layers.loss import IGNORE_INDEX
 from mindformers_py.layers.masks import build_attention_mask
-from mindformers_py.parallel.context_attention import DIAGONAL, FULL, SKIP, AttentionView, classify
+from mindformers_py.parallel.context_attention import (
+    DIAGONAL,
+    FULL,
+    SKIP,
+    AttentionView,
+    classify,
+)
 from mindformers_py.parallel.context_data import BatchSharding, StreamSpec, shard_batch
 from mindformers_py.parallel.context_layout import ContextLayout
-from task_heads import N, assert_same, first_step, make_data, make_model
 
 SEMI = "semi_auto_parallel"
 
