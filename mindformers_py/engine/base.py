@@ -42,6 +42,7 @@ class Engine:
         cp_size: context-parallel ranks that split each sequence of this rank's batches (1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
+        plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
     """
 
     supports_fused_loss: bool = True
@@ -58,6 +59,7 @@ class Engine:
         self.cp_size = 1
         self.device = torch.device("cpu")
         self.scaler: torch.amp.GradScaler | None = None
+        self.plan_summary: str | None = None
 
     @property
     def is_main_process(self) -> bool:
