@@ -452,8 +452,8 @@ class ParallelConfig(_Section):
         if not ignored:
             return None
         sizes = ", ".join(f"{name}={size}" for name, size in ignored.items())
-        world = math.prod(ignored.get(name, 1) for name in ("data_parallel", "context_parallel", "model_parallel",
-                                                                    "pipeline_stage"))
+        sized = ("data_parallel", "context_parallel", "model_parallel", "pipeline_stage")
+        world = math.prod(ignored.get(name, 1) for name in sized)
         mode = "data_parallel" if set(ignored) == {"data_parallel"} else "semi_auto_parallel"
         return (f"parallel_mode={self.parallel_mode!r} runs one process, so {sizes} "
                 f"{'is' if len(ignored) == 1 else 'are'} not applied; set parallel_mode={mode!r} to run {world} processes")
