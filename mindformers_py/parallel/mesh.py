@@ -278,8 +278,12 @@ def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_typ
     if 1 < config.cp_ulysses < config.cp:  # hybrid: the context-parallel index c = ring index * ulysses + its member
         context = init_device_mesh(device_type, (config.pp, config.dp, config.cp_ring, config.cp_ulysses, config.tp),
                                    mesh_dim_names=CONTEXT_MESH_DIMS)
-    # Every rank finishes creating its groups before any goes on: a rank that then stops at once (a refused layout)
-    # must not take the store down while another still creates its single-rank groups of the size-1 dimensions.
-    dist.barrier()
-    return ParallelMesh(world=world, ep=config.ep, expert_world=experts, cp_ulysses=config.cp_ulysses,
+    mesh = ParallelMesh(world=world, ep=config.ep, expert_world=experts, cp_ulysses=config.cp_ulysses,
                         context_world=context, **sizes)
+    # Every group the run uses is created now (the flattened dimensions too), and every rank finishes before any
+    # goes on: a rank that then stops at once (a refused layout) must not take the rendezvous store down while
+    # another still creates its single-rank groups of the size-1 dimensions.
+    for flattened in (mesh.dp_mesh, mesh.batch_mesh, mesh.fsdp_mesh):
+        assert flattened is not None
+    dist.barrier()
+    return mesh
