@@ -283,7 +283,6 @@ def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_typ
     # Every group the run uses is created now (the flattened dimensions too), and every rank finishes before any
     # goes on: a rank that then stops at once (a refused layout) must not take the rendezvous store down while
     # another still creates its single-rank groups of the size-1 dimensions.
-    for flattened in (mesh.dp_mesh, mesh.batch_mesh, mesh.fsdp_mesh):
-        assert flattened is not None
+    mesh.dp_mesh, mesh.batch_mesh, mesh.fsdp_mesh  # noqa: B018 (each property flattens on first use)
     dist.barrier()
     return mesh
