@@ -132,13 +132,6 @@ class TaskSpec:
             return token_cross_entropy(outputs[0], labels[0], num_items_in_batch)
         return self.loss(outputs, labels, config, num_items_in_batch)
 
-    def label_tensors(self, batch: Mapping[str, Any]) -> tuple[list[torch.Tensor], bool]:
-        """The batch's label tensors in the order the loss takes them, and whether they are already shifted (a
-        causal LM's ``shift_labels`` replace its labels when the batch has them)."""
-        if self.shifted_labels and isinstance(batch.get("shift_labels"), torch.Tensor):
-            return [batch["shift_labels"]], True
-        return [batch[name] for name in self.label_names], False
-
     def outputs_of(self, output: Any) -> tuple[torch.Tensor, ...]:
         """The :attr:`output_fields` of a model output (a ``ModelOutput``, a mapping or a tuple in field order)."""
         if isinstance(output, Mapping):
