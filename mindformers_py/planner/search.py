@@ -24,8 +24,10 @@ pipeline schedule and its virtual stages, and sequence and vocabulary parallelis
 
 and picks the fastest layout per sample that fits the memory budget (ties: the one closest to what the config
 asked for). Context parallelism (:mod:`.context_cost`) splits each sequence instead of the batch: it is searched when
-the config asks for it (``context_parallel > 1``) or when no layout without it fits, i.e. for long sequences, whose
-activations it divides; otherwise splitting the batch does the same work per rank without key/value traffic. The choice and its competitors are logged as a table (:meth:`AutoParallelPlan.table`).
+the config asks for it (``context_parallel > 1``), when the sequence is long for the model (attention's FLOPs per
+token reach the matrix products') or when no layout without it fits; otherwise splitting the batch does the same
+work per rank without key/value traffic. The choice and its competitors are logged as a table
+(:meth:`AutoParallelPlan.table`).
 
 ``per_device_batch`` keeps HF's meaning (the batch of one data-parallel rank), so layouts with more data-parallel
 ranks also process more samples per step; they are compared by time per sample. Give ``global_batch`` instead
@@ -300,11 +302,12 @@ def plan(
 
     candidates: list[LayoutEstimate] = []
     excluded: list[tuple[str, str]] = []
-    # Context parallelism is searched for long sequences: when the config asks for it, or when no layout without
-    # it fits (splitting the batch gives the same work per rank without the key/value traffic).
+    # Context parallelism is searched for long sequences: when the config asks for it, when the sequence is long
+    # for the model (see _long_sequence), or when no layout without it fits. For shorter sequences splitting the
+    # batch gives the same work per rank without the key/value traffic.
     with_context = base.context_parallel > 1
     search.layouts(global_batch, per_device_batch, candidates, excluded, sizes="all" if with_context else "one")
-    if not with_context and not any(c.fits for c in candidates):
+    if not with_context and (_long_sequence(shape, seq_length) or not any(c.fits for c in candidates)):
         search.layouts(global_batch, per_device_batch, candidates, excluded, sizes="above_one")
     if not candidates:
         reasons = "; ".join(f"{layout}: {why}" for layout, why in excluded[:3])
@@ -332,6 +335,14 @@ def _variant_key_full(est: LayoutEstimate) -> tuple[Any, ...]:
     if est.fits:
         return (0, est.time.total, est.changes, est.memory.total)
     return (1, est.memory.total, est.time.total, est.changes)
+
+
+def _long_sequence(shape: ModelShape, seq: int) -> bool:
+    """Whether ``seq`` tokens are a long sequence for the model: attention's FLOPs per token (``12·L·q_width·s``)
+    reach the matrix products' (``6·N``), i.e. ``s >= N / (2·L·q_width)``: about 19K tokens for Llama 3.2 1B, 29K for
+    Llama 3.1 8B, 98K for Llama 3 405B. There a sequence's activations dominate and the ring's key/value transfers hide behind
+    attention, as in the published long-context runs (Llama 3's CP16 at 128K, not at 8K)."""
+    return shape.flops_per_token(seq) >= 2 * shape.flops_per_token(0)
 
 
 @dataclass
