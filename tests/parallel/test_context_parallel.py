@@ -156,6 +156,8 @@ TWO_RANKS = [
     ("ring_selective_recompute", dict(context_parallel=2, recompute="selective"), ["seq2seq_lm"], N, 1),
     ("ulysses_selective_recompute", dict(context_parallel=2, context_parallel_algo="ulysses", recompute="selective"),
      ["causal_lm"], N, 1),
+    ("ring_zero1", dict(context_parallel=2, optimizer_shard=1), ["causal_lm"], N, 1),
+    ("ulysses_zero2", dict(context_parallel=2, context_parallel_algo="ulysses", optimizer_shard=2), ["causal_lm"], N, 1),
     ("ring_zero3", dict(context_parallel=2, optimizer_shard=3), ["causal_lm", "bert_single_label"], N, 1),
     ("ring_ep2", dict(context_parallel=2, expert_parallel=2), ["moe_causal_lm"], N, 1),
 ]
