@@ -58,6 +58,15 @@ def validate_context_layout(config: Any) -> None:
                           f"context_parallel_algo='hybrid'; choose one of: {', '.join(map(str, proper))}")
 
 
+def check_compile(context_parallel: int, torch_compile: bool) -> None:
+    """Refuse ``torch_compile`` with context parallelism in one line (checked before workers start and again where
+    the layers would be compiled)."""
+    if context_parallel > 1 and torch_compile:
+        raise ConfigError(f"torch_compile=True is not supported with context_parallel={context_parallel}: the "
+                          "context-parallel attention exchanges keys and values between ranks inside each layer, "
+                          "which a compiled layer would break into pieces; set torch_compile=false")
+
+
 def sequence_multiple(config: Any, causal: bool) -> int:
     """The multiple a sequence's length must be under ``config``'s context parallelism: ``2 x context_parallel``
     for a causal sequence on a ring (the load-balanced order), else ``context_parallel``."""

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from .config import ParallelConfig
 from .context import ContextParallel, apply_context_parallel
+from .context_config import check_compile
 from .data import apply_data_parallel, layer_modules
 from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
@@ -61,10 +61,7 @@ def parallelize(
                               vocab_parallel=parallel_config.vocab_parallel)
     apply_expert_parallel(model, mesh)
     context_fn = None
-    if mesh.cp > 1 and compile_layers:
-        raise ConfigError(f"torch_compile=True is not supported with context_parallel={mesh.cp}: the context-parallel "
-                          "attention exchanges keys and values between ranks inside each layer, which a compiled layer "
-                          "would break into pieces; set torch_compile=false")
+    check_compile(mesh.cp, compile_layers)
     if mesh.cp > 1:
         context = context or ContextParallel(mesh, parallel_config)
         apply_context_parallel(model, context)

@@ -62,6 +62,7 @@ from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
+from ..parallel.context_config import check_compile
 from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
@@ -111,6 +112,7 @@ class LocalWorkers:
         if world <= 1:
             return None
         layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size)
+        check_compile(layout.cp, bool(args.torch_compile))
         return cls(world, layout)
 
     def host_engine(self, args: Any) -> Engine:

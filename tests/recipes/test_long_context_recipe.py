@@ -44,3 +44,10 @@ def test_a_length_the_ring_cannot_split_is_refused_before_launch(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and "sequence length 30 is not divisible by 2*context_parallel" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_torch_compile_is_refused_before_launch(tmp_path, capsys):
+    code = main(["run", *_small(tmp_path), "--output_dir", str(tmp_path / "bad"), "--torch_compile", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "torch_compile=True is not supported with context_parallel=2" in err, err
+    assert not (tmp_path / "bad").exists()
