@@ -113,7 +113,7 @@ class Trainer:
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model))
+        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model), self.task)
         if self._workers is None:
             self._setup_engine(_sequence_length(train_dataset, model))
         else:

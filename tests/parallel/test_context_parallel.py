@@ -143,6 +143,14 @@ def test_layout_and_family_refusals():
     hybrid = mf.ParallelConfig(parallel_mode=SEMI, context_parallel=8, context_parallel_algo="hybrid_cp")
     assert (hybrid.cp_ulysses, hybrid.cp_ring, hybrid.required_world_size()) == (4, 2, 8)
     assert mf.ParallelConfig(parallel_mode=SEMI, context_parallel=2, data_parallel=2, expert_parallel=4).ep == 4
+    # From Python, the Trainer refuses them before it starts its worker processes.
+    config = mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_labels=2,
+                          pad_token_id=0)
+    for model, extra, fragment in ((mf.GPTForSequenceClassification(config), {}, "GPT sequence classifier"),
+                                   (mf.GPTForCausalLM(config), {"torch_compile": True}, "torch_compile=True")):
+        args = mf.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], parallel_config=cp2, **extra)
+        with pytest.raises(ConfigError, match=fragment):
+            mf.Trainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3, 4], "labels": 1}])
 
 
 # -- gradients against stand-alone (gloo) --------------------------------------------------------------------------
