@@ -306,13 +306,16 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         return aux, moe.aux_loss_factor * aux_share + moe.z_loss_factor * z_share
 
     def carried_loss(self, carried: dict[str, torch.Tensor], labels: tuple[torch.Tensor, ...],
-                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True) -> torch.Tensor | None:
+                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True,
+                     labels_shifted: bool = False) -> torch.Tensor | None:
         """On the last pipeline stage: the router losses computed from the ``router_stats`` the stages carried
         (see :attr:`pipeline_carry`), or None when they are not part of the loss. ``counted=False``: a call on
-        placeholder tensors, kept out of the logged metrics."""
+        placeholder tensors, kept out of the logged metrics; ``labels_shifted``: the labels are ``shift_labels``."""
         stats = carried.get("router_stats")
         if stats is None or not self.config.output_router_logits:
             return None
+        if labels_shifted:
+            return self.router_loss(stats, labels[0], num_items_in_batch, counted, shift_labels=labels[0])[1]
         return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
 
 
