@@ -16,7 +16,7 @@ PACKAGE = Path(mindformers_py.__file__).parent
 
 # Lowest first; a module may import its own group and the groups before it, never one after it.
 ORDER = [
-    "errors", "utils", "layers", "generation", "data", "metrics", "task_registry", "models", "auto", "convert",
+    "errors", "utils", "layers", "generation", "data", "metrics", "task_registry", "models", "auto", "adapters", "convert",
     "parallel", "planner", "pipelines", "engine", "trainer", "recipes", "cli", "__main__",
 ]
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..adapters.apply import check_adapter_source, is_peft_model, load_adapter_weights
 from ..errors import ConfigError
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
@@ -220,6 +221,10 @@ class Engine:
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Copy the safetensors weights of ``folder`` (or an already converted ``state``) into ``model`` in place;
         tied parameters may be absent from the file. Mismatches raise a CheckpointError naming ``folder``."""
+        if is_peft_model(model):  # only the adapter is trained and saved; the base model is loaded already
+            check_adapter_source(folder, state)
+            load_adapter_weights(model, folder)
+            return
         state = load_state_dict(folder) if state is None else state
         copy_weights(model, state, folder)
 

@@ -39,8 +39,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning
 from ..errors import CheckpointError, ConfigError, MindFormersError
 from ..parallel import checkpoint as dcp_checkpoint
+from ..parallel.adapter_checkpoint import load_adapter, save_adapter
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
@@ -119,6 +121,7 @@ class DistributedEngine(Engine):
         names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size)
+        refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
         model.to(self.device)
         return self.parallelize(model)
 
@@ -238,12 +241,19 @@ class DistributedEngine(Engine):
 
     def save_pretrained(self, model: nn.Module, folder: str | Path, processing_class: Any = None) -> None:
         """Whole weights and config in ``save_pretrained`` format (consolidated from every rank's shards by rank
-        0), and the tokenizer/processor; collective."""
+        0), and the tokenizer/processor; collective. A peft model writes its adapter alone, in peft's format."""
+        if is_peft_model(model):
+            save_adapter(model, folder, processing_class)
+            return
         dcp_checkpoint.save_consolidated(model, folder, processing_class)
 
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Load whole safetensors weights (every rank reads them; each keeps its shards). Tied parameters may be
-        absent from the file."""
+        absent from the file. A peft model loads its adapter (saved under any layout)."""
+        if is_peft_model(model):
+            check_adapter_source(folder, state)
+            load_adapter(model, folder)
+            return
         state = load_state_dict(folder) if state is None else state
         result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         tied = _tied_names(model)
@@ -261,7 +271,7 @@ class DistributedEngine(Engine):
             dcp_checkpoint.save_checkpoint(tmp / DCP_DIR, model, optimizer)
             full_optimizer = None
             if self.portable_checkpoints:
-                dcp_checkpoint.save_consolidated(model, tmp, processing_class)
+                self.save_pretrained(model, tmp, processing_class)
                 if self.portable_optimizer:
                     full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
             torch.save(capture_rng_state(), tmp / RANK_RNG_NAME.format(rank=self.rank))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapter_layers import adapted_model
 from .config import ParallelConfig
 from .data import apply_data_parallel, layer_modules
 from .expert import apply_expert_data_parallel, apply_expert_parallel
@@ -48,13 +49,16 @@ def parallelize(
         compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
     """
+    # A peft model's adapters live inside its base model, under the base model's module names (which the plans
+    # name); data parallelism wraps the peft model itself, so adapters outside the base (prompts) are reduced too.
+    inner = adapted_model(model)
     if mesh.tp > 1:
-        apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
+        apply_tensor_parallel(inner, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
                               vocab_parallel=parallel_config.vocab_parallel)
-    apply_expert_parallel(model, mesh)
-    apply_recompute(model, parallel_config.recompute, stage)
+    apply_expert_parallel(inner, mesh)
+    apply_recompute(inner, parallel_config.recompute, stage)
     if compile_layers:
-        for layer in layer_modules(model):
+        for layer in layer_modules(inner):
             layer.compile(mode=compile_mode)
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)

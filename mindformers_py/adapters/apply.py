@@ -1,0 +1,177 @@
+"""Wrapping a model in a peft adapter (peft's ``get_peft_model``) after checking the adapter against the model, and
+reading / writing the adapter's weights by the names the wrapped model holds them under.
+
+The checks refuse, in one line naming the field: target modules the model does not have (with the names of the
+layers it has), and a rank larger than the layer it adapts. Everything else is peft's own.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError
+from .config import SECTION, as_peft_config
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a peft model (``PeftModel`` or one of its task classes, possibly wrapped by FSDP)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def adapted_model(model: nn.Module) -> nn.Module:
+    """The model the adapters were injected into (a peft model's base model, which holds the LoRA layers under its
+    own module names), or ``model`` itself."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def is_adapter_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved peft adapter (``adapter_config.json``)."""
+    return Path(folder, ADAPTER_CONFIG_NAME).is_file()
+
+
+def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name: str = SECTION) -> nn.Module:
+    """``model`` wrapped by peft in the adapter ``peft_config`` describes (a peft config or a ``peft:`` section;
+    ``task`` fills its ``task_type``), after checking its target modules and ranks against ``model``."""
+    if is_peft_model(model):
+        raise ConfigError(f"{name} was given for a model that is already a peft model ({type(model).__name__}); "
+                          "pass the base model, or the peft model without a peft config")
+    config = as_peft_config(peft_config, name, task)
+    from peft import get_peft_model
+
+    _check_targets(model, config, name)
+    try:
+        wrapped = get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{name}: peft cannot apply {type(config).__name__} to {type(model).__name__}: {first}") \
+            from None
+    problem = _rank_problem(wrapped, name)
+    if problem:
+        wrapped.unload()  # leave the caller's model as it was
+        raise ConfigError(problem)
+    return wrapped
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The last name part of every layer holding a weight matrix (what ``target_modules`` usually names)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if n and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.ndim == 2}
+    return sorted(names)
+
+
+def _check_targets(model: nn.Module, config: Any, name: str) -> None:
+    """Refuse ``target_modules`` (and ``modules_to_save``) entries that match no module of ``model``."""
+    modules = [n for n, _ in model.named_modules() if n]
+    targets = getattr(config, "target_modules", None)
+    valid = ", ".join(_linear_names(model))
+    if isinstance(targets, str) and targets != "all-linear":
+        if not any(re.fullmatch(targets, n) for n in modules):
+            raise ConfigError(f"{name}.target_modules={targets!r} matches no module of {type(model).__name__}; its "
+                              f"layers: {valid}")
+    elif targets and not isinstance(targets, str):
+        for target in sorted(targets):
+            if not any(n == target or n.endswith(f".{target}") for n in modules):
+                raise ConfigError(f"{name}.target_modules: {target!r} is not a module of {type(model).__name__}; its "
+                                  f"layers: {valid}")
+    for target in getattr(config, "modules_to_save", None) or ():
+        if not any(n == target or n.endswith(f".{target}") for n in modules):
+            raise ConfigError(f"{name}.modules_to_save: {target!r} is not a module of {type(model).__name__}; its "
+                              f"modules: {', '.join(n for n, _ in model.named_children())}")
+
+
+def _rank_problem(peft_model: nn.Module, name: str) -> str | None:
+    """A message for the first adapted layer whose adapter rank exceeds the layer's smaller dimension, else None."""
+    from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
+
+    for module_name, module in peft_model.get_base_model().named_modules():
+        ranks = getattr(module, "r", None)
+        if not isinstance(module, BaseTunerLayer) or not isinstance(ranks, Mapping):
+            continue
+        fan_in, fan_out = _get_in_out_features(module.get_base_layer())
+        if fan_in is None:
+            continue
+        for rank in ranks.values():
+            if rank > min(fan_in, fan_out):
+                return (f"{name}.r={rank} is larger than {module_name} ({fan_in} -> {fan_out} features); a rank above "
+                        f"{min(fan_in, fan_out)} adds no capacity: lower r (or its rank_pattern entry)")
+    return None
+
+
+# -- adapter weights under the wrapped model's names ---------------------------------------------------------------
+
+
+def adapter_names(model: nn.Module) -> dict[str, str]:
+    """The adapter's tensors: name in ``adapter_model.safetensors`` -> name in ``model.state_dict()``, by peft's own
+    saving rules (run on tensors standing for the names: peft drops the adapter's name, ``...lora_A.weight`` for
+    ``...lora_A.default.weight``, and the ``modules_to_save`` level of a head trained whole)."""
+    from peft import get_peft_model_state_dict
+
+    names = list(model.state_dict(keep_vars=True))
+    stand_ins = {name: torch.tensor(i) for i, name in enumerate(names)}
+    adapter = getattr(model, "active_adapter", "default")
+    saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter)
+    return {key: names[int(value)] for key, value in saved.items()}
+
+
+def read_adapter_state(model: nn.Module, folder: str | Path) -> dict[str, torch.Tensor]:
+    """The adapter weights saved in ``folder`` keyed by ``model``'s own parameter names (every trainable tensor of
+    ``model`` must be in the file)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder, ADAPTER_WEIGHTS_NAME)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder} is incomplete: no adapter weights ({ADAPTER_WEIGHTS_NAME})")
+    try:
+        saved = load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise CheckpointError(f"adapter weights {path} are damaged ({type(err).__name__})") from None
+    names = adapter_names(model)
+    missing = [k for k in names if k not in saved]
+    if missing:
+        raise CheckpointError(f"adapter weights in {folder} do not match the model: missing {missing[0]} "
+                              f"({len(missing)} tensors missing)")
+    return {names[k]: v for k, v in saved.items() if k in names}
+
+
+def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
+    """Copy the adapter weights saved in ``folder`` into ``model`` (a peft model on one process) in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in read_adapter_state(model, folder).items():
+            if params[name].shape != value.shape:
+                raise CheckpointError(f"adapter weights in {folder} do not match the model: {name} has shape "
+                                      f"{tuple(value.shape)} in the checkpoint, {tuple(params[name].shape)} here")
+            params[name].copy_(value)
+
+
+def check_adapter_source(folder: str | Path, state: Mapping[str, Any] | None = None) -> None:
+    """Refuse loading anything but a saved adapter into a peft model: its base weights are loaded before peft wraps
+    it (``from_pretrained``), and only the adapter is trained and saved."""
+    if state is not None or not is_adapter_folder(folder):
+        raise CheckpointError(f"{folder} holds no peft adapter ({ADAPTER_CONFIG_NAME}); a peft model loads only its "
+                              "adapter: load the base weights with from_pretrained before the adapter is applied")
+
+
+def refuse_prompt_learning(model: nn.Module, layout: str) -> None:
+    """Refuse prompt-learning adapters (prompt_tuning, p_tuning, prefix_tuning) under a multi-process ``layout``:
+    their virtual tokens come from the peft model's own forward, outside the base model that is sharded and cut
+    into stages, and peft saves them by running that encoder on whole weights."""
+    if not is_peft_model(model):
+        return
+    config = model.active_peft_config
+    if config.is_prompt_learning:
+        kind = str(getattr(config.peft_type, "value", config.peft_type)).lower()
+        raise ConfigError(f"peft type {kind!r} trains in one process only (its virtual tokens are added outside the "
+                          f"base model that {layout} shards); use an adapter inside the model (lora, ia3, ...) or "
+                          "parallel_mode='stand_alone'")
