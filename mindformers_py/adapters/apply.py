@@ -175,3 +175,40 @@ def refuse_prompt_learning(model: nn.Module, layout: str) -> None:
         raise ConfigError(f"peft type {kind!r} trains in one process only (its virtual tokens are added outside the "
                           f"base model that {layout} shards); use an adapter inside the model (lora, ia3, ...) or "
                           "parallel_mode='stand_alone'")
+
+
+# -- saved adapters ---------------------------------------------------------------------------------------------------
+
+
+def adapter_base(folder: str | Path) -> str:
+    """The base model a saved adapter was trained on (its ``base_model_name_or_path``)."""
+    import json
+
+    path = Path(folder, ADAPTER_CONFIG_NAME)
+    try:
+        base = json.loads(path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"adapter config {path} cannot be read ({type(err).__name__})") from None
+    if not base:
+        raise CheckpointError(f"adapter {folder} names no base model (base_model_name_or_path in {ADAPTER_CONFIG_NAME});"
+                              " set it to the folder of the model the adapter was trained on")
+    return str(base)
+
+
+def with_saved_adapter(model: nn.Module, folder: str | Path, trainable: bool = False) -> nn.Module:
+    """``model`` (the base model, already loaded) with the adapter saved in ``folder``, by peft's
+    ``PeftModel.from_pretrained``; ``trainable`` keeps the adapter trainable (continuing its training)."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+    except (ValueError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"adapter {folder} does not fit {type(model).__name__}: {first}") from None
+
+
+def from_pretrained_with_adapter(auto_class: Any, folder: str | Path, **kwargs: Any) -> nn.Module:
+    """``auto_class.from_pretrained(folder)``, or for a saved adapter its base model with the adapter on it."""
+    if not is_adapter_folder(folder):
+        return auto_class.from_pretrained(folder, **kwargs)
+    return with_saved_adapter(auto_class.from_pretrained(adapter_base(folder), **kwargs), folder)

@@ -167,3 +167,11 @@ def _our_module_names(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [rename(str(v)) for v in value]
     return value
+
+
+def recipe_peft_config(recipe: Mapping[str, Any], task: str | None = None) -> Any:
+    """The peft config of a recipe's ``peft:`` (or ``pet_config:``) section, None without one; both is refused."""
+    given = [name for name in (SECTION, PET_CONFIG) if recipe.get(name) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"the recipe has both {SECTION} and {PET_CONFIG} (its MindFormers alias); keep one")
+    return peft_config_from_dict(recipe[given[0]], given[0], task) if given else None

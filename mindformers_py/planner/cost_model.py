@@ -127,7 +127,8 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 
 
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
-                    act_bytes: int = FP32_BYTES, attention_scores: bool = False) -> MemoryEstimate:
+                    act_bytes: int = FP32_BYTES, attention_scores: bool = False,
+                    trainable_params: int | None = None) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -135,7 +136,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     the activation element size (2 under bf16 autocast); ``attention_scores`` counts SDPA's kept softmax (see
     :func:`layer_activation_bytes`). Heterogeneous stacks (MoE every few layers, encoder-decoders) are counted
     with their mean layer; expert parameters and their state are split over ``expert_parallel`` ranks and sharded
-    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks.
+    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks. ``trainable_params`` (a peft adapter's
+    trainable parameters) keeps gradients and AdamW state for those alone, spread over the ranks like the model's
+    own (the frozen base is held and sharded as before).
     """
     shape = as_shape(model_config)
     pc = parallel_config
@@ -174,6 +177,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
                                 accumulating=micro > 1, compute_bytes=act_bytes)
         estimate.recompute = rematerialised
+        if trainable_params is not None:  # an adapter: only its parameters have gradients and optimizer state
+            share = min(1.0, trainable_params / max(shape.total_params(), 1))
+            estimate.gradients, estimate.optimizer = int(estimate.gradients * share), int(estimate.optimizer * share)
         if best is None or estimate.total > best.total:
             best = estimate
     assert best is not None

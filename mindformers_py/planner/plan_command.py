@@ -48,6 +48,9 @@ class ModelSource:
     """Tokens per sequence, from a recipe."""
     base: ParallelConfig | None = None
     """The recipe's parallel settings (its ZeRO stage and recompute are the least the planner uses)."""
+    trainable_params: int | None = None
+    """The parameters a recipe's peft adapter trains (gradients and optimizer state are counted for those alone);
+    None trains the whole model."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -85,7 +88,22 @@ def _from_recipe(path: Path) -> ModelSource:
     parallel = dict(recipe.get("parallel") or {})
     parallel["parallel_mode"] = "auto_parallel"
     base = ParallelConfig.coerce(parallel, "parallel")
-    return ModelSource(shape_from_config(config), f"{path} ({name})", batch, int(seq) if seq else None, base)
+    trainable = _adapter_parameters(recipe, config)
+    return ModelSource(shape_from_config(config), f"{path} ({name})", batch, int(seq) if seq else None, base,
+                       trainable)
+
+
+def _adapter_parameters(recipe: dict[str, Any], config: Any) -> int | None:
+    """Parameters the recipe's ``peft:`` (or ``pet_config:``) adapter trains, counted by peft on the recipe's model
+    built without memory; None without an adapter."""
+    from ..adapters.config import recipe_peft_config  # noqa: PLC0415  (imports peft; only adapter recipes need it)
+    from ..adapters.counting import adapter_parameter_count  # noqa: PLC0415
+
+    from ..task_registry import get_task  # noqa: PLC0415
+
+    task = get_task(recipe.get("task") or "causal_lm").name
+    peft_config = recipe_peft_config(recipe, task)
+    return adapter_parameter_count(peft_config, config, task) if peft_config is not None else None
 
 
 def resolve_model(source: str) -> ModelSource:
@@ -166,6 +184,10 @@ class PlanReport:
             f"{_gib(device.usable_bytes)} usable per rank); {self.describe_batch()} of {self.seq_length} tokens; "
             "bf16 activations, fp32 weights and AdamW",
         ]
+        if self.model.trainable_params is not None:
+            lines.append(f"peft adapter: {self.model.trainable_params:,} trainable parameters "
+                         f"({self.model.trainable_params / shape.total_params():.3%} of the model); gradients and "
+                         "AdamW state for those alone, the frozen base held as usual")
         cols = ["", "layout", "mem/rank", "compute", "mem-bound", "TP", "EP", "DP", "PP", "bubble", "step",
                 "tokens/s", "MFU"]
         rows = []
@@ -311,7 +333,8 @@ def run_plan(source: str, devices: int, device: str = DEFAULT_DEVICE, devices_pe
     elif global_batch is None:
         global_batch = devices
     result = plan(shape, devices, per_device, seq, global_batch=global_batch, device=spec,
-                  base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True)
+                  base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True,
+                  trainable_params=model.trainable_params)
     return PlanReport(result, model, spec, devices, seq, global_batch, per_device)
 
 
