@@ -146,7 +146,7 @@ def read_adapter_state(model: nn.Module, folder: str | Path) -> dict[str, torch.
 
 def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Copy the adapter weights saved in ``folder`` into ``model`` (a peft model on one process) in place."""
-    params = dict(model.named_parameters())
+    params = model.state_dict(keep_vars=True)  # state-dict names: recompute's wrappers are not in them
     with torch.no_grad():
         for name, value in read_adapter_state(model, folder).items():
             if params[name].shape != value.shape:
