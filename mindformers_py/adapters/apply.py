@@ -7,6 +7,7 @@ layers it has), and a rank larger than the layer it adapts. Everything else is p
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 from collections.abc import Mapping
@@ -110,23 +111,66 @@ def _rank_problem(peft_model: nn.Module, name: str) -> str | None:
 
 # -- adapter weights under the wrapped model's names ---------------------------------------------------------------
 
+# Recompute wraps layers in torch's checkpoint wrapper, which adds this to module names but not to state-dict keys.
+_WRAPPER = "_checkpoint_wrapped_module."
+
+
+def _is_prompt_learning(model: nn.Module) -> bool:
+    return bool(getattr(model.active_peft_config, "is_prompt_learning", False))
+
 
 def adapter_names(model: nn.Module) -> dict[str, str]:
     """The adapter's tensors: name in ``adapter_model.safetensors`` -> name in ``model.state_dict()``, by peft's own
     saving rules (run on tensors standing for the names: peft drops the adapter's name, ``...lora_A.weight`` for
-    ``...lora_A.default.weight``, and the ``modules_to_save`` level of a head trained whole)."""
+    ``...lora_A.default.weight``, and the ``modules_to_save`` level of a head trained whole).
+
+    peft finds the adapter's tensors by the names of its layers in ``named_modules``, which carry recompute's
+    wrapper, so the stand-ins are keyed by those names and the wrapper is taken out afterwards (peft's own
+    ``save_pretrained`` finds nothing in a recomputed model)."""
     from peft import get_peft_model_state_dict
 
-    names = list(model.state_dict(keep_vars=True))
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [n for n, _ in model.named_buffers()]
     stand_ins = {name: torch.tensor(i) for i, name in enumerate(names)}
-    adapter = getattr(model, "active_adapter", "default")
-    saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter)
-    return {key: names[int(value)] for key, value in saved.items()}
+    saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=model.active_adapter)
+    return {key.replace(_WRAPPER, ""): names[int(value)].replace(_WRAPPER, "") for key, value in saved.items()}
+
+
+def adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under their saved names, taken from ``state`` (keyed by the model's state-dict names,
+    e.g. its gathered trainable tensors) or from the model. Prompt-learning adapters save what their prompt encoder
+    computes, which peft takes from the model."""
+    from peft import get_peft_model_state_dict
+
+    if _is_prompt_learning(model):
+        return get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    state = model.state_dict() if state is None else state
+    return {saved: state[key].detach() for saved, key in adapter_names(model).items()}
+
+
+def write_adapter(model: nn.Module, folder: str | Path, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write ``model``'s adapter into ``folder`` as peft's ``save_pretrained`` does (``adapter_config.json``,
+    ``adapter_model.safetensors``, peft's model card): ``tensors`` (saved names, :func:`adapter_state`) or the
+    model's own."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = adapter_state(model) if tensors is None else tensors
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    if not tensors:
+        raise CheckpointError(f"the peft model has no adapter tensors to save into {folder}")
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    config = copy.copy(model.active_peft_config)
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path") or None
+    config.inference_mode = True
+    config.save_pretrained(str(folder))
+    model.create_or_update_model_card(str(folder))
 
 
 def read_adapter_state(model: nn.Module, folder: str | Path) -> dict[str, torch.Tensor]:
-    """The adapter weights saved in ``folder`` keyed by ``model``'s own parameter names (every trainable tensor of
-    ``model`` must be in the file)."""
+    """The adapter weights saved in ``folder`` keyed by ``model``'s own state-dict names (every tensor of the
+    adapter must be in the file)."""
     from safetensors.torch import load_file
 
     path = Path(folder, ADAPTER_WEIGHTS_NAME)
@@ -138,14 +182,20 @@ def read_adapter_state(model: nn.Module, folder: str | Path) -> dict[str, torch.
         raise CheckpointError(f"adapter weights {path} are damaged ({type(err).__name__})") from None
     names = adapter_names(model)
     missing = [k for k in names if k not in saved]
-    if missing:
-        raise CheckpointError(f"adapter weights in {folder} do not match the model: missing {missing[0]} "
-                              f"({len(missing)} tensors missing)")
+    if missing or not names:
+        raise CheckpointError(f"adapter weights in {folder} do not match the model: missing "
+                              f"{missing[0] if missing else 'every adapter tensor'}")
     return {names[k]: v for k, v in saved.items() if k in names}
 
 
 def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Copy the adapter weights saved in ``folder`` into ``model`` (a peft model on one process) in place."""
+    if _is_prompt_learning(model):  # peft knows where its prompt encoder's saved output goes
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(str(Path(folder, ADAPTER_WEIGHTS_NAME))), model.active_adapter)
+        return
     params = model.state_dict(keep_vars=True)  # state-dict names: recompute's wrappers are not in them
     with torch.no_grad():
         for name, value in read_adapter_state(model, folder).items():

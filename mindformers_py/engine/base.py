@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..adapters.apply import check_adapter_source, is_peft_model, load_adapter_weights
+from ..adapters.apply import check_adapter_source, is_peft_model, load_adapter_weights, write_adapter
 from ..errors import ConfigError
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
@@ -210,7 +210,9 @@ class Engine:
             return
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        if hasattr(model, "save_pretrained"):
+        if is_peft_model(model):  # the adapter alone, in peft's format
+            write_adapter(model, folder)
+        elif hasattr(model, "save_pretrained"):
             with _quiet_progress_bars():
                 model.save_pretrained(folder)
         else:
