@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
+from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
 from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
@@ -92,13 +93,14 @@ def task_name(name: str, entry: PipelineTask) -> str:
 
 
 def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:
-    """The task's model from a model object, a checkpoint folder (ours or HF) or a preset name, and the folder
-    it came from (None for objects and presets)."""
-    if isinstance(model, PreTrainedModel):
+    """The task's model from a model object (a peft model too), a checkpoint folder (ours or HF, or a saved peft
+    adapter: its base model with the adapter) or a preset name, and the folder it came from (None for objects and
+    presets)."""
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model, None
     if isinstance(model, (str, os.PathLike)):
         folder = Path(model)
-        loaded = task.auto_model.from_pretrained(model, **load_kwargs)
+        loaded = from_pretrained_with_adapter(task.auto_model, model, **load_kwargs)  # a saved adapter: base + it
         return loaded, folder if folder.is_dir() else None
     if model is None:
         what = "a model object, a checkpoint folder or a preset (" + ", ".join(registry.all_presets()) + ")"
