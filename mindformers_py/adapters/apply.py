@@ -131,7 +131,10 @@ def adapter_names(model: nn.Module) -> dict[str, str]:
 
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [n for n, _ in model.named_buffers()]
     stand_ins = {name: torch.tensor(i) for i, name in enumerate(names)}
-    saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=model.active_adapter)
+    # save_embedding_layers=False: the base model's embeddings are never trained here (peft's "auto" would re-read
+    # the base model's config to see whether the vocabulary was resized)
+    saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=model.active_adapter,
+                                      save_embedding_layers=False)
     return {key.replace(_WRAPPER, ""): names[int(value)].replace(_WRAPPER, "") for key, value in saved.items()}
 
 
@@ -142,7 +145,7 @@ def adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor] | None = N
     from peft import get_peft_model_state_dict
 
     if _is_prompt_learning(model):
-        return get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+        return get_peft_model_state_dict(model, adapter_name=model.active_adapter, save_embedding_layers=False)
     state = model.state_dict() if state is None else state
     return {saved: state[key].detach() for saved, key in adapter_names(model).items()}
 

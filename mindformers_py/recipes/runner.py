@@ -103,6 +103,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
     # before any worker starts.
     tokenizer = _load_processing_class(task, tok_s, data_s, name_or_path, config)
+    if task.name == "causal_lm" and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # GPT-2's and Llama's tokenizers have no pad token: pad with eos, as trl's SFTTrainer does (the labels of
+        # padding are -100 whatever its id)
+        tokenizer.pad_token = tokenizer.eos_token
     if not Path(name_or_path).is_dir() and task.processor == "tokenizer":  # a preset: size the vocabulary and
         # special tokens to the tokenizer
         model_s.setdefault("vocab_size", len(tokenizer))

@@ -213,3 +213,19 @@ def test_zero3_checkpoint_resumes_stand_alone_exactly(job, stand_alone_recipe, r
     assert (checkpoint / "adapter_model.safetensors").is_file()
     assert main(["run", *recipe_flags(recipe_inputs, out, "--resume_from_checkpoint", str(checkpoint))]) == 0
     assert losses(out)[2:] == pytest.approx(losses(stand_alone_recipe)[2:], rel=1e-4)
+
+
+def test_recipe_starts_from_a_transformers_checkpoint(stand_alone_recipe, recipe_inputs, tmp_path):
+    """The same base model exported to transformers' GPT-2 (its tokenizer without a pad token, as GPT-2's) trains to
+    the same losses, and its adapter names the transformers folder as its base."""
+    import transformers
+
+    hf = tmp_path / "hf_gpt2"
+    mf.convert_checkpoint(recipe_inputs / "base", hf, to="hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(hf)
+    out = tmp_path / "run"
+    assert main(["run", *recipe_flags(recipe_inputs, out, "--model.name_or_path", str(hf))]) == 0
+    assert losses(out) == pytest.approx(losses(stand_alone_recipe), rel=1e-5)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf)
