@@ -76,11 +76,12 @@ def adapter_styles(model: nn.Module, styles: Mapping[str, ParallelStyle], *, tp:
             continue
         kind = _kind(style)
         if kind is None or not _plain_lora(module):
-            what = "LoRA" if getattr(module, "lora_A", None) is not None else type(module).__name__
+            parts = type(module).__module__.split(".")
+            what = parts[2] if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else type(module).__name__
             raise ConfigError(
-                f"model_parallel={tp} cannot shard peft's {what} adapter on {name} ({type(module).__module__}."
-                f"{type(module).__name__} over a {kind or 'vocabulary-parallel'} layer): tensor parallelism shards "
-                "plain LoRA on the column- and row-parallel projections; target other modules or use model_parallel=1")
+                f"model_parallel={tp} cannot shard peft's {what} adapter on {name} (a {kind or 'vocabulary-parallel'} "
+                "layer): tensor parallelism shards plain LoRA (no DoRA) on the column- and row-parallel projections; "
+                "target other modules or use model_parallel=1")
         out[f"{name}.base_layer"] = style
         sequence_out = style.output_layouts == (Shard(1),)
         for adapter in module.lora_A:

@@ -194,3 +194,25 @@ def test_planner_counts_optimizer_state_of_the_adapter_alone(tmp_path, capsys):
                                       "peft": {"type": "lora", "r": 16}}))
     assert main(["plan", str(recipe), "--devices", "8", "--top", "1"]) == 0
     assert f"peft adapter: {trainable:,} trainable parameters" in capsys.readouterr().out
+
+
+# -- tensor parallelism of adapters (the sharded runs are in tests/parallel/test_peft_layouts.py) ----------------------
+
+
+def test_tensor_parallel_styles_follow_the_base_layer_or_refuse_naming_the_module():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from mindformers_py.parallel.adapter_layers import adapter_styles
+
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    lora = apply_peft(gpt("llama"), {"type": "lora", "r": 2, "target_modules": ["q_proj", "o_proj"]}).get_base_model()
+    from torch.distributed.tensor import Shard
+
+    styles = adapter_styles(lora, {q: ColwiseParallel(), o: RowwiseParallel(output_layouts=Shard(1))}, tp=2)
+    assert {k: type(v) for k, v in styles.items()} == {
+        f"{q}.base_layer": ColwiseParallel, f"{q}.lora_B.default": ColwiseParallel,
+        f"{o}.base_layer": RowwiseParallel, f"{o}.lora_A.default": RowwiseParallel,
+        f"{o}.lora_B.default": SequenceParallel}
+    ia3 = apply_peft(gpt("llama"), {"type": "ia3", "target_modules": ["q_proj"], "feedforward_modules": []})
+    with pytest.raises(ConfigError, match=rf"model_parallel=2 cannot shard peft's ia3 adapter on {q} \(a colwise"):
+        adapter_styles(ia3.get_base_model(), {q: ColwiseParallel()}, tp=2)
