@@ -11,7 +11,7 @@ trainable parameters for the planner. The parallel engines shard adapters with t
 
 from .apply import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapted_model, apply_peft, is_adapter_folder, \
     is_peft_model
-from .config import PET_CONFIG, SECTION, as_peft_config, peft_config_from_dict, section_to_dict
+from .config import PET_CONFIG, SECTION, as_peft_config, peft_config_from_dict, recipe_peft_config
 
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "PET_CONFIG", "SECTION", "adapted_model", "apply_peft",
-           "as_peft_config", "is_adapter_folder", "is_peft_model", "peft_config_from_dict", "section_to_dict"]
+           "as_peft_config", "is_adapter_folder", "is_peft_model", "peft_config_from_dict", "recipe_peft_config"]

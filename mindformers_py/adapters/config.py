@@ -122,20 +122,6 @@ def as_peft_config(value: Any, name: str = SECTION, task: str | None = None) -> 
     return value
 
 
-def section_to_dict(config: Any) -> dict[str, Any]:
-    """A peft config as the ``peft:`` section that gives it back (for the resolved recipe a run saves)."""
-    data = {"type": str(getattr(config.peft_type, "value", config.peft_type)).lower()}
-    defaults = type(config)()
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if not field.init or field.name in ("peft_type", "base_model_name_or_path", "revision", "inference_mode"):
-            continue
-        if value != getattr(defaults, field.name):
-            value = sorted(value) if isinstance(value, set) else value
-            data[field.name] = getattr(value, "value", value)
-    return data
-
-
 def _from_pet_config(data: dict[str, Any]) -> dict[str, Any]:
     """MindFormers' ``pet_config`` keys and names as peft's."""
     out: dict[str, Any] = {}

@@ -316,7 +316,7 @@ def _fuse_lora(adapter_config: dict[str, Any], state: dict[str, torch.Tensor], h
     """One LoRA on ``hf_module`` equal to the LoRAs of the layers fused into it; returns its rank and alpha."""
     if adapter_config.get("use_dora"):
         raise ConfigError(f"DoRA adapters on layers transformers fuses into {hf_module} cannot be exported")
-    a_parts, b_parts, bias_parts = [], [], []
+    a_parts = []
     total = sum(int(state[f"{PREFIX}{ours}.lora_A.weight"].shape[0]) for ours, _ in entry.parts)
     # Scaling 1 for the fused module (alpha = rank, or sqrt(rank) with rsLoRA): each B carries its own scaling.
     alpha = math.sqrt(total) if adapter_config.get("use_rslora") else float(total)
