@@ -6,7 +6,7 @@ adapter's weights by the wrapped model's names; :mod:`.export` writes a saved ad
 names (through the family's converter) or merges it into a whole checkpoint; :mod:`.counting` counts an adapter's
 trainable parameters for the planner. The parallel engines shard adapters with their base layers
 (:mod:`mindformers_py.parallel.adapter_layers`) and save only the adapter
-(:mod:`mindformers_py.parallel.adapter_checkpoint`).
+(:mod:`mindformers_py.engine.adapter_checkpoint`).
 """
 
 from .apply import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapted_model, apply_peft, is_adapter_folder, \

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,22 +17,11 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..parallel.adapter_layers import adapted_model, is_peft_model
 from .config import SECTION, as_peft_config
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-
-
-def is_peft_model(model: Any) -> bool:
-    """Whether ``model`` is a peft model (``PeftModel`` or one of its task classes, possibly wrapped by FSDP)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def adapted_model(model: nn.Module) -> nn.Module:
-    """The model the adapters were injected into (a peft model's base model, which holds the LoRA layers under its
-    own module names), or ``model`` itself."""
-    return model.get_base_model() if is_peft_model(model) else model
 
 
 def is_adapter_folder(folder: str | Path) -> bool:

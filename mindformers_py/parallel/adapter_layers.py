@@ -30,10 +30,21 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from ..adapters.apply import adapted_model, is_peft_model
 from ..errors import ConfigError
 
 __all__ = ["adapted_model", "adapter_styles", "is_peft_model"]
+
+
+def is_peft_model(model: object) -> bool:
+    """Whether ``model`` is a peft model (``PeftModel`` or one of its task classes, possibly wrapped by FSDP): it
+    holds its configs in ``peft_config`` and the model its adapters were injected into behind ``get_base_model``."""
+    return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "get_base_model", None))
+
+
+def adapted_model(model: nn.Module) -> nn.Module:
+    """The model the adapters were injected into (a peft model's base model, which holds the LoRA layers under its
+    own module names, the names the tp and pp plans use), or ``model`` itself."""
+    return model.get_base_model() if is_peft_model(model) else model
 
 
 def _is_tuner_layer(module: nn.Module) -> bool:

@@ -216,3 +216,12 @@ def test_tensor_parallel_styles_follow_the_base_layer_or_refuse_naming_the_modul
     ia3 = apply_peft(gpt("llama"), {"type": "ia3", "target_modules": ["q_proj"], "feedforward_modules": []})
     with pytest.raises(ConfigError, match=rf"model_parallel=2 cannot shard peft's ia3 adapter on {q} \(a colwise"):
         adapter_styles(ia3.get_base_model(), {q: ColwiseParallel()}, tp=2)
+
+
+def test_prompt_learning_is_refused_under_process_layouts():
+    from mindformers_py.adapters.apply import refuse_prompt_learning
+
+    prompt = apply_peft(gpt(), {"type": "prompt_tuning", "num_virtual_tokens": 4}, task="causal_lm")
+    with pytest.raises(ConfigError, match=r"peft type 'prompt_tuning' trains in one process only .*pipeline_stage=2"):
+        refuse_prompt_learning(prompt, "pipeline_stage=2")
+    refuse_prompt_learning(apply_peft(gpt(), {"type": "lora", "r": 2}), "pipeline_stage=2")  # LoRA runs anywhere
