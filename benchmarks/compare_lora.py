@@ -9,8 +9,8 @@ learning rate (``--full-lr``). The AdamW state is read from each run's final che
 ``optimizer.pt``); the step time is ``train_runtime / steps`` (data loading and the final checkpoint included, no
 evaluation). One process, one run after the other.
 
-    python benchmarks/compare_lora.py gpt --steps 300
-    python benchmarks/compare_lora.py bert --steps 300
+    python benchmarks/compare_lora.py gpt --steps 200
+    python benchmarks/compare_lora.py bert --steps 100
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run(kind: str, out: Path, steps: int, flags: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(RECIPES))
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--base", help="the pretrained model folder (default: the recipe's)")
     parser.add_argument("--full-lr", type=float, help="full fine-tuning's learning rate (default: gpt 3e-4, bert 1e-4)")
     parser.add_argument("--out", help="folder for the two runs (default: a temporary one)")
