@@ -7,8 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .adapters.apply import adapter_base, is_adapter_folder
-from .adapters.export import adapter_task, export_adapter, merged_model
+from .adapters.files import adapter_base, is_adapter_folder
 from .auto import _read_config_json, auto_class_for, resolve_config
 from .errors import CheckpointError, check_choice
 from .models.registry import BASE, Family
@@ -82,6 +81,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
 
 def _convert_adapter(src: Path, dst: Path, to: str, merge: bool) -> Path:
     """A saved peft adapter under transformers' names, or (``merge``) its base model with it merged in."""
+    from .adapters.export import adapter_task, export_adapter, merged_model
+
     base = adapter_base(src)
     task = adapter_task(src) or checkpoint_task(_read_config_json(Path(base)).get("architectures"),
                                                 resolve_config(base)[1])

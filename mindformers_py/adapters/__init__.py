@@ -9,9 +9,17 @@ trainable parameters for the planner. The parallel engines shard adapters with t
 (:mod:`mindformers_py.engine.adapter_checkpoint`).
 """
 
-from .apply import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapted_model, apply_peft, is_adapter_folder, \
-    is_peft_model
-from .config import PET_CONFIG, SECTION, as_peft_config, peft_config_from_dict, recipe_peft_config
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "PET_CONFIG", "SECTION", "adapted_model", "apply_peft",
-           "as_peft_config", "is_adapter_folder", "is_peft_model", "peft_config_from_dict", "recipe_peft_config"]
+_EXPORTS = {
+    **dict.fromkeys(["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_base", "is_adapter_folder"], ".files"),
+    **dict.fromkeys(["PET_CONFIG", "SECTION", "as_peft_config", "peft_config_from_dict", "recipe_peft_config"],
+                    ".config"),
+    **dict.fromkeys(["adapted_model", "apply_peft", "is_peft_model"], ".apply"),
+    **dict.fromkeys(["export_adapter", "merged_model"], ".export"),
+    "adapter_parameter_count": ".counting",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

@@ -19,14 +19,8 @@ from torch import nn
 from ..errors import CheckpointError, ConfigError
 from ..parallel.adapter_layers import adapted_model, is_peft_model
 from .config import SECTION, as_peft_config
+from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-
-
-def is_adapter_folder(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a saved peft adapter (``adapter_config.json``)."""
-    return Path(folder, ADAPTER_CONFIG_NAME).is_file()
 
 
 def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name: str = SECTION) -> nn.Module:
@@ -219,21 +213,6 @@ def refuse_prompt_learning(model: nn.Module, layout: str) -> None:
 
 
 # -- saved adapters ---------------------------------------------------------------------------------------------------
-
-
-def adapter_base(folder: str | Path) -> str:
-    """The base model a saved adapter was trained on (its ``base_model_name_or_path``)."""
-    import json
-
-    path = Path(folder, ADAPTER_CONFIG_NAME)
-    try:
-        base = json.loads(path.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError) as err:
-        raise CheckpointError(f"adapter config {path} cannot be read ({type(err).__name__})") from None
-    if not base:
-        raise CheckpointError(f"adapter {folder} names no base model (base_model_name_or_path in {ADAPTER_CONFIG_NAME});"
-                              " set it to the folder of the model the adapter was trained on")
-    return str(base)
 
 
 def with_saved_adapter(model: nn.Module, folder: str | Path, trainable: bool = False) -> nn.Module:

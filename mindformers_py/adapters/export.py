@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from .apply import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder, with_saved_adapter
+from .apply import with_saved_adapter
+from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder
 from .config import TASK_TYPES
 
 PREFIX = "base_model.model."

@@ -465,6 +465,7 @@ def auto_parallel(
     memory_budget: int | str | None = None,
     act_bytes: int = FP32_BYTES,
     log: logging.Logger | None = None,
+    summary: list[str] | None = None,
     trainable_params: int | None = None,
 ) -> ParallelConfig:
     """The layout to run an ``auto_parallel`` config with: :func:`plan`, logged as a table; other modes are
@@ -472,7 +473,8 @@ def auto_parallel(
 
     ``memory_budget`` (bytes or ``"6GiB"``) overrides the detected memory per rank; ``device`` overrides all
     device assumptions. When a process group is already running, rank 0 plans (free memory differs a little
-    between devices, and every rank must run the same layout) and the others receive its answer.
+    between devices, and every rank must run the same layout) and the others receive its answer. The rank that
+    planned appends the plan's one-line reason (:meth:`AutoParallelPlan.summary`) to ``summary`` when given.
     ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those alone).
     """
     if parallel_config.parallel_mode != "auto_parallel":
@@ -489,6 +491,8 @@ def auto_parallel(
                           act_bytes=act_bytes, trainable_params=trainable_params)
             (log or logger).info("%s", result.table())
             answer = [result.config.to_dict()]
+            if summary is not None:
+                summary.append(result.summary())
         except ConfigError as err:
             answer = [err]
     if shared:

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerState
 
-from ..adapters.apply import is_adapter_folder
+from ..adapters.files import is_adapter_folder
 from ..errors import CheckpointError, MindFormersError
 from ..utils.safetensors_io import has_weights
 
