@@ -223,8 +223,12 @@ def with_saved_adapter(model: nn.Module, folder: str | Path, trainable: bool = F
     try:
         return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
     except (ValueError, KeyError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"adapter {folder} does not fit {type(model).__name__}: {first}") from None
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+        # torch's load error lists the mismatches below a header line: name the first one
+        first = next((line for line in lines if line.startswith("size mismatch")), lines[0])
+        hint = ("; the adapter's folder holds no classifier labels: load its base model with the run's num_labels / "
+                "id2label (run_config.yaml's model section) before the adapter") if "size mismatch" in first and "classifier" in first else ""
+        raise CheckpointError(f"adapter {folder} does not fit {type(model).__name__}: {first}{hint}") from None
 
 
 def from_pretrained_with_adapter(auto_class: Any, folder: str | Path, **kwargs: Any) -> nn.Module:

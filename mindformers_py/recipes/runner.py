@@ -130,6 +130,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
                 raise ConfigError(f"model.{key}={model_s[key]!r} contradicts the data, which gives {key}={value!r}; "
                                   f"remove model.{key}")
             model_s[key] = value
+        # Recorded in run_config.yaml too: a saved adapter holds no config.json, so its base model gets the
+        # classifier's labels from there when the run is evaluated or predicted again.
+        recipe["model"] = {**(recipe.get("model") or {}), **datasets.config_updates}
     config, _, _ = resolve_config(name_or_path, **model_s)
     parallel.validate_for(world, config, per_device_batch=per_device_batch)
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
@@ -157,8 +160,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         results["samples"] = run_pipeline(task, model, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
     elif gen_s.prompts and under_torchrun() and args.process_index == 0 and run_mode != "predict":
         # Ranks hold shards of the model; rank 0 runs the pipeline on the consolidated checkpoint just saved.
-        results["samples"] = run_pipeline(task, from_pretrained_with_adapter(auto, args.output_dir), tokenizer, gen_s,
-                                          args.output_dir, args.seed, run_mode)
+        # (model_s: an adapter's base model gets the classifier's labels, which its folder does not hold)
+        saved = from_pretrained_with_adapter(auto, args.output_dir, **model_s)
+        results["samples"] = run_pipeline(task, saved, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
     return results
 
 
