@@ -26,6 +26,10 @@ LAYOUTS = {
     "pp2": ["--pipeline_stage", "2", "--micro_batch_num", "2"],
 }
 
+# The MiniLM fine-tuning recipes at test size
+SMALL_FINETUNE = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--data.block_size", "32",
+                  "--data.max_eval_samples", "32", "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+
 
 def run_cli(*args, capsys):
     code = main(["run", *map(str, args)])
@@ -82,9 +86,7 @@ def test_masks_depend_on_the_sample_not_on_the_batch():
 
 def test_minilm_finetuning_recipe_trains_evaluates_and_predicts(tmp_path, capsys, monkeypatch):
     recipe = ROOT / "tasks" / "bert" / "finetune_classification.yaml"
-    small = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--data.block_size", "32",
-             "--data.max_eval_samples", "32", "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
-    code, out = run_cli(recipe, *small, "--output_dir", tmp_path / "out", capsys=capsys)
+    code, out = run_cli(recipe, *SMALL_FINETUNE, "--output_dir", tmp_path / "out", capsys=capsys)
     assert code == 0, out.err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["BertForSequenceClassification"] and len(config["id2label"]) == 10
@@ -108,9 +110,7 @@ def test_minilm_lora_recipe_trains_the_adapter_and_predicts_from_its_folder(tmp_
     from safetensors import safe_open
 
     recipe = ROOT / "tasks" / "bert" / "finetune_classification_lora.yaml"
-    small = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--data.block_size", "32",
-             "--data.max_eval_samples", "16", "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
-    code, out = run_cli(recipe, *small, "--output_dir", tmp_path / "out", capsys=capsys)
+    code, out = run_cli(recipe, *SMALL_FINETUNE, "--output_dir", tmp_path / "out", capsys=capsys)
     assert code == 0, out.err
     saved = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert saved["peft_type"] == "LORA" and saved["task_type"] == "SEQ_CLS" and "classifier" in saved["modules_to_save"]
