@@ -11,6 +11,10 @@ evaluation). One process, one run after the other, or each side in its own proce
 
     python benchmarks/compare_lora.py gpt --steps 200
     python benchmarks/compare_lora.py bert --steps 100
+    # side by side on a machine shared with others (the model cards' runs), one thread each:
+    OMP_NUM_THREADS=1 python benchmarks/compare_lora.py gpt --out runs/compare_gpt --only lora &
+    OMP_NUM_THREADS=1 python benchmarks/compare_lora.py gpt --out runs/compare_gpt --only full; wait
+    python benchmarks/compare_lora.py gpt --out runs/compare_gpt          # the table from the two finished runs
 """
 
 from __future__ import annotations
