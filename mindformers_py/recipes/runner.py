@@ -20,6 +20,7 @@ from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
 from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
+from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
@@ -134,7 +135,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         # classifier's labels from there when the run is evaluated or predicted again.
         recipe["model"] = {**(recipe.get("model") or {}), **datasets.config_updates}
     config, _, _ = resolve_config(name_or_path, **model_s)
-    parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
+    check_compile(parallel.cp, bool(args.torch_compile))
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
         return _predict_in_pool(task, name_or_path, model_s, tokenizer, gen_s, args.output_dir, parallel, args.seed)
     if world > 1 and not under_torchrun():
