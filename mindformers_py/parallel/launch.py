@@ -1,12 +1,13 @@
-"""Process launch with torchrun's own machinery (``torch.distributed.launcher.api.elastic_launch``).
+"""Process launch with torchrun's own machinery (torchelastic's local agent and c10d rendezvous).
 
 A distributed layout needs ``data_parallel * model_parallel * pipeline_stage`` processes. Started by ``torchrun``
 (which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
 (``mindformers-py run recipe.yaml --parallel_mode semi_auto_parallel``), it has no world yet, so
 :func:`launch` starts the processes on this node, exactly as ``torchrun --standalone --nproc_per_node N`` would:
-a local c10d rendezvous, no restarts, and an elastic agent that watches the workers. When one worker dies (an
-exception, a kill, an out-of-memory), the agent stops the others and :func:`launch` raises :class:`LaunchError`
-naming the rank, so a job never hangs in a collective waiting for a peer that is gone.
+a local c10d rendezvous and an elastic agent that watches the workers. When one worker dies (an exception, a kill,
+an out-of-memory), the agent stops the others and :func:`launch` raises :class:`LaunchError` naming the rank, so a
+job never hangs in a collective waiting for a peer that is gone; with ``max_restarts`` it first restarts the whole
+group that many times, recording each cause for the restarted workers (:func:`restart_info`).
 
 Several nodes: run one torchrun agent per node with the same rendezvous endpoint (see :func:`multinode_command`)::
 
@@ -19,19 +20,30 @@ where HOST is the address of one of the nodes (reachable from all of them); ever
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import shlex
 import signal
 import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed.elastic.rendezvous.registry as rdzv_registry
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.launcher.api import LaunchConfig
 
 from ..errors import ConfigError, MindFormersError
+from .restarts import RESTART_LOG_ENV, RestartInfo, restart_info  # noqa: F401 - re-exported for launch's users
+
+logger = logging.getLogger(__name__)
 
 # Variables torchrun sets in every worker; their presence means "already launched".
 TORCHRUN_ENV = ("LOCAL_RANK", "WORLD_SIZE")
@@ -94,7 +106,8 @@ def check_world_size(required: int) -> int:
     return env.world_size
 
 
-def _describe_failure(err: ChildFailedError) -> str:
+def _failure_summary(err: ChildFailedError) -> str:
+    """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``."""
     rank, failure = err.get_first_failure()
     code = failure.exitcode
     how = f"exit code {code}"
@@ -110,7 +123,73 @@ def _describe_failure(err: ChildFailedError) -> str:
     detail = f": {str(message).splitlines()[0]}" if message and code >= 0 else ""
     others = len(err.failures) - 1
     tail = f" ({others} more rank(s) failed)" if others > 0 else ""
-    return f"rank {rank} of the job failed with {how}{detail}{tail}; the other ranks were stopped"
+    return f"rank {rank} of the job failed with {how}{detail}{tail}"
+
+
+def _describe_failure(err: ChildFailedError) -> str:
+    return f"{_failure_summary(err)}; the other ranks were stopped"
+
+
+# -- restarts: the agent records why it restarted the workers, the restarted workers read it -------------------------
+
+class _RestartRecordingAgent(LocalElasticAgent):
+    """torchelastic's local agent that, before restarting the worker group, appends the failure that caused it to
+    the restart log (:data:`RESTART_LOG_ENV`), so the restarted workers can log it."""
+
+    def __init__(self, *args: Any, restart_log: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._restart_log = restart_log
+        self._failure: tuple[str, float] | None = None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and result.failures:
+            summary = _failure_summary(ChildFailedError("workers", result.failures))
+            self._failure = (summary, time.time())
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        cause, failed_at = self._failure or ("the worker group changed (a node joined or left)", time.time())
+        self._failure = None
+        with open(self._restart_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"cause": cause, "failed_at": failed_at}) + "\n")
+        logger.warning("restarting the workers: %s", cause)
+        super()._restart_workers(worker_group)
+
+
+def _run_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any],
+               restart_log: str) -> dict[int, Any]:
+    """``elastic_launch(config, entrypoint)(*args)`` with :class:`_RestartRecordingAgent`: the same rendezvous, worker
+    spec and failure report (``ChildFailedError``) as torch's ``launch_agent``, from torchelastic's public classes."""
+    rdzv = rdzv_registry.get_rendezvous_handler(RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id, min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs))
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, local_addr=config.local_addr)
+    agent = _RestartRecordingAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                                   shutdown_timeout=config.shutdown_timeout, restart_log=restart_log)
+    try:
+        result = agent.run()
+    finally:
+        rdzv.shutdown()
+    if result.is_failed():
+        raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+    return result.return_values
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` while the workers run (they inherit it), restored afterwards."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @contextlib.contextmanager
@@ -136,6 +215,7 @@ def launch(
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
+    shutdown_timeout: int | None = None,
 ) -> dict[int, Any]:
     """Run ``target`` in ``nproc`` worker processes on this node and wait for all of them.
 
@@ -148,9 +228,13 @@ def launch(
             and ``run_id`` (``torchrun --nnodes`` does the same from the shell).
         rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; default: a free local port (single node).
         run_id: rendezvous id shared by the nodes of one job; default: a fresh one.
-        max_restarts: times the whole group is restarted after a failure (0: fail at once).
+        max_restarts: times the whole group is restarted after a failure (0: fail at once); each restart's cause
+            reaches the restarted workers (:func:`restart_info`), and a Trainer among them resumes from its latest
+            complete checkpoint.
         monitor_interval: seconds between the agent's checks of its workers (how fast a death is noticed).
         start_method: how function workers are started (``spawn`` is safe with threads and CUDA).
+        shutdown_timeout: seconds the agent waits for workers it stops with SIGTERM before it kills them (default:
+            torchelastic's, 30; a frozen worker cannot take SIGTERM and is killed only then).
 
     Returns:
         ``{global_rank: return value}`` for this node's workers (None for command lines).
@@ -172,6 +256,7 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method=start_method,
+        shutdown_timeout=shutdown_timeout,
     )
     if callable(target):
         entrypoint: Callable[..., Any] | str = target
@@ -180,11 +265,14 @@ def launch(
         if args:
             raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
         entrypoint, call_args = sys.executable, ("-u", *target)
-    try:
-        with _worker_threads(nproc):
-            return elastic_launch(config, entrypoint)(*call_args)
-    except ChildFailedError as err:
-        raise LaunchError(_describe_failure(err)) from None
+    with tempfile.TemporaryDirectory(prefix="mindformers-launch-") as scratch:
+        restart_log = os.path.join(scratch, "restarts.jsonl")
+        try:
+            with _worker_threads(nproc), _environment(RESTART_LOG_ENV, restart_log):
+                return _run_agent(config, entrypoint, call_args, restart_log)
+        except ChildFailedError as err:
+            restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
+            raise LaunchError(_describe_failure(err) + restarts) from None
 
 
 def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_args: Sequence[str],

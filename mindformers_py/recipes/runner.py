@@ -108,7 +108,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     config, _, _ = resolve_config(name_or_path, **model_s)
     parallel.validate_for(world, config, per_device_batch=per_device_batch)
     if world > 1 and not under_torchrun():
-        return _relaunch(recipe, args.output_dir, world)
+        return _relaunch(recipe, args.output_dir, world, args.max_restarts)
 
     from transformers import set_seed
 
@@ -243,12 +243,13 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
     return samples
 
 
-def _relaunch(recipe: dict[str, Any], output_dir: str, world: int) -> dict[str, Any]:
-    """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them."""
+def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts: int = 0) -> dict[str, Any]:
+    """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them; after a failure the
+    ranks are restarted up to ``max_restarts`` times (each resumes from the latest checkpoint in ``output_dir``)."""
     from ..parallel.launch import launch
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     resolved = Path(output_dir) / RESOLVED_NAME
     dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
-    launch(["-m", "mindformers_py", "run", str(resolved)], world)
+    launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
     return {}

@@ -19,6 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
+from .disk_space import is_out_of_space, out_of_space_error
+from .manifest import write_manifest
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,8 +56,36 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+            raise CheckpointError(unreadable_safetensors(path, e)) from None
     return state
+
+
+def unreadable_safetensors(path: Path, err: BaseException) -> str:
+    """One line saying why ``path`` could not be read as safetensors: a pickle or torch zip file under that name, a
+    file cut short (its header promises more bytes than it has), or the reader's own words."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+                return (f"{path} is a pickle (torch.save) file, not safetensors; pickles are never loaded (unpickling can "
+                        "run code): convert it to safetensors where it came from")
+            if size == 0:
+                return f"{path} is empty (0 bytes): re-save or re-copy the checkpoint"
+            if len(head) == 8:
+                header_len = int.from_bytes(head, "little")
+                if size - 8 < header_len < 2**27 and header_len % 8 == 0:  # a plausible header the file cuts into
+                    return f"{path} is cut short ({size} bytes, less than its own header): re-save or re-copy the checkpoint"
+                if 0 < header_len <= size - 8:
+                    header = json.loads(f.read(header_len))
+                    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                    expected = 8 + header_len + max(ends, default=0)
+                    if size < expected:
+                        return f"{path} is cut short ({size} of {expected} bytes): re-save or re-copy the checkpoint"
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        pass  # not even a safetensors header: the reader's message below says what it saw
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"{path} is not a readable safetensors file ({first}); re-save or re-copy the checkpoint"
 
 
 def save_state_dict(state: dict[str, torch.Tensor], folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -84,13 +114,20 @@ def save_state_dict(state: dict[str, torch.Tensor], folder: str | os.PathLike, m
 
 
 @contextlib.contextmanager
-def atomic_folder(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder beside ``final``; on success it replaces ``final``, on error it is removed."""
+def atomic_folder(final: str | os.PathLike, overwrite: bool = True, manifest: bool = False,
+                  needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary folder beside ``final``; on success it replaces ``final``, on error it is removed.
+
+    ``manifest`` writes ``manifest.json`` (every file's size and SHA-256, :mod:`.manifest`) last, before the rename.
+    A write that runs out of disk space is reported as one CheckpointError naming ``final`` and ``needed_bytes`` (the
+    temporary folder is removed first, so what is free is what the filesystem had before the save)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        if manifest:
+            write_manifest(tmp)
         if final.exists():
             if not overwrite:
                 raise CheckpointError(f"{final} already exists; choose another destination or remove it")
@@ -100,6 +137,8 @@ def atomic_folder(final: str | os.PathLike, overwrite: bool = True) -> Iterator[
             shutil.rmtree(backup, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, CheckpointError) and is_out_of_space(err):
+            raise out_of_space_error(final, needed_bytes) from None
         raise
