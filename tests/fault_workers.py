@@ -92,3 +92,7 @@ def hangs(how: str, root: str, timeout: int):
 
 def read_log(output_dir: str) -> list[dict]:
     return [json.loads(line) for line in Path(output_dir, "log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _losses_of(history):
+    return {e["step"]: e["loss"] for e in history if "loss" in e}

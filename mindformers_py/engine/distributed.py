@@ -288,7 +288,7 @@ class DistributedEngine(Engine):
             if self.is_main_process:
                 if self.portable_checkpoints:
                     with _quiet_progress_bars():
-                        dcp_checkpoint.consolidated_model(tmp / DCP_DIR).save_pretrained(tmp)
+                        dcp_checkpoint.write_consolidated(tmp / DCP_DIR, tmp)
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
                 torch.save(state["scheduler"], tmp / SCHEDULER_NAME)

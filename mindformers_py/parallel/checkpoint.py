@@ -269,6 +269,13 @@ def _copy_hyper_parameters(src: list[dict[str, Any]], dst: list[dict[str, Any]])
 def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
     """A fresh single-process model holding the weights of a sharded checkpoint written under any layout (its
     class from the checkpoint's ``config.json``); runs in one process without collectives."""
+    return _load_whole(checkpoint_dir, on_meta=False)
+
+
+def _load_whole(checkpoint_dir: str | os.PathLike, on_meta: bool) -> nn.Module:
+    """The checkpoint's model with its weights. ``on_meta``: built without initialising anything (no random draws:
+    building a model the usual way advances the global RNG, which would make a run that saved differ from one that
+    did not), for writing its weights only: buffers that are not saved (rotary frequencies) stay unset."""
     src = Path(checkpoint_dir)
     _check_folder(src)
     if not (src / CONFIG_NAME).is_file():
@@ -276,11 +283,21 @@ def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
             f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
         )
     config, family, _ = resolve_config(src)
-    model = auto_class_for(checkpoint_task(getattr(config, "architectures", None), family)).from_config(config)
+    auto = auto_class_for(checkpoint_task(getattr(config, "architectures", None), family))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = auto.from_config(config)
+    if on_meta:
+        model.to_empty(device="cpu")
     state = {MODEL_KEY: model.state_dict()}
     _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])
     return model
+
+
+def write_consolidated(checkpoint_dir: str | os.PathLike, folder: str | os.PathLike) -> None:
+    """Write the whole weights of a sharded checkpoint into ``folder`` in ``save_pretrained`` format (safetensors +
+    config), in this process alone, without touching the random number generators."""
+    _load_whole(checkpoint_dir, on_meta=True).save_pretrained(folder)
 
 
 def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
@@ -288,9 +305,8 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | 
     ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads and ``convert_checkpoint(..., to="hf")``
     exports; runs in a single process (offline, or rank 0 of a job). ``output_dir`` is replaced, and appears
     under its final name only when complete."""
-    model = consolidated_model(checkpoint_dir)
     with atomic_folder(output_dir) as tmp:
-        model.save_pretrained(tmp)
+        write_consolidated(checkpoint_dir, tmp)
     return Path(output_dir)
 
 
@@ -312,7 +328,7 @@ def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.P
         if _is_rank0():
             _write_config(_as_list(model)[0], tmp)
             folder.mkdir(parents=True, exist_ok=True)
-            consolidated_model(tmp).save_pretrained(folder)
+            write_consolidated(tmp, folder)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(folder)
         _barrier()

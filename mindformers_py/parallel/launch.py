@@ -20,6 +20,7 @@ where HOST is the address of one of the nodes (reachable from all of them); ever
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -107,8 +108,11 @@ def check_world_size(required: int) -> int:
 
 
 def _failure_summary(err: ChildFailedError) -> str:
-    """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``."""
-    rank, failure = err.get_first_failure()
+    """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``.
+
+    The rank named is the cause: one killed by a signal before those that raised (a peer's death makes the others'
+    collectives fail with connection errors, sometimes before the agent sees the kill), then the earliest."""
+    rank, failure = min(err.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
     code = failure.exitcode
     how = f"exit code {code}"
     if code < 0:
@@ -148,6 +152,15 @@ class _RestartRecordingAgent(LocalElasticAgent):
             self._failure = (summary, time.time())
         return result
 
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # A stopped (SIGSTOP) worker cannot take SIGTERM: continue it first, so it ends now rather than after the
+        # shutdown timeout (which torch's agent does not apply here: it waits 30 s).
+        for worker in worker_group.workers:
+            if isinstance(worker.id, int):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.id, signal.SIGCONT)
+        self._shutdown(timeout=self._shutdown_timeout)
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         cause, failed_at = self._failure or ("the worker group changed (a node joined or left)", time.time())
         self._failure = None
@@ -174,8 +187,24 @@ def _run_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args:
     finally:
         rdzv.shutdown()
     if result.is_failed():
-        raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+        raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
     return result.return_values
+
+
+# torchelastic >= 2.4 lets the workers' process group share the agent's rendezvous store, whose keys outlive a
+# restart: restarted workers then read their predecessors' addresses and fail to connect (pytorch/pytorch#135712,
+# #167288). With restarts the workers get a store of their own per attempt, as before 2.4.
+_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _restartable_store(max_restarts: int) -> contextlib.AbstractContextManager[None]:
+    return _environment(_SHARED_STORE_ENV, "1") if max_restarts > 0 else contextlib.nullcontext()
+
+
+def _call_with_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    """``target(*args)`` in a worker, after setting ``environ``."""
+    os.environ.update(environ)
+    return target(*args)
 
 
 @contextlib.contextmanager
@@ -258,17 +287,20 @@ def launch(
         start_method=start_method,
         shutdown_timeout=shutdown_timeout,
     )
-    if callable(target):
-        entrypoint: Callable[..., Any] | str = target
-        call_args: tuple[Any, ...] = args
-    else:
-        if args:
-            raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
-        entrypoint, call_args = sys.executable, ("-u", *target)
     with tempfile.TemporaryDirectory(prefix="mindformers-launch-") as scratch:
         restart_log = os.path.join(scratch, "restarts.jsonl")
+        if callable(target):
+            # Function workers may fork from a server started earlier (forkserver), with that moment's environment:
+            # they are handed the restart log explicitly. Command lines inherit the environment set below.
+            entrypoint: Callable[..., Any] | str = functools.update_wrapper(
+                functools.partial(_call_with_environment, {RESTART_LOG_ENV: restart_log}, target), target)
+            call_args: tuple[Any, ...] = args
+        else:
+            if args:
+                raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
+            entrypoint, call_args = sys.executable, ("-u", *target)
         try:
-            with _worker_threads(nproc), _environment(RESTART_LOG_ENV, restart_log):
+            with _worker_threads(nproc), _environment(RESTART_LOG_ENV, restart_log), _restartable_store(max_restarts):
                 return _run_agent(config, entrypoint, call_args, restart_log)
         except ChildFailedError as err:
             restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""

@@ -19,6 +19,7 @@ cannot take the agent's SIGTERM; the agent kills it after its shutdown timeout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from ..errors import MindFormersError
 
 PREFIX = "mindformers/progress"
+_HEARTBEATS_WATCHED = 3  # heartbeats a diagnosis waits for before calling a rank frozen
 _starts = 0  # watchdogs started by this process: ranks start theirs in the same order, so the count names a run
 
 
@@ -80,6 +82,7 @@ class ProgressWatchdog:
         self._thread: threading.Thread | None = None
         self._store: dist.Store | None = None
         self._reporter = rank  # the lowest rank still alive, which prints the diagnosis (set by diagnose)
+        self._heartbeat = 0
 
     def __enter__(self) -> ProgressWatchdog:
         self.start()
@@ -89,7 +92,7 @@ class ProgressWatchdog:
         self.stop()
 
     def beat(self, step: int | None = None) -> None:
-        """Record progress (at ``step``); cheap: the thread publishes it."""
+        """Record progress (working on ``step``); cheap: the thread publishes it."""
         self._beats += 1
         if step is not None:
             self._step = int(step)
@@ -124,17 +127,28 @@ class ProgressWatchdog:
     # -- the thread ---------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        heartbeat = 0
-        while not self._stop.wait(self.interval_s):
-            heartbeat += 1
-            self._publish(heartbeat)
+        while True:
+            self._publish()
+            if self._stop.wait(self.interval_s):
+                return
             if time.monotonic() - self._last_beat > self.timeout_s and not self._stop.is_set():
-                self._end_job(self.diagnose())
+                try:
+                    message = self.diagnose()
+                except Exception as err:  # noqa: BLE001 - the store's host (rank 0, or the agent) is the one stuck
+                    message = (f"the job's key-value store at {os.environ.get('MASTER_ADDR')}:"
+                               f"{os.environ.get('MASTER_PORT')} does not answer ({type(err).__name__}): the process "
+                               f"hosting it (rank 0 or the launcher) stopped; no progress for {self.timeout_s:g} s "
+                               "(ddp_timeout)")
+                self._end_job(message)
 
-    def _publish(self, heartbeat: int) -> None:
-        record = {"beats": self._beats, "step": self._step, "heartbeat": heartbeat, "host": socket.gethostname(),
+    def _publish(self) -> None:
+        """Publish this rank's progress with the next heartbeat; a store that does not answer is diagnosed later,
+        if it matters."""
+        self._heartbeat += 1
+        record = {"beats": self._beats, "step": self._step, "heartbeat": self._heartbeat, "host": socket.gethostname(),
                   "pid": os.getpid()}
-        self._store.set(f"rank{self.rank}", json.dumps(record))
+        with contextlib.suppress(Exception):
+            self._store.set(f"rank{self.rank}", json.dumps(record))
 
     def _records(self) -> dict[int, _Record | None]:
         out: dict[int, _Record | None] = {}
@@ -146,24 +160,27 @@ class ProgressWatchdog:
     def diagnose(self) -> str:
         """One line naming the rank(s) this job waits for (reads every rank's record twice, heartbeats apart)."""
         before = self._records()
-        self._stop.wait(2.5 * self.interval_s)
+        for _ in range(_HEARTBEATS_WATCHED):  # the others diagnose too: keep beating while watching them
+            self._stop.wait(self.interval_s)
+            self._publish()
         after = self._records()
         waited = f"{self.timeout_s:g} s"
-        frozen = [r for r in range(self.world_size)
-                  if after[r] is None or before[r] is None or after[r].heartbeat == before[r].heartbeat]
+        frozen = [r for r in range(self.world_size) if r != self.rank
+                  and (after[r] is None or before[r] is None or after[r].heartbeat == before[r].heartbeat)]
+        after[self.rank] = _Record(self._beats, self._step, self._heartbeat, socket.gethostname(), os.getpid())
         alive = [r for r in range(self.world_size) if r not in frozen]
         self._reporter = min(alive, default=self.rank)
         if frozen:
             where = ", ".join(_describe(r, after[r]) for r in frozen)
-            others = f"; {_ranks(alive)} wait at step {max(after[r].step for r in alive)}" if alive else ""
-            return (f"{_ranks(frozen)} did not arrive: no heartbeat for {2.5 * self.interval_s:.1f} s (stopped, frozen "
+            others = f"; {_ranks(alive)} {_wait(alive)} at step {max(after[r].step for r in alive)}" if alive else ""
+            return (f"{_ranks(frozen)} did not arrive: no heartbeat for {_HEARTBEATS_WATCHED * self.interval_s:.1f} s (stopped, frozen "
                     f"or its host is gone: {where}){others}; no progress for {waited} (ddp_timeout)")
         lowest = min(after[r].beats for r in alive)
         behind = [r for r in alive if after[r].beats == lowest]
         if len(behind) < len(alive):
             ahead = [r for r in alive if r not in behind]
             return (f"{_ranks(behind)} did not arrive: stuck at step {after[behind[0]].step} ({_describe(behind[0], after[behind[0]])}) "
-                    f"while {_ranks(ahead)} wait at step {max(after[r].step for r in ahead)}; no progress for {waited} "
+                    f"while {_ranks(ahead)} {_wait(ahead)} at step {max(after[r].step for r in ahead)}; no progress for {waited} "
                     "(ddp_timeout)")
         return (f"all {len(alive)} ranks wait at step {after[alive[0]].step} and none can go on (a deadlocked "
                 f"collective, or a step longer than ddp_timeout); no progress for {waited} (ddp_timeout)")
@@ -181,6 +198,10 @@ class ProgressWatchdog:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
+
+
+def _wait(ranks: list[int]) -> str:
+    return "waits" if len(ranks) == 1 else "wait"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -152,6 +152,16 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Pat
     return doomed
 
 
+def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Remove temporary folders of checkpoint saves that never finished (the process was killed while writing:
+    ``.checkpoint-<step>.tmp-*``); nothing of them is under a final name. Returns what was removed."""
+    root = Path(output_dir)
+    partial = [p for p in root.glob(f".{CHECKPOINT_PREFIX}-*.tmp-*") if p.is_dir()] if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
 def prepare_output_dir(output_dir: str | Path, overwrite: bool | None, logging_dir: str | Path | None) -> None:
     """Make ``output_dir`` ready for a fresh run. If it holds another run's checkpoints or state: ``overwrite=False``
     refuses, ``True`` removes those files (checkpoints, state, log, curve, TensorBoard events under ``logging_dir``)

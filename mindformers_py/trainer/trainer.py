@@ -37,8 +37,8 @@ from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dat
     forward_columns, is_stream
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
-    save_trainer_state
+    prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
+    rotate_checkpoints, save_trainer_state
 from .loss import FusedCausalLMLoss
 from .loss_share import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, micro_batch_share, probe_mode
 from .scheduler import create_scheduler, steps_on_metric
@@ -166,6 +166,9 @@ class Trainer:
             raise MindFormersError("Trainer.train needs a train_dataset")
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         restart = restart_info()
+        engine.wait_for_checkpoint()
+        if engine.is_main_process:
+            remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
         checkpoint, skipped = resolve_resume(resume, args.output_dir, engine.checkpoint_problem, restarted=restart is not None)
         for problem in skipped if engine.is_main_process else ():
             logger.warning("%s; resuming from an earlier checkpoint (the damaged one is left in place)", problem)
@@ -280,7 +283,7 @@ class Trainer:
                 if not micro_batches:
                     break
                 consumed += len(micro_batches)
-                engine.beat(state.global_step)
+                engine.beat(state.global_step + 1)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 self._current_accum = len(micro_batches)
                 tokens = sum(self._count_throughput(b) for b in micro_batches)
@@ -308,6 +311,7 @@ class Trainer:
                 self._position.samples_consumed = consumed * source.global_batch_size
                 engine.raise_checkpoint_error()  # a background save that failed stops the run here
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
+                engine.beat(state.global_step)
                 self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
