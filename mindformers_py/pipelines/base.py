@@ -19,6 +19,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrained
 from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
+from ..utils.damaged_files import loading_from
 
 class AcceptsOurModels:
     """Mixin for a transformers ``Pipeline`` subclass: our families' models count as supported (transformers
@@ -119,10 +120,5 @@ def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model
             f"pipeline({task.name!r}) needs {task.preprocessor}=... when the model is a preset name or a model object "
             "without a checkpoint folder"
         )
-    try:
+    with loading_from(source, task.preprocessor, f"save one there or pass {task.preprocessor}=..."):
         return loader.from_pretrained(os.fspath(source))
-    except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(
-            f"no {task.preprocessor} could be loaded from {source} ({str(err).splitlines()[0]}); "
-            f"save one there or pass {task.preprocessor}=..."
-        ) from None

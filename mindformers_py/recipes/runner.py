@@ -19,6 +19,7 @@ from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
+from ..utils.damaged_files import loading_from
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
@@ -140,7 +141,8 @@ def _load_processing_class(task: TaskSpec, tok_s: TokenizerSection, data_s: Data
     from ..data.images import default_image_processor
 
     if Path(name_or_path, "preprocessor_config.json").is_file():
-        return AutoImageProcessor.from_pretrained(name_or_path)
+        with loading_from(name_or_path, "image processor"):
+            return AutoImageProcessor.from_pretrained(name_or_path)
     return default_image_processor(config)
 
 
@@ -153,9 +155,12 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
-        return AutoTokenizer.from_pretrained(str(resolve_checkpoint_name(tok_s.name_or_path)))
+        folder = str(resolve_checkpoint_name(tok_s.name_or_path))
+        with loading_from(folder, "tokenizer"):
+            return AutoTokenizer.from_pretrained(folder)
     if Path(name_or_path, "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(name_or_path)
+        with loading_from(name_or_path, "tokenizer"):
+            return AutoTokenizer.from_pretrained(name_or_path)
     cached, trained = {"bpe": (default_tokenizer, train_bpe_tokenizer),
                        "wordpiece": (default_wordpiece_tokenizer, train_wordpiece_tokenizer),
                        "t5": (default_t5_tokenizer, train_t5_tokenizer)}[tok_s.type]
