@@ -17,7 +17,7 @@ from typing import Any
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
 from ..auto import auto_class_for
-from ..errors import CheckpointError, MindFormersError, invalid_choice
+from ..errors import MindFormersError, invalid_choice
 from ..models import registry
 from ..utils.damaged_files import loading_from
 
