@@ -1,6 +1,7 @@
 """The table of model families: which config, model classes, presets and HF architectures each one covers.
 
-``mindformers_py.auto`` reads this table; a new family adds one :class:`Family` entry and nothing else changes.
+``mindformers_py.auto``, checkpoint consolidation and the ``auto_parallel`` planner read this table; a new family adds
+one :class:`Family` entry and nothing else changes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class Family:
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
+    planner_config: Callable[[PretrainedConfig], dict] | None = None
+    """How the ``auto_parallel`` planner reads the sizes of this family's models: a function of one of its configs
+    giving the ``config.json`` dict of the transformers architecture of the same shape (:func:`hf_export`: its HF
+    export), which the planner reads; None reads the config field by field, GPT-style (HF field names, a
+    ``moe_config`` section)."""
 
     @property
     def hf_types(self) -> tuple[str, ...]:
@@ -96,6 +102,23 @@ def family_for_model_type(model_type: str) -> Family | None:
 def family_for_preset(name: str) -> Family | None:
     """The family that defines the preset ``name``."""
     return next((f for f in FAMILIES if name in f.presets), None)
+
+
+def model_class_named(name: str) -> type[PreTrainedModel] | None:
+    """Our model class called ``name`` (a ``config.json``'s ``architectures`` entry), among every family's classes;
+    None when no family has one."""
+    for family in FAMILIES:
+        for cls in (*family.model_classes.values(), *family.extra_model_classes.values()):
+            if cls.__name__ == name:
+                return cls
+    return None
+
+
+def hf_export(config: PretrainedConfig) -> dict:
+    """The ``config.json`` dict of the transformers config ``config`` converts to (its family's ``config_to_hf``):
+    a family's :attr:`Family.planner_config` when its models have the shape of their HF export."""
+    family = family_for_model_type(config.model_type)
+    return family.converter.config_to_hf(config).to_dict()
 
 
 def all_presets() -> list[str]:

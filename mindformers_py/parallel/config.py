@@ -37,8 +37,8 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
-from ..layers.moe_config import moe_config_of
-from .moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig, _expert_count  # noqa: F401
+from ..layers.moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
+from ..layers.moe_config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
@@ -311,7 +311,7 @@ class ParallelConfig(_Section):
                 f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
                 f"expected at most {num_layers} model chunks (each needs a layer)"
             )
-        experts, source = _expert_count(cfg)
+        experts, source = expert_count(cfg)
         if experts is None and self.ep > 1:
             raise ConfigError(f"expert_parallel={self.ep} is not valid for a model without experts (a dense model); "
                               "expected expert_parallel=1, or a model with experts (MoE)")

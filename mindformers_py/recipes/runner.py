@@ -57,7 +57,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
-    from ..planner.search import auto_parallel, default_world_size
+    from ..engine.registry import plan_layout
+    from ..planner.search import default_world_size
     from ..trainer.arguments import TrainingArguments
     from ..trainer.seq2seq import Seq2SeqTrainingArguments
 
@@ -85,7 +86,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
-    parallel = auto_parallel(parallel, config, world, per_device_batch, seq_length)
+    parallel = plan_layout(parallel, config, world, per_device_batch, seq_length)
     recipe["parallel"] = parallel.to_dict()
 
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,

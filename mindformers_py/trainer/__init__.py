@@ -9,7 +9,8 @@ from .callbacks import (
     default_callbacks,
     plot_loss_curve,
 )
-from .loss import FusedCausalLMLoss, linear_cross_entropy
+from ..layers.linear_cross_entropy import linear_cross_entropy
+from .fused_loss import FusedCausalLMLoss
 from .seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from .trainer import Trainer
 

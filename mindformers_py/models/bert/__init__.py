@@ -35,6 +35,7 @@ _registry.register_family(_registry.Family(
                    "token_classification": BertForTokenClassification, "question_answering": BertForQuestionAnswering},
     presets=BERT_PRESETS,
     converter=_convert,
+    planner_config=_registry.hf_export,  # the planner reads its HF export's shape
     hf_model_classes={"base": _hf_class("Model"), "masked_lm": _hf_class("ForMaskedLM"),
                       "sequence_classification": _hf_class("ForSequenceClassification"),
                       "token_classification": _hf_class("ForTokenClassification"),

@@ -19,6 +19,7 @@ _registry.register_family(_registry.Family(
     model_classes={"base": T5Model, "seq2seq_lm": T5ForConditionalGeneration},
     presets=T5_PRESETS,
     converter=_convert,
+    planner_config=_registry.hf_export,  # the planner reads its HF export's shape
     hf_model_classes={"base": _HF_BASE.get, "seq2seq_lm": _HF_SEQ2SEQ.get},
     extra_model_classes={"AutoModelForTextEncoding": T5EncoderModel},
 ))

@@ -15,5 +15,6 @@ _registry.register_family(_registry.Family(
     model_classes={"base": ViTModel, "image_classification": ViTForImageClassification},
     presets=VIT_PRESETS,
     converter=_convert,
+    planner_config=_registry.hf_export,  # the planner reads its HF export's shape
     hf_model_classes={"base": lambda kind: "ViTModel", "image_classification": lambda kind: "ViTForImageClassification"},
 ))
