@@ -153,10 +153,19 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Pat
 
 
 def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Remove temporary folders of checkpoint saves that never finished (the process was killed while writing:
-    ``.checkpoint-<step>.tmp-*``); nothing of them is under a final name. Returns what was removed."""
+    """Clean up after a process killed while it saved a checkpoint: remove the temporary folders of saves that never
+    finished (``.checkpoint-<step>.tmp-*``: nothing of them is under a final name), and put back a checkpoint that was
+    being replaced (``.checkpoint-<step>.old-*``) when its new version never took its name. Returns what was removed."""
     root = Path(output_dir)
-    partial = [p for p in root.glob(f".{CHECKPOINT_PREFIX}-*.tmp-*") if p.is_dir()] if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    for backup in root.glob(f".{CHECKPOINT_PREFIX}-*.old-*"):
+        final = root / backup.name[1:].split(".old-")[0]
+        if final.exists():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(backup, final)
+    partial = [p for p in root.glob(f".{CHECKPOINT_PREFIX}-*.tmp-*") if p.is_dir()]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial

@@ -190,3 +190,19 @@ def test_one_background_save_at_a_time_and_its_error_surfaces():
     with pytest.raises(CheckpointError, match="disk gone"):
         writer.raise_if_failed()
     writer.close()
+
+
+def test_leftovers_of_a_save_killed_half_way_are_cleaned_up(tmp_path):
+    """A kill while writing leaves a temporary folder (removed); one between the two renames of a replaced checkpoint
+    leaves the old version aside (put back)."""
+    from mindformers_py.trainer.checkpoint import checkpoint_folders, remove_partial_checkpoints
+
+    (tmp_path / ".checkpoint-4.tmp-abc").mkdir()
+    (tmp_path / ".checkpoint-2.old-123").mkdir()
+    (tmp_path / ".checkpoint-2.old-123" / "marker").write_text("old")
+    (tmp_path / "checkpoint-6").mkdir()
+    (tmp_path / ".checkpoint-6.old-9").mkdir()
+    assert remove_partial_checkpoints(tmp_path) == [tmp_path / ".checkpoint-4.tmp-abc"]
+    assert [p.name for p in checkpoint_folders(tmp_path)] == ["checkpoint-2", "checkpoint-6"]
+    assert (tmp_path / "checkpoint-2" / "marker").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-6"]
