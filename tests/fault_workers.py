@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_STEPS = 64, 16, 4, 6, 2
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_STEPS = 64, 16, 4, 4, 2
 
 
 class Fault(TrainerCallback):
@@ -68,10 +68,10 @@ def train(layout_name: str, output_dir: str, fault: Fault | None = None, **extra
     from mindformers_py.trainer import Trainer, TrainingArguments
 
     parallel = layout(layout_name)
+    extra = {"save_strategy": "steps", "save_steps": SAVE_STEPS, **extra}
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
-                             learning_rate=1e-2, max_steps=STEPS, logging_steps=1, save_strategy="steps",
-                             save_steps=SAVE_STEPS, use_cpu=True, parallel_config=parallel, report_to=[],
-                             disable_tqdm=True, seed=5, **extra)
+                             learning_rate=1e-2, max_steps=STEPS, logging_steps=1, use_cpu=True,
+                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=5, **extra)
     trainer = Trainer(model=tiny_gpt(), args=args, train_dataset=token_data(), callbacks=[fault] if fault else [])
     trainer.train()
     return trainer.state.log_history
@@ -79,20 +79,17 @@ def train(layout_name: str, output_dir: str, fault: Fault | None = None, **extra
 
 def killed_and_restarted(layout_name: str, root: str, rank: int, step: int):
     """The run whose ``rank`` is SIGKILLed after ``step`` on the first attempt (with asynchronous checkpoints), then,
-    after the launcher restarted the group, the same run uninterrupted; both runs' logs, and this rank's attempt."""
+    after the launcher restarted the group, the same run uninterrupted and saving nothing; both runs' logs, and this
+    rank's attempt."""
     faulty = train(layout_name, f"{root}/faulty", Fault("kill", rank, step), save_async=True)
-    reference = train(layout_name, f"{root}/reference")
+    reference = train(layout_name, f"{root}/reference", save_strategy="no")
     return {"faulty": faulty, "reference": reference, "attempt": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
 
 
 def hangs(how: str, root: str, timeout: int):
     """Rank 1 stops (``stop``) or deadlocks (``deadlock``) after step 2 of a dp2 run with ``ddp_timeout=timeout``."""
-    train("dp2", f"{root}/{how}", Fault(how, rank=1, step=2), ddp_timeout=timeout)
+    train("dp2", f"{root}/{how}", Fault(how, rank=1, step=2), ddp_timeout=timeout, save_strategy="no")
 
 
 def read_log(output_dir: str) -> list[dict]:
     return [json.loads(line) for line in Path(output_dir, "log.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _losses_of(history):
-    return {e["step"]: e["loss"] for e in history if "loss" in e}

@@ -13,8 +13,8 @@ runs one thread per rank that
 * then ends this process (exit status 1), after writing the one-line diagnosis to torchelastic's error file (so the
   launcher's error names it) and, from the lowest rank still alive, to stderr.
 
-The elastic agent then stops the other ranks, restarting the group when ``max_restarts`` allows. A frozen process
-cannot take the agent's SIGTERM; the agent kills it after its shutdown timeout.
+The elastic agent then stops the other ranks, restarting the group when ``max_restarts`` allows. A frozen (stopped)
+process cannot take the agent's SIGTERM: the diagnosing ranks continue (SIGCONT) the frozen ones on their host first.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -83,6 +84,7 @@ class ProgressWatchdog:
         self._store: dist.Store | None = None
         self._reporter = rank  # the lowest rank still alive, which prints the diagnosis (set by diagnose)
         self._heartbeat = 0
+        self._frozen: list[_Record] = []
 
     def __enter__(self) -> ProgressWatchdog:
         self.start()
@@ -167,6 +169,7 @@ class ProgressWatchdog:
         waited = f"{self.timeout_s:g} s"
         frozen = [r for r in range(self.world_size) if r != self.rank
                   and (after[r] is None or before[r] is None or after[r].heartbeat == before[r].heartbeat)]
+        self._frozen = [after[r] for r in frozen if after[r] is not None]
         after[self.rank] = _Record(self._beats, self._step, self._heartbeat, socket.gethostname(), os.getpid())
         alive = [r for r in range(self.world_size) if r not in frozen]
         self._reporter = min(alive, default=self.rank)
@@ -196,6 +199,12 @@ class ProgressWatchdog:
             pass
         if self.rank == self._reporter:
             print(f"error: {message}", file=sys.stderr, flush=True)
+        # A stopped process cannot take the launcher's SIGTERM (torch waits 30 s before it kills it): continue the
+        # frozen ranks of this host, so they end with the job now.
+        for record in self._frozen:
+            if record.host == socket.gethostname():
+                with contextlib.suppress(OSError):
+                    os.kill(record.pid, signal.SIGCONT)
         sys.stdout.flush()
         os._exit(1)
 

@@ -53,6 +53,6 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path, layout
                                           ("deadlock", "rank 1 did not arrive: stuck at step 2")])
 def test_a_rank_that_hangs_ends_the_job_naming_it(tmp_path, how, culprit):
     with pytest.raises(LaunchError) as err:
-        _launch(hangs, how, str(tmp_path), 3)
+        _launch(hangs, how, str(tmp_path), 2)
     message = str(err.value)
     assert culprit in message and "ddp_timeout" in message and "ProgressTimeoutError" in message, message

@@ -18,7 +18,7 @@ from dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.trainer import Trainer, TrainingArguments
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 64, 16, 4, 4, 2
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 64, 16, 4, 3, 2
 RTOL = 1e-4
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "moe_intermediate_size": 32}
 FAMILIES = ("gpt", "moe", "bert")
@@ -60,10 +60,10 @@ def layout(family: str, name: str) -> ParallelConfig:
 def train(family: str, name: str, root: str, resume: bool = False) -> list[float]:
     """The Trainer's logged losses under layout ``name`` (resuming from the dp2 + ZeRO-3 run's checkpoint)."""
     parallel = layout(family, name)
+    saving = {"save_strategy": "steps", "save_steps": SAVE_AT} if name == "saved" else {"save_strategy": "no"}
     args = TrainingArguments(output_dir=f"{root}/{family}/{name}", per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
-                             learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1,
-                             save_strategy="steps", save_steps=SAVE_AT, use_cpu=True, parallel_config=parallel,
-                             report_to=[], disable_tqdm=True, seed=3)
+                             learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1, use_cpu=True,
+                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=3, **saving)
     trainer = Trainer(model=model(family), args=args, train_dataset=data(family),
                       data_collator=default_data_collator if family == "bert" else None)
     trainer.train(resume_from_checkpoint=f"{root}/{family}/saved/checkpoint-{SAVE_AT}" if resume else None)
