@@ -48,7 +48,14 @@ def snapshot(state: Any) -> Any:
             return type(value)(walk(v) for v in value)
         return copy.deepcopy(value)
 
-    return walk(state)
+    # A memory-bound copy: one thread, rather than an OpenMP pool that spins (ten times slower here) when the cores are
+    # shared with other work. Nothing else runs torch operations meanwhile: the previous background write is done.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return walk(state)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class CheckpointWriter:
