@@ -100,11 +100,13 @@ def run_ours(opts, save_async: bool) -> dict:
         timed(trainer.engine, "_write_checkpoint", writes)
         trainer.train()
         size = sum(p.stat().st_size for p in os.scandir(os.path.join(out, f"checkpoint-{opts.steps}")) if p.is_file())
-    # Waits inside _save_checkpoint are part of its time already; count the others (the end of training).
-    inside = [(a, b) for a, b in waits if any(s <= a and b <= e for s, e in saves)]
-    stall = sum(e - s for s, e in saves) + sum(e - s for s, e in waits if (s, e) not in inside)
+    # Waits inside _save_checkpoint are part of its time already; the others are the end of training's.
+    final_wait = sum(e - s for s, e in waits if not any(a <= s and e <= b for a, b in saves))
+    stall = sum(e - s for s, e in saves) + final_wait
     overlapped = [end - begin for begin, end in clock.steps if any(begin < e and s < end for s, e in writes)]
-    return {"stall_per_save": stall / len(saves), "write_per_save": statistics.mean(e - s for s, e in writes),
+    return {"stall_per_save": stall / len(saves), "final_wait": final_wait,
+            "in_loop_per_save": statistics.mean(e - s for s, e in saves),
+            "write_per_save": statistics.mean(e - s for s, e in writes),
             "step": statistics.median(clock.durations), "step_during_write": statistics.median(overlapped) if overlapped
             else None, "checkpoint_mb": size / 2**20, "saves": len(saves)}
 
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the system temp folder)")
-    parser.add_argument("--restart", action="store_true", help="also measure the restart-to-resume time")
+    parser.add_argument("--restart", action="store_true", help="also measure the restart-to-resume time (a kill under "
+                        "dp2: the launcher's restart, new workers, loading checkpoint-2)")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     size = best["ours_sync"]["checkpoint_mb"]
     print(f"checkpoint {size:.1f} MB, {best['ours_sync']['saves']} saves per run, best of {opts.rounds} rounds")
     for side, row in best.items():
-        extra = f", written in the background in {row['write_per_save']:.3f} s" if side == "ours_async" else ""
+        extra = (f" ({row['in_loop_per_save']:.3f} s in the loop, {row['final_wait']:.3f} s waiting for the last save "
+                 f"at the end), written in the background in {row['write_per_save']:.3f} s") if side == "ours_async" else ""
         print(f"{side:10s} stall per save {row['stall_per_save']:.3f} s{extra}; median step {row['step']:.3f} s")
     during = best["ours_async"].get("step_during_write")
     if during:

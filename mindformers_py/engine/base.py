@@ -25,7 +25,6 @@ from torch import nn
 from ..errors import ConfigError
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
-from ..parallel import checkpoint as dcp_checkpoint
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
@@ -335,7 +334,9 @@ class Engine:
         (RNG states separately, with :meth:`load_rng_state`, right before training). A distributed run's checkpoint
         is read from its sharded part (``dcp/``, any layout, pipeline stages included)."""
         folder = Path(folder)
-        if (folder / DCP_DIR / dcp_checkpoint.METADATA_NAME).is_file():
+        if (folder / DCP_DIR).is_dir():
+            from ..parallel import checkpoint as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
+
             dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer, no_dist=True)
         else:
             self.load_weights(model, folder)

@@ -188,7 +188,8 @@ class Trainer:
         engine.wait_for_checkpoint()
         if engine.is_main_process:
             remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
-        checkpoint, skipped = resolve_resume(resume, args.output_dir, engine.checkpoint_problem, restarted=restart is not None)
+        checkpoint, skipped = resolve_resume(resume, args.output_dir, engine.checkpoint_problem,
+                                             restarted=restart is not None)
         for problem in skipped if engine.is_main_process else ():
             logger.warning("%s; resuming from an earlier checkpoint (the damaged one is left in place)", problem)
         if checkpoint is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -44,7 +45,10 @@ def _files(folder: Path) -> list[str]:
 def write_manifest(folder: str | os.PathLike) -> Path:
     """Write ``manifest.json`` listing every file of ``folder`` with its size and SHA-256; returns its path."""
     folder = Path(folder)
-    files = {rel: {"size": (folder / rel).stat().st_size, "sha256": file_sha256(folder / rel)} for rel in _files(folder)}
+    names = _files(folder)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:  # hashlib frees the GIL
+        digests = list(pool.map(lambda rel: file_sha256(folder / rel), names))
+    files = {rel: {"size": (folder / rel).stat().st_size, "sha256": digest} for rel, digest in zip(names, digests)}
     path = folder / MANIFEST_NAME
     path.write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return path
