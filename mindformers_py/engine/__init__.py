@@ -8,12 +8,17 @@ checkpoints) live in :mod:`mindformers_py.parallel`, the ``auto_parallel`` plann
 Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
 """
 
-from .args import EngineArguments
-from .base import Engine
-from .step_loss import LossFn, StepLoss, TrainingLoss
-from .distributed import DistributedEngine
-from .pipeline_engine import PipelineEngine
-from .registry import build_engine, current_world_size, plan_layout, register_engine
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "StepLoss", "TrainingLoss",
-           "build_engine", "current_world_size", "plan_layout", "register_engine"]
+_EXPORTS = {
+    "EngineArguments": ".args",
+    "Engine": ".base",
+    **dict.fromkeys(["LossFn", "StepLoss", "TrainingLoss"], ".step_loss"),
+    "DistributedEngine": ".distributed",
+    "PipelineEngine": ".pipeline_engine",
+    **dict.fromkeys(["build_engine", "current_world_size", "plan_layout", "register_engine"], ".registry"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

@@ -45,6 +45,7 @@ class Engine:
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel size (0 and 1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
+        plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
     """
 
     supports_fused_loss: bool = True
@@ -61,6 +62,7 @@ class Engine:
         self.device = torch.device("cpu")
         self.scaler: torch.amp.GradScaler | None = None
         self._checkpoint_writer = CheckpointWriter()
+        self.plan_summary: str | None = None
 
     @property
     def is_main_process(self) -> bool:

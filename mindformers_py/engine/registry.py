@@ -56,15 +56,16 @@ def current_world_size() -> int:
 
 
 def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: int, per_device_batch: int,
-                seq_length: int | None = None) -> ParallelConfig:
+                seq_length: int | None = None, summary: list[str] | None = None) -> ParallelConfig:
     """The layout an ``auto_parallel`` config runs with on ``world_size`` processes for ``model_config``
     (:func:`~mindformers_py.planner.search.auto_parallel`: the fastest that fits, logged as a table; under a
-    running process group every rank gets rank 0's plan); other modes are returned unchanged."""
+    running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
+    ``summary``); other modes are returned unchanged."""
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
     from ..planner.search import auto_parallel
 
-    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length)
+    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary)
 
 
 def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, model_config: Any = None,
@@ -75,10 +76,14 @@ def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, m
         raise ConfigError("parallel_mode='auto_parallel' needs the model's config to plan a layout; pass the model "
                           "to the Trainer (or model_config= to build_engine)")
     world = current_world_size()
-    layout = plan_layout(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length)
+    summary: list[str] = []
+    layout = plan_layout(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length,
+                         summary=summary)
     if world == 1:  # the one-process plan runs without a process group
         layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
-    return build_engine(layout, args)
+    engine = build_engine(layout, args)
+    engine.plan_summary = summary[0] if summary else None  # rank 0's reason, for the run's layout line
+    return engine
 
 
 _ENGINES: dict[str, EngineFactory] = {

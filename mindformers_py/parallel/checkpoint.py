@@ -276,7 +276,7 @@ def _copy_hyper_parameters(src: list[dict[str, Any]], dst: list[dict[str, Any]])
 def model_from_config_file(folder: Path) -> nn.Module:
     """The default model factory of a checkpoint folder: a fresh model of the class its ``config.json`` names in
     ``architectures``, looked up among our model families, with that config."""
-    from ..models.registry import model_class_named  # the families register on import of the models package
+    from ..models.registry import model_class_named  # reads the family table (the built-in families load with it)
 
     data = json.loads((folder / CONFIG_NAME).read_text())
     arch = (data.get("architectures") or [None])[0]

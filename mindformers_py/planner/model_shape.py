@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..layers.moe_config import moe_config_of
-from ..models import registry  # the package's import registers every family in it
+from ..models import registry  # the family table (it imports the built-in families on first read)
 from ..parallel.config import RecomputeConfig
 
 # Activation tensors the MLP activation function keeps for backward, counted in intermediate-size units (the

@@ -109,6 +109,8 @@ class Trainer:
         self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
                                            seq_length=_sequence_length(train_dataset, model))
         self.engine.setup()
+        if self.args.parallel_config.ignored_sizes_warning() and self.engine.is_main_process:
+            logger.warning("%s", self.args.parallel_config.ignored_sizes_warning())
         set_seed(self.args.seed)
         self.model = model
         self.model_wrapped = self.engine.prepare_model(model, task=self.task_spec)
@@ -251,7 +253,10 @@ class Trainer:
         self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
+        self.log({"layout": _layout_line(engine)})  # printed once (before the bar), kept in log.jsonl and trainer_state
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
         if restart is not None:
@@ -348,9 +353,11 @@ class Trainer:
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
+        # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
+        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
-                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+                                num_steps=steps_run, num_tokens=tokens)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)
@@ -386,6 +393,10 @@ class Trainer:
             return int(mask.sum())
         ids = batch.get("input_ids")
         return ids.numel() if isinstance(ids, torch.Tensor) else 0
+
+    def _throughput_unit(self) -> str:
+        """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
+        return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
 
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
@@ -497,8 +508,9 @@ class Trainer:
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
-            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
@@ -712,6 +724,14 @@ class Trainer:
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
+
+
+def _layout_line(engine: Engine) -> str:
+    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
+    for ``auto_parallel`` what the planner chose and why."""
+    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
+    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
