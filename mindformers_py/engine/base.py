@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist

@@ -175,16 +175,18 @@ class ProgressWatchdog:
         self._reporter = min(alive, default=self.rank)
         if frozen:
             where = ", ".join(_describe(r, after[r]) for r in frozen)
+            silent = _HEARTBEATS_WATCHED * self.interval_s
             others = f"; {_ranks(alive)} {_wait(alive)} at step {max(after[r].step for r in alive)}" if alive else ""
-            return (f"{_ranks(frozen)} did not arrive: no heartbeat for {_HEARTBEATS_WATCHED * self.interval_s:.1f} s (stopped, frozen "
-                    f"or its host is gone: {where}){others}; no progress for {waited} (ddp_timeout)")
+            return (f"{_ranks(frozen)} did not arrive: no heartbeat for {silent:.1f} s (stopped, frozen or its host is "
+                    f"gone: {where}){others}; no progress for {waited} (ddp_timeout)")
         lowest = min(after[r].beats for r in alive)
         behind = [r for r in alive if after[r].beats == lowest]
         if len(behind) < len(alive):
             ahead = [r for r in alive if r not in behind]
-            return (f"{_ranks(behind)} did not arrive: stuck at step {after[behind[0]].step} ({_describe(behind[0], after[behind[0]])}) "
-                    f"while {_ranks(ahead)} {_wait(ahead)} at step {max(after[r].step for r in ahead)}; no progress for {waited} "
-                    "(ddp_timeout)")
+            first = behind[0]
+            return (f"{_ranks(behind)} did not arrive: stuck at step {after[first].step} ({_describe(first, after[first])}) "
+                    f"while {_ranks(ahead)} {_wait(ahead)} at step {max(after[r].step for r in ahead)}; no progress for "
+                    f"{waited} (ddp_timeout)")
         return (f"all {len(alive)} ranks wait at step {after[alive[0]].step} and none can go on (a deadlocked "
                 f"collective, or a step longer than ddp_timeout); no progress for {waited} (ddp_timeout)")
 
