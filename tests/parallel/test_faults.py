@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from dist_utils import _PRELOAD
-from fault_workers import STEPS, hangs, killed_and_restarted, read_log
+from fault_workers import STEPS, Fault, hangs, killed_and_restarted, read_log, train
 from mindformers_py.parallel.launch import LaunchError, launch
 
 
@@ -56,3 +56,16 @@ def test_a_rank_that_hangs_ends_the_job_naming_it(tmp_path, how, culprit):
         _launch(hangs, how, str(tmp_path), 2)
     message = str(err.value)
     assert culprit in message and "ddp_timeout" in message and "ProgressTimeoutError" in message, message
+
+
+def test_the_trainers_own_workers_restart_and_resume_exactly(tmp_path):
+    """A Trainer started from Python with a dp2 layout launches its workers itself; with ``max_restarts`` a killed
+    worker is restarted and the call still returns the uninterrupted run's losses, with the restart in its state.
+    Synchronous saves here, so checkpoint-2 is surely complete when rank 1 dies after step 3."""
+    faulty = train("dp2", str(tmp_path / "faulty"), Fault("kill", rank=1, step=3), max_restarts=1)
+    reference = train("dp2", str(tmp_path / "reference"), save_strategy="no")
+    assert sorted(_losses(reference)) == list(range(1, STEPS + 1))
+    assert _losses(faulty) == _losses(reference)
+    restarts = [e for e in faulty if "restart" in e]
+    assert len(restarts) == 1 and restarts[0]["resumed_from"] == "checkpoint-2", restarts
+    assert "rank 1 of the job failed with exit code -9 (SIGKILL)" in restarts[0]["restart_cause"]
