@@ -4,8 +4,8 @@ expert parallelism) and BERT (masked LM). The pipeline pairs failed before: the 
 embedding found no optimizer state of its own in a checkpoint without stages, and an MoE model without router loss
 sent router statistics no loss used (so no gradient came back).
 
-One 2-process job saves all three and resumes the tensor/pipeline pairs, one 4-process job the dp4 pair; the
-stand-alone references and resumes run in the test process."""
+Every family resumes under every layout. One 2-process job saves all three and resumes the tensor/pipeline pairs,
+one 4-process job the dp4 ones; the stand-alone references and resumes run in the test process."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 64, 16, 4, 3, 2
 RTOL = 1e-4
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "moe_intermediate_size": 32}
 FAMILIES = ("gpt", "moe", "bert")
-RESUMED_2 = [("gpt", "pp2"), ("moe", "pp2"), ("moe", "tp2"), ("bert", "pp2")]
-RESUMED_4 = [("moe", "dp4")]
-RESUMED_1 = [("moe", "stand_alone"), ("bert", "stand_alone")]
+RESUMED_2 = [(family, name) for family in FAMILIES for name in ("tp2", "pp2")]
+RESUMED_4 = [(family, "dp4") for family in FAMILIES]
+RESUMED_1 = [(family, "stand_alone") for family in FAMILIES]
 
 
 def model(family: str):
