@@ -127,9 +127,10 @@ def run_hf(opts) -> dict:
 # -- restart-to-resume time ----------------------------------------------------------------------------------------
 
 
-def _restart_worker(out: str) -> float | None:
+def _restart_run(out: str, max_restarts: int = 0) -> float | None:
     """dp2 training of a tiny GPT whose rank 1 is SIGKILLed after step 3 on the first attempt; returns the restart's
-    logged ``restart_seconds`` (failure seen by the launcher -> training resumed from checkpoint-2)."""
+    logged ``restart_seconds`` (failure seen by the launcher -> training resumed from checkpoint-2). In a launched
+    worker it is one rank; in this process the Trainer starts its own two workers (with ``max_restarts``)."""
     from mindformers_py.parallel import ParallelConfig
 
     class Kill(TrainerCallback):
@@ -142,18 +143,24 @@ def _restart_worker(out: str) -> float | None:
                                          intermediate_size=64, max_position_embeddings=16))
     ids = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(1))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=5, save_steps=2, logging_steps=1,
-                             use_cpu=True, report_to="none", disable_tqdm=True,
+                             use_cpu=True, report_to="none", disable_tqdm=True, max_restarts=max_restarts,
                              parallel_config=ParallelConfig(parallel_mode="data_parallel", data_parallel=2))
     trainer = Trainer(model=net, args=args, train_dataset=[{"input_ids": r.tolist()} for r in ids], callbacks=[Kill()])
     trainer.train()
     return next((e.get("restart_seconds") for e in trainer.state.log_history if "restart" in e), None)
 
 
-def measure_restart() -> float:
+def measure_restart() -> dict[str, float | None]:
+    """Restart-to-resume seconds of workers started as fresh interpreters (``spawn``: as the CLI's command-line
+    workers, which import torch and the package again after a restart) and of the Trainer's own workers started
+    from Python (forked from a fork server that imported them once)."""
     from mindformers_py.parallel.launch import launch
 
     with tempfile.TemporaryDirectory() as out:
-        return launch(_restart_worker, 2, out, max_restarts=1)[0]
+        spawned = launch(_restart_run, 2, out, max_restarts=1)[0]
+    with tempfile.TemporaryDirectory() as out:
+        forked = _restart_run(out, max_restarts=1)
+    return {"spawn": spawned, "trainer_workers": forked}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,8 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"async stall / sync stall: {report['async_stall_over_sync']:.2f}; ours sync / transformers sync: "
           f"{report['ours_sync_over_hf']:.2f}")
     if opts.restart:
+        times = report["restart_to_resume_s"]
         print(f"restart to resume (dp2, a rank SIGKILLed, launcher restart, checkpoint loaded): "
-              f"{report['restart_to_resume_s']} s")
+              f"{times['spawn']} s with spawned workers (the CLI's), {times['trainer_workers']} s with the Trainer's "
+              "own workers (fork server)")
 
 
 if __name__ == "__main__":
