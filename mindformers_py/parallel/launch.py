@@ -121,8 +121,14 @@ def _failure_summary(err: ChildFailedError) -> str:
     """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``.
 
     The rank named is the cause: one killed by a signal before those that raised (a peer's death makes the others'
-    collectives fail with connection errors, sometimes before the agent sees the kill), then the earliest."""
-    rank, failure = min(err.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
+    collectives fail with connection errors, sometimes before the agent sees the kill), then the earliest. SIGTERM
+    comes last among signals: it is what the agent sends the ranks it stops, so a rank that got it while it was
+    failing because of its peer would otherwise be named for the peer's SIGKILL."""
+    def order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+        rank, failure = item
+        return failure.exitcode >= 0, failure.exitcode == -signal.SIGTERM, failure.timestamp, rank
+
+    rank, failure = min(err.failures.items(), key=order)
     code = failure.exitcode
     how = f"exit code {code}"
     if code < 0:
