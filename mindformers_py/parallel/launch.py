@@ -146,6 +146,14 @@ def _failure_summary(err: ChildFailedError) -> str:
     return f"rank {rank} of the job failed with {how}{detail}{tail}"
 
 
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away (torch's ``DistError`` family, or
+    gloo's "connection reset/closed by peer"): a consequence of another rank's failure, which the launcher names."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "by peer" in str(exc))
+
+
 def _describe_failure(err: ChildFailedError) -> str:
     return f"{_failure_summary(err)}; the other ranks were stopped"
 

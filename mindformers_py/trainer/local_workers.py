@@ -62,7 +62,7 @@ from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
-from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, \
+from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
@@ -272,12 +272,6 @@ def _worker_main(job_path: str, events: Any) -> bytes | None:
         if lost_a_peer(exc):  # a consequence: let the agent see first the rank that failed (or was killed)
             time.sleep(_PEER_GRACE_S)
         raise
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because another rank went away (torch's ``DistError`` family, or
-    gloo's "connection reset/closed by peer")."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "by peer" in str(exc))
 
 
 def _start_trainer(trainer: Any, events: Any) -> None:
