@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
+        import time
+
+        from .parallel.launch import PEER_GRACE_S
+
+        time.sleep(PEER_GRACE_S)  # the launcher sees the failed rank first (its SIGTERM ends the wait)
         rank = os.environ.get("RANK", "?")
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)

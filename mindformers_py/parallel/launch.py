@@ -225,10 +225,22 @@ def _restartable_store(max_restarts: int) -> contextlib.AbstractContextManager[N
     return _environment(_SHARED_STORE_ENV, "1") if max_restarts > 0 else contextlib.nullcontext()
 
 
+PEER_GRACE_S = 1.0
+"""How long a worker whose collective failed because a peer went away waits before it exits: the agent (polling every
+0.1 s) then sees the peer's failure first and names it, not this consequence (function workers report only the
+first failed process the agent finds). The agent's SIGTERM usually ends the wait early."""
+
+
 def _call_with_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
-    """``target(*args)`` in a worker, after setting ``environ``."""
+    """``target(*args)`` in a worker, after setting ``environ``; a worker that lost a peer waits
+    :data:`PEER_GRACE_S` before it fails."""
     os.environ.update(environ)
-    return target(*args)
+    try:
+        return target(*args)
+    except Exception as exc:
+        if lost_a_peer(exc):
+            time.sleep(PEER_GRACE_S)
+        raise
 
 
 @contextlib.contextmanager

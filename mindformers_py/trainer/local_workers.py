@@ -44,7 +44,6 @@ import queue
 import shutil
 import tempfile
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +69,6 @@ from .callbacks import ProgressCallback
 ERRORS_DIR = "worker_errors"
 """Folder of ``output_dir`` where a failed worker leaves its traceback (``rank<N>.txt``)."""
 _JOB_NAME, _WEIGHTS_DIR = "job.pkl", "weights"
-_PEER_GRACE_S = 1.0  # how long a rank whose peer vanished waits before exiting (the agent polls every 0.1 s)
 # The callback events a progress display reacts to; rank 0 relays them to the parent.
 _RELAYED_EVENTS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_predict", "on_prediction_step",
                    "on_train_end")
@@ -269,9 +267,7 @@ def _worker_main(job_path: str, events: Any) -> bytes | None:
         raise SystemExit(130) from None  # an exit code, so the agent stops the job (torch would exit 0)
     except BaseException as exc:
         _record_failure(exc, rank, trainer.args.output_dir, Path(job.folder))
-        if lost_a_peer(exc):  # a consequence: let the agent see first the rank that failed (or was killed)
-            time.sleep(_PEER_GRACE_S)
-        raise
+        raise  # one that lost a peer waits first in launch's wrapper, so the agent names the peer
 
 
 def _start_trainer(trainer: Any, events: Any) -> None:

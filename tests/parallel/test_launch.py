@@ -139,6 +139,7 @@ def test_a_cli_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:9649. This is typically caused by ...")
 
     monkeypatch.setattr(cli, "_cmd_show", lose_peer)
+    monkeypatch.setattr("mindformers_py.parallel.launch.PEER_GRACE_S", 0.0)
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["show"]) == 1
     err = capsys.readouterr().err
