@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="list model families, presets and loadable HF architectures")
     show.set_defaults(func=_cmd_show)
     plan = sub.add_parser("plan", help="estimate the parallel layouts of a model on N accelerators (starts nothing)",
-                          description="Estimate memory per rank, step time and throughput of every data/tensor/"
-                          "pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
+                          description="Estimate memory per rank, step time and throughput of every data/context/"
+                          "tensor/pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
     plan.add_argument("source", help="a recipe (tasks/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF config.json "
                       "or a checkpoint folder")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")

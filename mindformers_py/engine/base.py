@@ -43,6 +43,7 @@ class Engine:
     Attributes:
         rank, world_size: this process and the number of processes (0 and 1 here).
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel size (0 and 1 here).
+        cp_size: context-parallel ranks that split each sequence of this rank's batches (1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
         plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
@@ -59,6 +60,7 @@ class Engine:
         self.world_size = 1
         self.dp_rank = 0
         self.dp_size = 1
+        self.cp_size = 1
         self.device = torch.device("cpu")
         self.scaler: torch.amp.GradScaler | None = None
         self._checkpoint_writer = CheckpointWriter()
@@ -148,6 +150,11 @@ class Engine:
         if self.device.type == "cpu":
             return dict(batch)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's part of a training batch the data-parallel split gave it: the batch itself here; its chunks of
+        every sequence under context parallelism. Items, tokens and the loss are counted on what it returns."""
+        return batch
 
     def loss_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold other samples of a step: the loss items are counted over them, and their number is

@@ -5,11 +5,15 @@ group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh
 :func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
-* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the data-parallel ranks, so
-  every micro-batch loss is (its item-summed loss) / (items of the global batch), multiplied by ``dp`` before
-  backward because DDP and FSDP average gradients over those ranks: the gradients are exactly those of one
-  stand-alone step over the global batch. ``forward_backward`` returns that backpropagated value;
-  :meth:`all_reduce_mean` of it over the ranks is the global step loss (the convention of HF's Trainer).
+* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the ranks holding
+  different data of a step (data x context parallel), so every micro-batch loss is (its item-summed loss) /
+  (items of the global batch), multiplied by the group's size before backward because DDP and FSDP average
+  gradients over those ranks: the gradients are exactly those of one stand-alone step over the global batch.
+  ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is the
+  global step loss (the convention of HF's Trainer).
+* **Context parallelism.** Each context-parallel rank trains on its chunks of every sequence (:meth:`shard_batch`,
+  inside :meth:`ContextParallel.sharded <mindformers_py.parallel.context.ContextParallel.sharded>`) and counts the
+  items its own loss scores, so the counts, the loss scale and the gradient average all run over ``batch_mesh``.
 * **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
   cross-entropy runs under ``loss_parallel()`` (forward and backward).
 * **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
@@ -42,10 +46,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..errors import CheckpointError, ConfigError, MindFormersError
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
+from ..parallel.context import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.parallelize import parallelize
 from ..parallel.watchdog import ProgressWatchdog, collective_timeout
+from ..task_registry import task_of_model
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
@@ -76,6 +82,7 @@ class DistributedEngine(Engine):
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.mesh: ParallelMesh | None = None
+        self.context: ContextParallel | None = None
         self._owns_process_group = False
         self._fsdp_mixed_precision = False
         self._checkpoint_group: dist.ProcessGroup | None = None
@@ -104,6 +111,8 @@ class DistributedEngine(Engine):
         self._pick_device()
         self.mesh = build_mesh(self.parallel_config, shard_size=self.parallel_config.shard_size, device_type=self.device.type)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+        self.cp_size = self.mesh.cp
+        self.context = ContextParallel(self.mesh, self.parallel_config) if self.mesh.cp > 1 else None
         # Background checkpoint writes run their collectives on a group of their own, never interleaved with the
         # step's on the default group (gloo: DCP stages to host memory).
         self._checkpoint_group = dist.new_group(backend="gloo") if self.args.save_async else None
@@ -136,9 +145,15 @@ class DistributedEngine(Engine):
         """Check the model against the layout, move it to the device and parallelize it in place (its parameter
         names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
-                                          per_device_batch=self.args.per_device_train_batch_size)
+                                          per_device_batch=self.args.per_device_train_batch_size,
+                                          task=_task_name(model, task))
+        if self.context is not None:
+            self.context.task = task
         model.to(self.device)
-        return self.parallelize(model)
+        model = self.parallelize(model)
+        if self.context is not None:
+            self.context.prepare(model)
+        return model
 
     def parallelize(self, module: nn.Module, stage: int = 0) -> nn.Module:
         """Apply the layout to ``module`` (the model, or pipeline stage ``stage`` of it) in place with
@@ -150,7 +165,7 @@ class DistributedEngine(Engine):
         return parallelize(module, self.parallel_config, self.mesh,
                            param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
                            compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
-                           stage=stage)
+                           stage=stage, context=self.context)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),
@@ -177,16 +192,32 @@ class DistributedEngine(Engine):
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            set_gradient_sync(model, i == last)
-            with self.loss_context():
-                with self.autocast():
-                    loss = step(model, self.to_device(batch))
-                loss.backward()
-            value = loss.detach()
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            total = value if total is None else total + value
+        with self.context_sharded():
+            for i, batch in enumerate(micro_batches):
+                set_gradient_sync(model, i == last)
+                with self.loss_context():
+                    with self.autocast():
+                        loss = step(model, self.to_device(batch))
+                    loss.backward()
+                value = loss.detach()
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                total = value if total is None else total + value
         return total
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks holding different data (data x context parallel): gradients are averaged over them and losses,
+        item counts and metric sums summed over them."""
+        return self.dp_size * self.cp_size
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's chunks of every sequence of ``batch`` under context parallelism (the batch itself
+        otherwise); see :mod:`mindformers_py.parallel.context_data`."""
+        return self.context.shard_batch(batch) if self.context is not None else batch
+
+    def context_sharded(self) -> ContextManager[Any]:
+        """The context in which forward and backward passes run on sequences cut by :meth:`shard_batch`."""
+        return self.context.sharded() if self.context is not None else contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over every rank's shards to ``max_norm``; returns the norm before
@@ -216,20 +247,25 @@ class DistributedEngine(Engine):
         return self.mesh.dp_mesh.get_group()
 
     def loss_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel ranks (tensor-parallel and pipeline ranks of one replica share its samples)."""
-        return self._dp_group() if self.dp_size > 1 else None
+        """The ranks holding different data: data x context parallel (tensor-parallel and pipeline ranks of one
+        replica share its samples; context-parallel ranks hold different tokens of them and count the items of
+        their own loss)."""
+        return self.mesh.batch_mesh.get_group() if self.batch_ranks > 1 else None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of ``tensor`` over the data-parallel ranks (a new tensor on the engine's device)."""
+        """Sum of ``tensor`` over the ranks holding different data: the data-parallel ranks, times the
+        context-parallel ones (a new tensor on the engine's device)."""
         out = tensor.detach().to(self.device).clone()
-        if self.dp_size > 1:
-            dist.all_reduce(out, group=self._dp_group())
+        group = self.loss_group()
+        if group is not None:
+            dist.all_reduce(out, group=group)
         return out
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean of ``tensor`` over the data-parallel ranks."""
+        """Mean of ``tensor`` over the ranks holding different data (see :meth:`all_reduce_sum`)."""
         out = self.all_reduce_sum(tensor)
-        return out / self.dp_size if out.is_floating_point() else out.float() / self.dp_size
+        ranks = self.batch_ranks
+        return out / ranks if out.is_floating_point() else out.float() / ranks
 
     def reduce_metrics(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Totals of a model's running sums over every rank, divided by the tensor-parallel size: tensor-parallel
@@ -392,6 +428,12 @@ def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
         kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in group["params"]}
         if len(kinds) > 1:
             group.update(foreach=False, fused=False)
+
+
+def _task_name(model: nn.Module, task: Any = None) -> str | None:
+    """The name of the task ``model`` trains: ``task``'s (the Trainer's), else the model's own."""
+    task = task if task is not None else task_of_model(model)
+    return getattr(task, "name", None)
 
 
 def _tied_names(model: nn.Module) -> set[str]:

@@ -1,7 +1,7 @@
 """Process launch with torchrun's own machinery (torchelastic's local agent and c10d rendezvous).
 
-A distributed layout needs ``data_parallel * model_parallel * pipeline_stage`` processes. Started by ``torchrun``
-(which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
+A distributed layout needs ``data_parallel * context_parallel * model_parallel * pipeline_stage`` processes. Started
+by ``torchrun`` (which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
 (``mindformers-py run recipe.yaml --parallel_mode semi_auto_parallel``), it has no world yet, so
 :func:`launch` starts the processes on this node, exactly as ``torchrun --standalone --nproc_per_node N`` would:
 a local c10d rendezvous and an elastic agent that watches the workers. When one worker dies (an exception, a kill,

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ConfigError, check_choice
 from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
+from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from
@@ -115,7 +116,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
                                   f"remove model.{key}")
             model_s[key] = value
     config, _, _ = resolve_config(name_or_path, **model_s)
-    parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
+    check_compile(parallel.cp, bool(args.torch_compile))
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
         return _predict_in_pool(task, name_or_path, model_s, tokenizer, gen_s, args.output_dir, parallel, args.seed)
     if world > 1 and not under_torchrun():

@@ -61,6 +61,7 @@ from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
+from ..parallel.context_config import check_compile
 from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
@@ -101,14 +102,16 @@ class LocalWorkers:
     """The fixed layout the workers run (the planner's answer for ``auto_parallel``)."""
 
     @classmethod
-    def plan(cls, args: Any, model: Any, seq_length: int | None) -> LocalWorkers | None:
+    def plan(cls, args: Any, model: Any, seq_length: int | None, task: str | None = None) -> LocalWorkers | None:
         """The workers a Trainer with ``args`` and ``model`` needs, or None when it runs in this process. The layout
-        is checked against the model and the batch here, before anything starts."""
+        is checked against the model, the batch and the ``task`` here, before anything starts."""
         world, layout = planned_layout(args.parallel_config, getattr(model, "config", None),
                                        args.per_device_train_batch_size, seq_length)
         if world <= 1:
             return None
-        layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size)
+        layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size,
+                            task=task)
+        check_compile(layout.cp, bool(args.torch_compile))
         return cls(world, layout)
 
     def host_engine(self, args: Any) -> Engine:

@@ -115,7 +115,7 @@ class Trainer:
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model))
+        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model), self.task)
         if self._workers is None:
             self._setup_engine(_sequence_length(train_dataset, model))
         else:
@@ -326,7 +326,8 @@ class Trainer:
             batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
-                micro_batches = list(itertools.islice(batches, accum))
+                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those.
+                micro_batches = [engine.shard_batch(b) for b in itertools.islice(batches, accum)]
                 if not micro_batches:
                     break
                 consumed += len(micro_batches)
@@ -350,7 +351,7 @@ class Trainer:
                 state.global_step += 1
                 state.epoch = epoch + consumed / batches_per_epoch  # a stream counts whole passes
                 state.num_input_tokens_seen += tokens
-                state.total_flos += float(self._flops_per_token * tokens * engine.dp_size)
+                state.total_flos += float(self._flops_per_token * tokens * self._throughput_shards())
                 self._tokens_since_log += tokens
                 tokens_run += tokens
                 self._tr_loss += loss
@@ -376,7 +377,7 @@ class Trainer:
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
         # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
-        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
+        tokens = tokens_run * self._throughput_shards() if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
                                 num_steps=steps_run, num_tokens=tokens)
@@ -419,6 +420,12 @@ class Trainer:
     def _throughput_unit(self) -> str:
         """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
         return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
+
+    def _throughput_shards(self) -> int:
+        """Ranks whose throughput counts add up to the step's: the data-parallel ranks, times the context-parallel
+        ones when tokens are counted (each holds its chunks of every sequence; images are not split)."""
+        engine = self.engine
+        return engine.dp_size * (engine.cp_size if self._throughput_unit() == "tokens" else 1)
 
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
@@ -531,8 +538,10 @@ class Trainer:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
             unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
-            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self._throughput_shards()
+            # Context-parallel ranks each count the images of their replica (only token sequences are split).
+            per_rank = tokens if unit == "tokens" else tokens / self.engine.cp_size
+            logs[f"{unit}_per_second"] = round(per_rank / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
