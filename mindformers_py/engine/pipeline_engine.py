@@ -18,9 +18,9 @@ What the Trainer sees:
   every engine (:mod:`.step_loss`: global item count, share, data-parallel rescale), so loss curves match
   ``stand_alone`` for every task head. A user's loss that cannot run there is refused before training
   (:meth:`PipelineEngine.check_loss`).
-* Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
-  the whole weights; not a whole optimizer state (rank 0 does not hold the other stages' parameters), so a
-  stand-alone run cannot resume them.
+* Checkpoints hold the sharded state (``dcp/``), which resumes under any layout, stand-alone included, and the
+  whole weights. A tied embedding the first and last stage both hold is one weight to the other layouts: a
+  checkpoint written without pipeline stages gives the last stage's copy (and its optimizer state) the embedding's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ class PipelineEngine(DistributedEngine):
     """
 
     runs_pipelines = True
-    portable_optimizer = False
 
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
