@@ -28,7 +28,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint
 
-    out = convert_checkpoint(args.src, args.dst, to=args.to)
+    out = convert_checkpoint(args.src, args.dst, to=args.to, merge=args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="source checkpoint folder (ours or HF)")
     conv.add_argument("dst", help="destination folder (written atomically)")
     conv.add_argument("--to", choices=["hf", "mindformers"], default="hf", help="target format")
+    conv.add_argument("--merge", action="store_true", help="a peft adapter folder: merge it into its base model and "
+                      "write the whole model (without it, the adapter alone is written under transformers' names)")
     conv.set_defaults(func=_cmd_convert)
     show = sub.add_parser("show", help="list model families, presets and loadable HF architectures")
     show.set_defaults(func=_cmd_show)
@@ -111,6 +113,29 @@ def main(argv: list[str] | None = None) -> int:
         if _reports_user_errors():
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not _lost_a_peer(e):
+            raise
+        # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
+        # job with --max_restarts); this rank's traceback would only bury it.
+        import time
+
+        from .parallel.launch import PEER_GRACE_S
+
+        time.sleep(PEER_GRACE_S)  # the launcher sees the failed rank first (its SIGTERM ends the wait)
+        rank = os.environ.get("RANK", "?")
+        print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
+              "failed or was stopped; the launcher's message names it)", file=sys.stderr)
+        return 1
+
+
+def _lost_a_peer(exc: Exception) -> bool:
+    """Whether ``exc`` is a distributed worker's collective failing because another rank went away."""
+    if "torch.distributed" not in sys.modules or not os.environ.get("RANK"):
+        return False
+    from .parallel.launch import lost_a_peer
+
+    return lost_a_peer(exc)
 
 
 def _reports_user_errors() -> bool:

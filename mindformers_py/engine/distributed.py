@@ -19,10 +19,11 @@ what a layout changes in a step:
 * **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
   plain tensors: one norm per (mesh, placements) group, combined exactly.
 * **Checkpoints.** A checkpoint folder holds a sharded DCP checkpoint (``dcp/``: model and optimizer, resharded
-  on load under any layout) and, with :attr:`portable_checkpoints`, also the whole weights (``save_pretrained``
-  files) and the whole optimizer state in the stand-alone format, so the stand-alone engine (or any layout)
-  resumes it and ``from_pretrained`` loads it. Resuming prefers ``dcp/`` and falls back to the whole files, so a
-  stand-alone checkpoint resumes under a distributed layout too.
+  on load under any layout, the stand-alone engine's included) and, with :attr:`portable_checkpoints`, also the
+  whole weights (``save_pretrained`` files, consolidated from the shards), so ``from_pretrained`` loads it.
+  Resuming prefers ``dcp/`` and falls back to the whole files, so a stand-alone checkpoint resumes under a
+  distributed layout too. With ``save_async`` the shards are written by a background thread on a gloo process
+  group of its own (:mod:`.checkpoint_writer`).
 
 Pipeline parallelism (``pipeline_stage > 1``) is served by the pipeline engine, which builds on this one.
 """
@@ -33,7 +34,7 @@ import contextlib
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
 from ..errors import CheckpointError, ConfigError, MindFormersError
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
@@ -49,15 +51,18 @@ from ..parallel.context import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.parallelize import parallelize
+from ..parallel.watchdog import ProgressWatchdog, collective_timeout
 from ..task_registry import task_of_model
+from ..utils.disk_space import check_free_space
+from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
+from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
-from .base import Engine
+from .base import Engine, _quiet_progress_bars
 from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
-from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
+from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
-DCP_DIR = "dcp"
 RANK_RNG_NAME = "rng_state_{rank}.pth"
 
 
@@ -66,15 +71,13 @@ class DistributedEngine(Engine):
 
     Attributes (beyond :class:`Engine`'s):
         mesh: the run's :class:`ParallelMesh` (after :meth:`setup`).
-        portable_checkpoints: also write whole weights and optimizer state beside the sharded checkpoint (rank 0
-            gathers them), so stand-alone runs resume it; turn off when the whole state does not fit one host.
-        portable_optimizer: with ``portable_checkpoints``, write the whole optimizer state too (off for engines whose
-            ranks hold different parameters, as pipeline stages do: only the weights are consolidated then).
+        portable_checkpoints: also write the whole weights (``save_pretrained`` files, consolidated from the shards
+            by rank 0) beside the sharded checkpoint, so ``from_pretrained`` loads it; turn off when the whole model
+            does not fit one host.
     """
 
     supports_fused_loss = False  # FSDP/replicate hooks live on the root module: the model must be called whole
     portable_checkpoints: bool = True
-    portable_optimizer: bool = True
     runs_pipelines: bool = False
     """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline.PipelineEngine` does)."""
 
@@ -84,6 +87,8 @@ class DistributedEngine(Engine):
         self.context: ContextParallel | None = None
         self._owns_process_group = False
         self._fsdp_mixed_precision = False
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._watchdog: ProgressWatchdog | None = None
 
     @property
     def is_local_main_process(self) -> bool:
@@ -99,7 +104,7 @@ class DistributedEngine(Engine):
                               "(FSDP2/DTensor have no float16 loss scaling here); use bf16=True")
         use_cuda = torch.cuda.is_available() and not self.args.use_cpu
         self._owns_process_group = not dist.is_initialized()
-        init_distributed(backend=None if use_cuda else "gloo")
+        init_distributed(backend=None if use_cuda else "gloo", timeout_s=collective_timeout(self.args.ddp_timeout))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_config.validate_for(self.world_size)
         if self.parallel_config.pp > 1 and not self.runs_pipelines:
@@ -110,9 +115,13 @@ class DistributedEngine(Engine):
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.cp_size = self.mesh.cp
         self.context = ContextParallel(self.mesh, self.parallel_config) if self.mesh.cp > 1 else None
+        # Background checkpoint writes run their collectives on a group of their own, never interleaved with the
+        # step's on the default group (gloo: DCP stages to host memory).
+        self._checkpoint_group = dist.new_group(backend="gloo") if self.args.save_async else None
 
     def teardown(self) -> None:
-        """Leave the process group if :meth:`setup` joined it."""
+        """Wait for a checkpoint still being written, then leave the process group if :meth:`setup` joined it."""
+        self._checkpoint_writer.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -120,6 +129,17 @@ class DistributedEngine(Engine):
     def barrier(self) -> None:
         """Wait for every process."""
         dist.barrier()
+
+    def watch_progress(self) -> ContextManager[Any]:
+        """A :class:`~mindformers_py.parallel.watchdog.ProgressWatchdog` over ``ddp_timeout``: when this process
+        makes no progress (:meth:`beat`) for that long, the job ends naming the rank it waits for."""
+        self._watchdog = ProgressWatchdog(self.args.ddp_timeout, self.rank, self.world_size)
+        return self._watchdog
+
+    def beat(self, step: int) -> None:
+        """Progress for the watchdog (cheap: its thread publishes it)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(step)
 
     # -- model and optimizer --------------------------------------------------------------------------------------
 
@@ -129,6 +149,7 @@ class DistributedEngine(Engine):
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size,
                                           task=_task_name(model, task))
+        refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
         if self.context is not None:
             self.context.task = task
         model.to(self.device)
@@ -276,12 +297,19 @@ class DistributedEngine(Engine):
 
     def save_pretrained(self, model: nn.Module, folder: str | Path, processing_class: Any = None) -> None:
         """Whole weights and config in ``save_pretrained`` format (consolidated from every rank's shards by rank
-        0), and the tokenizer/processor; collective."""
+        0), and the tokenizer/processor; collective. A peft model writes its adapter alone, in peft's format."""
+        if is_peft_model(model):
+            save_adapter(model, folder, processing_class)
+            return
         dcp_checkpoint.save_consolidated(model, folder, processing_class)
 
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Load whole safetensors weights (every rank reads them; each keeps its shards). Tied parameters may be
-        absent from the file."""
+        absent from the file. A peft model loads its adapter (saved under any layout)."""
+        if is_peft_model(model):
+            check_adapter_source(folder, state)
+            load_adapter(model, folder)
+            return
         state = load_state_dict(folder) if state is None else state
         result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         tied = _tied_names(model)
@@ -291,27 +319,71 @@ class DistributedEngine(Engine):
             raise CheckpointError(f"weights in {folder} do not match the model: "
                                   f"{'missing' if missing else 'unexpected'} {first}")
 
-    def save_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None) -> None:
-        """Write a complete training checkpoint atomically (see the module docstring for its contents);
-        collective."""
-        with dcp_checkpoint.shared_atomic_folder(Path(folder)) as tmp:
-            dcp_checkpoint.save_checkpoint(tmp / DCP_DIR, model, optimizer)
-            full_optimizer = None
-            if self.portable_checkpoints:
-                dcp_checkpoint.save_consolidated(model, tmp, processing_class)
-                if self.portable_optimizer:
-                    full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
-            torch.save(capture_rng_state(), tmp / RANK_RNG_NAME.format(rank=self.rank))
+    def _checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
+        state = {"dcp": dcp_checkpoint.training_state(model, optimizer), "scheduler": lr_scheduler.state_dict(),
+                 "rng": capture_rng_state()}
+        if self.portable_checkpoints and is_peft_model(model):
+            # The adapter, gathered here on the training thread (a collective; rank 0 holds it, None elsewhere): a
+            # peft model's portable part is its adapter alone, in peft's format.
+            state["adapter"] = gathered_adapter(model)
+        return state
+
+    def _write_checkpoint(self, folder: Path, model: nn.Module, state: dict[str, Any], files: Mapping[str, str],
+                          processing_class: Any, needed: int, on_saved: Callable[[], None] | None) -> None:
+        """Every rank writes its shards (``dcp/``) and RNG state; rank 0 the whole weights consolidated from the
+        shards (``save_pretrained`` files), the tokenizer, scheduler and the Trainer's files; collective over the
+        checkpoint group (its own group when the write runs in the background)."""
+        group = self._checkpoint_group
+        with dcp_checkpoint.shared_atomic_folder(folder, group=group, manifest=True, needed_bytes=needed) as tmp:
+            (tmp / DCP_DIR).mkdir(exist_ok=True)
+            dcp_checkpoint.write_training_state(tmp / DCP_DIR, state["dcp"], model, process_group=group)
+            torch.save(state["rng"], tmp / RANK_RNG_NAME.format(rank=self.rank))
             if self.is_main_process:
-                if full_optimizer is not None:
-                    torch.save(full_optimizer, tmp / OPTIMIZER_NAME)
-                elif processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                if "adapter" in state:
+                    write_adapter(model, tmp, state["adapter"])
+                elif self.portable_checkpoints:
+                    with _quiet_progress_bars():
+                        dcp_checkpoint.write_consolidated(tmp / DCP_DIR, tmp, dcp_checkpoint.same_class_factory(model))
+                if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
-                torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
-                torch.save(capture_rng_state(), tmp / RNG_NAME)
+                torch.save(state["scheduler"], tmp / SCHEDULER_NAME)
+                torch.save(state["rng"], tmp / RNG_NAME)
                 for name, text in files.items():
                     (tmp / name).write_text(text, encoding="utf-8")
+        if on_saved is not None:
+            on_saved()
+
+    def checkpoint_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """About how many bytes a checkpoint takes: the whole model and optimizer state (the shards of every rank,
+        from the global shapes; pipeline stages summed) and, with :attr:`portable_checkpoints`, the whole weights
+        again."""
+        model_bytes = _global_tensor_bytes(model.state_dict())
+        optim_bytes = _global_tensor_bytes(dcp_checkpoint.training_state(model, optimizer).get("optimizer", {}))
+        total = torch.tensor([model_bytes, optim_bytes], dtype=torch.float64)
+        if self.mesh is not None and self.mesh.pp > 1:  # each pipeline rank holds its own stages
+            dist.all_reduce(total, group=self.mesh.pp_mesh.get_group())
+        model_bytes, optim_bytes = int(total[0]), int(total[1])
+        return model_bytes + optim_bytes + (model_bytes if self.portable_checkpoints else 0)
+
+    def check_free_space(self, folder: Path, needed: int) -> None:
+        """Rank 0 checks the filesystem of ``folder``; every rank raises its answer (one collective)."""
+        verdict = [None]
+        if self.is_main_process:
+            try:
+                check_free_space(folder, needed)
+            except CheckpointError as err:
+                verdict = [str(err)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointError(verdict[0])
+
+    def checkpoint_problem(self, folder: str | Path) -> str | None:
+        """:func:`~mindformers_py.utils.manifest.manifest_problem` with the checksums split over the ranks (each
+        reads every world-size-th file); every rank gets the first problem any rank found."""
+        mine = manifest_problem(folder, share=(self.rank, self.world_size))
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, mine)
+        return first_problem(found)
 
     def load_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         lr_scheduler: Any) -> None:
@@ -326,11 +398,6 @@ class DistributedEngine(Engine):
             dcp_checkpoint.load_full_optimizer_state(model, optimizer, state)
         _fit_multi_tensor_kernels(optimizer)  # the loaded param groups carry the saving run's kernel choice
         load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
-
-    def checkpoint_files(self) -> list[str]:
-        """Files (besides weights) every checkpoint this engine resumes must hold; the optimizer state is either
-        ``dcp/`` or ``optimizer.pt`` (checked when loading)."""
-        return [SCHEDULER_NAME, RNG_NAME]
 
     def load_rng_state(self, folder: str | Path) -> None:
         """Restore this rank's random states (rank 0's, or a stand-alone run's, when the checkpoint has none for
@@ -359,6 +426,15 @@ def global_grad_norm(grads: Sequence[torch.Tensor], mesh: ParallelMesh | None, d
     if mesh is not None and mesh.pp > 1:
         dist.all_reduce(total_sq, group=mesh.pp_mesh.get_group())
     return total_sq.sqrt()
+
+
+def _global_tensor_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the whole (unsharded) tensors of a flat state dict: DTensors by their global shape."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()  # a DTensor's numel is its global one
+    return total
 
 
 def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:

@@ -17,9 +17,12 @@ from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
+from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
+from ..adapters.files import is_adapter_folder
 from ..auto import auto_class_for
-from ..errors import CheckpointError, MindFormersError, invalid_choice
+from ..errors import MindFormersError, invalid_choice
 from ..models import registry
+from ..utils.damaged_files import loading_from
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +111,15 @@ def task_name(name: str, entry: PipelineTask) -> str:
 
 
 def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:
-    """The task's model from a model object, a checkpoint folder (ours or HF) or a preset name, and the folder
-    it came from (None for objects and presets)."""
-    if isinstance(model, PreTrainedModel):
+    """The task's model from a model object (a peft model too), a checkpoint folder (ours or HF, or a saved peft
+    adapter: its base model with the adapter) or a preset name, and the folder it came from (None for objects and
+    presets)."""
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model, None
     if isinstance(model, (str, os.PathLike)):
         folder = Path(model)
+        if is_adapter_folder(model):  # a saved peft adapter: its base model, then the adapter on it
+            return from_pretrained_with_adapter(task.auto_model, model, **load_kwargs), folder
         loaded, info = task.auto_model.from_pretrained(model, output_loading_info=True, **load_kwargs)
         if info["missing_keys"] and task.task != "base":
             # e.g. fill-mask on all-MiniLM-L6-v2, a checkpoint of embeddings without its masked-LM head
@@ -141,10 +147,5 @@ def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model
             f"pipeline({task.name!r}) needs {task.preprocessor}=... when the model is a preset name or a model object "
             "without a checkpoint folder"
         )
-    try:
+    with loading_from(source, task.preprocessor, f"save one there or pass {task.preprocessor}=..."):
         return loader.from_pretrained(os.fspath(source))
-    except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(
-            f"no {task.preprocessor} could be loaded from {source} ({str(err).splitlines()[0]}); "
-            f"save one there or pass {task.preprocessor}=..."
-        ) from None

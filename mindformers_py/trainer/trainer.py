@@ -7,6 +7,7 @@ check stay on the device in between. Everything that depends on the parallel lay
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -26,18 +27,20 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
     speed_metrics
 from transformers.utils.generic import find_labels
 
+from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
 from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
+from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
     forward_columns, is_stream
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
-    save_trainer_state
+    prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
+    rotate_checkpoints, save_trainer_state
 from .fused_loss import FusedCausalLMLoss
 from .local_workers import LocalWorkers
 from .scheduler import create_scheduler, steps_on_metric
@@ -62,6 +65,11 @@ class Trainer:
         preprocess_logits_for_metrics: ``(logits, labels) -> tensor`` applied to each batch's logits before they
             are gathered for ``compute_metrics`` (e.g. argmax, to avoid keeping whole vocabularies).
         task: overrides ``args.task`` (a task registry name or alias); None infers it from the model's class.
+        peft_config: train a peft adapter instead of the whole model, as trl's ``SFTTrainer(peft_config=...)``: a
+            peft config (``peft.LoraConfig(r=8)``, ...) or a recipe's ``peft:`` mapping (``{"type": "lora", "r": 8}``);
+            peft wraps ``model`` (its ``task_type`` defaults to the task's), only the adapter is optimized, saved
+            (peft's ``adapter_config.json`` + ``adapter_model.safetensors``) and checkpointed, under any layout. A
+            model already wrapped by peft trains the same way without it.
         compute_loss_func: ``(outputs, labels, num_items_in_batch) -> loss``, the loss of a batch with ``labels``
             computed from the model's outputs (transformers' Trainer's argument, same meaning): it divides its
             item-summed loss by ``num_items_in_batch``. Under every layout it gives the gradients it gives
@@ -98,9 +106,14 @@ class Trainer:
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         task: str | None = None,
         compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        peft_config: Any = None,
     ) -> None:
         if model is None:
             raise MindFormersError("Trainer needs a model")
+        if peft_config is not None:
+            named = task or (args.task if args is not None else None)
+            spec = get_task(named) if named else task_of_model(model)
+            model = apply_peft(model, peft_config, task=spec.name if spec else None, name="peft_config")
         if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
             raise MindFormersError("Trainer got both processing_class and tokenizer and they differ; pass one of them")
         self.args = args if args is not None else TrainingArguments()
@@ -187,7 +200,8 @@ class Trainer:
         then :meth:`train` with a fresh optimizer. None trains the model as given. A resumed run takes its
         weights from the resumed checkpoint instead."""
         if finetune_checkpoint is not None:
-            state = pretrained_state(self.model, finetune_checkpoint)
+            # A peft model loads an adapter (its base weights were loaded before peft wrapped it).
+            state = None if is_peft_model(self.model) else pretrained_state(self.model, finetune_checkpoint)
             self.engine.load_weights(self.model, finetune_checkpoint, state)
         return self.train(resume_from_checkpoint=resume_from_checkpoint)
 
@@ -195,8 +209,10 @@ class Trainer:
         """Run the training loop; returns ``TrainOutput(global_step, training_loss, metrics)``.
 
         ``resume_from_checkpoint`` (default ``args.resume_from_checkpoint``) is a ``checkpoint-<step>`` folder
-        or True for the latest in ``output_dir``: weights, optimizer, scheduler, RNG and data position are
-        restored, so the run continues exactly as if it had not stopped.
+        or True for the latest in ``output_dir`` that passes its manifest check: weights, optimizer, scheduler, RNG
+        and data position are restored, so the run continues exactly as if it had not stopped. A run the launcher
+        restarted (``max_restarts``) resumes from the latest complete checkpoint in ``output_dir`` by itself and
+        logs the restart and its cause.
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
@@ -204,11 +220,19 @@ class Trainer:
             return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
         args, engine = self.args, self.engine
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        checkpoint = resolve_resume(resume, args.output_dir)
+        restart = restart_info()
+        engine.wait_for_checkpoint()
+        if engine.is_main_process:
+            remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
+        checkpoint, skipped = resolve_resume(resume, args.output_dir, engine.checkpoint_problem,
+                                             restarted=restart is not None)
+        for problem in skipped if engine.is_main_process else ():
+            logger.warning("%s; resuming from an earlier checkpoint (the damaged one is left in place)", problem)
         if checkpoint is None:
             if engine.is_main_process:
                 default_tb = None if args.logging_dir else args.tensorboard_dir
-                prepare_output_dir(args.output_dir, args.overwrite_output_dir, default_tb)
+                # A restarted run with nothing to resume starts again: the failed attempt's logs go.
+                prepare_output_dir(args.output_dir, True if restart else args.overwrite_output_dir, default_tb)
             engine.barrier()
             set_seed(args.seed)
         else:
@@ -269,7 +293,24 @@ class Trainer:
             self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
-        return self._train_loop(source, position, num_epochs)
+        if restart is not None:
+            self._log_restart(restart, checkpoint, skipped)
+        with engine.watch_progress():
+            return self._train_loop(source, position, num_epochs)
+
+    def _log_restart(self, restart: RestartInfo, checkpoint: Path | None, skipped: list[str]) -> None:
+        """Record a restart by the launcher (its count and cause, where training resumed, the seconds from the
+        failure to resuming) in the logs and ``trainer_state.json``'s history."""
+        entry: dict[str, Any] = {"restart": restart.count, "restart_cause": restart.cause,
+                                 "resumed_from": checkpoint.name if checkpoint is not None else None}
+        if restart.failed_at is not None:
+            entry["restart_seconds"] = round(time.time() - restart.failed_at, 2)
+        if skipped:
+            entry["damaged_checkpoints"] = skipped
+        if self.engine.is_main_process:
+            logger.warning("restart %d after %s: resuming from %s", restart.count, restart.cause,
+                           checkpoint or "the start (no complete checkpoint)")
+        self.log(entry)
 
     def _train_loop(self, source: Any, position: DataPosition, num_epochs: float) -> TrainOutput:
         args, engine, state = self.args, self.engine, self.state
@@ -302,6 +343,7 @@ class Trainer:
                 if not micro_batches:
                     break
                 consumed += len(micro_batches)
+                engine.beat(state.global_step + 1)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 tokens = sum(self._count_throughput(b) for b in micro_batches)
                 self._measure_loss_mode(micro_batches)
@@ -327,7 +369,9 @@ class Trainer:
                 self._tr_loss += loss
                 self._note_nonfinite(loss)
                 self._position.samples_consumed = consumed * source.global_batch_size
+                engine.raise_checkpoint_error()  # a background save that failed stops the run here
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
+                engine.beat(state.global_step)
                 self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
@@ -336,6 +380,7 @@ class Trainer:
             epoch, skip = epoch + 1, 0
 
         self._check_finite()
+        engine.wait_for_checkpoint()  # the run ends only once its last checkpoint is written
         if args.load_best_model_at_end and state.best_model_checkpoint and Path(state.best_model_checkpoint).is_dir():
             logger.info("loading the best model (%s=%s) from %s", args.metric_for_best_model, state.best_metric,
                         state.best_model_checkpoint)
@@ -556,7 +601,8 @@ class Trainer:
 
     def _save_checkpoint(self) -> Path:
         self._check_finite()
-        args = self.args
+        args, engine = self.args, self.engine
+        engine.wait_for_checkpoint()  # the previous (background) save is in place before it is named best or rotated
         folder = Path(args.output_dir) / f"checkpoint-{self.state.global_step}"
         best = Path(args.output_dir) / f"checkpoint-{self.state.best_global_step}" \
             if self.state.best_global_step else None
@@ -567,19 +613,26 @@ class Trainer:
             DATA_STATE_NAME: self._position.to_json(),
             ARGS_NAME: args.to_json_string(),
         }
-        self.engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files,
-                                    self.processing_class)
-        if self.engine.is_main_process:
-            keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
-            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
-            save_trainer_state(self.state, args.output_dir)
-        self.engine.barrier()
+        keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
+        state = copy.deepcopy(self.state) if args.save_async else self.state  # as of this step, written later
+
+        def on_saved() -> None:  # once the folder is in place: older ones may go
+            if engine.is_main_process:
+                rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
+                save_trainer_state(state, args.output_dir)
+
+        engine.beat(self.state.global_step)
+        engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files, self.processing_class,
+                               asynchronous=args.save_async, on_saved=on_saved)
+        engine.barrier()
+        engine.beat(self.state.global_step)
         return folder
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Save the model (``save_pretrained``: config + safetensors), the tokenizer and ``training_args.json``
         into ``output_dir`` (default ``args.output_dir``)."""
         folder = Path(output_dir or self.args.output_dir)
+        self.engine.wait_for_checkpoint()
         self.engine.save_pretrained(self.model, folder, self.processing_class)
         if self.engine.is_main_process:
             (folder / ARGS_NAME).write_text(self.args.to_json_string(), encoding="utf-8")
@@ -675,6 +728,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch in loader:
+                    engine.beat(self.state.global_step)
                     n_items = self._count_items(batch)
                     inputs = engine.to_device(batch)
                     with engine.autocast():

@@ -73,8 +73,9 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
     def pipeline_carry(self) -> tuple[str, ...]:
         """Outputs of the base model that travel from pipeline stage to stage beside the hidden states (and come
         back in as keyword arguments): an MoE model's router statistics, from which the last stage computes the
-        router losses."""
-        return ("router_stats",) if self.config.moe is not None else ()
+        router losses (only when ``output_router_logits`` puts them in the loss: statistics no loss reads would
+        come back from the last stage without a gradient, which torch's schedules cannot send)."""
+        return ("router_stats",) if self.config.moe is not None and self.config.output_router_logits else ()
 
 
 class GPTModel(GPTPreTrainedModel):
