@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,4 +34,23 @@ def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, 
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(exports))
 
+    shadowed = {name for name, module in exports.items() if module.rsplit(".", 1)[-1] == name}
+    if shadowed:
+        _keep_exports_over_submodules(sys.modules[package], shadowed)
     return __getattr__, __dir__
+
+
+def _keep_exports_over_submodules(module: types.ModuleType, names: set[str]) -> None:
+    """A public name that is also its submodule's name (``parallel.parallelize``, the function, defined in
+    ``parallel/parallelize.py``): when anything imports that submodule, Python sets the package's attribute to the
+    submodule, and from then on ``from mindformers_py.parallel import parallelize`` gives the module, not the function
+    (whether it does would depend on what was imported before). The package keeps the exported object instead; the
+    submodule itself stays in ``sys.modules`` for ``from .parallelize import ...``."""
+
+    class _Package(type(module)):  # type: ignore[misc]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in names and isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}":
+                value = getattr(value, name)
+            super().__setattr__(name, value)
+
+    module.__class__ = _Package

@@ -36,6 +36,17 @@ def test_every_public_name_resolves(package):
         getattr(module, "NoSuchName")
 
 
+def test_a_public_name_shared_with_its_submodule_stays_the_function_whatever_was_imported_first():
+    """``parallel.parallelize`` is a function in ``parallel/parallelize.py``: importing the submodule first (as the
+    engine does) must not turn ``from mindformers_py.parallel import parallelize`` into the module."""
+    code = ("import mindformers_py.engine.distributed, sys\n"
+            "from mindformers_py.parallel import parallelize\n"
+            "assert callable(parallelize) and parallelize.__name__ == 'parallelize', parallelize\n"
+            "assert type(sys.modules['mindformers_py.parallel.parallelize']).__name__ == 'module'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_builtin_table_matches_the_families():
     """The deferred table names each family's package and config class, as the families register them."""
     families = {f.config_class.model_type: f.config_class for f in registry.FAMILIES}
