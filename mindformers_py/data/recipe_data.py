@@ -8,7 +8,7 @@ processing class (the tokenizer, or the image processor) and the model config, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import datasets
@@ -225,7 +225,8 @@ def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
         if not sentinels:
             raise ConfigError("data.objective='span_corruption' needs a tokenizer with sentinel tokens (<extra_id_0>, "
                               "...); set tokenizer.type: t5")
-        blocks = causal_lm_data(data, tokenizer, config)  # validation capped to max_eval_samples already
+        # Packed text blocks (validation capped to max_eval_samples already), then corrupted.
+        blocks = causal_lm_data(replace(data, objective=None), tokenizer, config)
 
         def corrupt(split: datasets.Dataset) -> datasets.Dataset:
             return span_corruption_dataset(split, sentinels, tokenizer.eos_token_id, data.seed, data.noise_density,
