@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..parallel.compile import compile_layers
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
@@ -99,7 +100,8 @@ class Engine:
     # -- model and optimizer --------------------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Place ``model`` for training (device, recompute, ``torch.compile``); returns the module to call.
+        """Place ``model`` for training (device, recompute, ``torch.compile`` of each transformer layer, or of the
+        whole model when it declares no layers); returns the module to call.
 
         The returned module may be a wrapper; ``model`` itself stays the plain model whose ``save_pretrained``
         and parameters the Trainer uses.
@@ -108,8 +110,8 @@ class Engine:
                                           per_device_batch=self.args.per_device_train_batch_size)
         model.to(self.device)
         apply_recompute(model, self.parallel_config.recompute)
-        if self.args.torch_compile:
-            return torch.compile(model, mode=self.args.torch_compile_mode)
+        if self.args.torch_compile and not compile_layers(model, self.args.torch_compile_mode):
+            return torch.compile(model, mode=self.args.torch_compile_mode)  # a model without declared layers
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

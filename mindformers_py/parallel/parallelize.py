@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .compile import compile_layers as compile_each_layer
 from .config import ParallelConfig
-from .data import apply_data_parallel, layer_modules
+from .data import apply_data_parallel
 from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
 from .recompute import apply_recompute
@@ -54,8 +55,7 @@ def parallelize(
     apply_expert_parallel(model, mesh)
     apply_recompute(model, parallel_config.recompute, stage)
     if compile_layers:
-        for layer in layer_modules(model):
-            layer.compile(mode=compile_mode)
+        compile_each_layer(model, compile_mode)
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model
