@@ -110,8 +110,11 @@ class Engine:
                                           per_device_batch=self.args.per_device_train_batch_size)
         model.to(self.device)
         apply_recompute(model, self.parallel_config.recompute)
-        if self.args.torch_compile and not compile_layers(model, self.args.torch_compile_mode):
-            return torch.compile(model, mode=self.args.torch_compile_mode)  # a model without declared layers
+        if not self.args.torch_compile:
+            return model
+        backend = self.args.torch_compile_backend or "inductor"
+        if not compile_layers(model, self.args.torch_compile_mode, backend):
+            return torch.compile(model, mode=self.args.torch_compile_mode, backend=backend)  # no declared layers
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

@@ -18,10 +18,11 @@ from torch import nn
 from .data import layer_modules
 
 
-def compile_layers(model: nn.Module, mode: str | None = None) -> list[nn.Module]:
-    """``torch.compile`` each of ``model``'s repeated layers in place (``nn.Module.compile``, ``mode`` as
-    ``torch.compile`` takes it); returns the layers compiled (empty when the model declares none)."""
+def compile_layers(model: nn.Module, mode: str | None = None, backend: str = "inductor") -> list[nn.Module]:
+    """``torch.compile`` each of ``model``'s repeated layers in place (``nn.Module.compile``; ``mode`` and
+    ``backend`` as ``torch.compile`` takes them); returns the layers compiled (empty when the model declares
+    none)."""
     layers = layer_modules(model)
     for layer in layers:
-        layer.compile(mode=mode)
+        layer.compile(mode=mode, backend=backend)
     return layers

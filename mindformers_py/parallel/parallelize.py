@@ -35,6 +35,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     compile_layers: bool = False,
     compile_mode: str | None = None,
+    compile_backend: str | None = None,
     stage: int = 0,
 ) -> nn.Module:
     """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
@@ -47,6 +48,7 @@ def parallelize(
         param_dtype: compute dtype for FSDP2's mixed precision (``torch.bfloat16`` for bf16 training).
         compile_layers: ``torch.compile`` each transformer layer (before data parallelism, as torchtitan does).
         compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
+        compile_backend: ``torch.compile`` backend for ``compile_layers`` (None: inductor).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
     """
     if mesh.tp > 1:
@@ -55,7 +57,7 @@ def parallelize(
     apply_expert_parallel(model, mesh)
     apply_recompute(model, parallel_config.recompute, stage)
     if compile_layers:
-        compile_each_layer(model, compile_mode)
+        compile_each_layer(model, compile_mode, compile_backend or "inductor")
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model
