@@ -65,7 +65,7 @@ def _token_rows(vocab: int, seq: int) -> Callable[[int, int], list[dict[str, tor
     return make
 
 
-def _masked_rows(vocab: int, seq: int) -> Callable[[int, int], list[dict[str, torch.Tensor]]]:
+def masked_rows(vocab: int, seq: int) -> Callable[[int, int], list[dict[str, torch.Tensor]]]:
     """Pre-masked MLM rows: 15% of the positions labelled, 80% of those replaced by [MASK] (id 103)."""
     def make(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed)
@@ -118,7 +118,7 @@ FAMILIES: dict[str, Family] = {
         "bert", lambda: transformers.BertForMaskedLM, lambda: mf.AutoModelForMaskedLM,
         lambda: transformers.BertConfig(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                         intermediate_size=1024, max_position_embeddings=512),
-        _masked_rows(30522, 128), batch=16, unit="tokens", items_per_example=128),
+        masked_rows(30522, 128), batch=16, unit="tokens", items_per_example=128),
     "t5": Family(
         "t5", lambda: transformers.T5ForConditionalGeneration, lambda: mf.AutoModelForSeq2SeqLM, _t5_config,
         _seq2seq_rows(8192, 128, 32), batch=16, unit="tokens", items_per_example=128 + 32),
