@@ -86,8 +86,7 @@ def train_once(side: str, checkpoint: str, opts: argparse.Namespace) -> dict:
                                      torch_compile=side == "ours_compile")
             trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                               callbacks=[clock])
-            bf16 = bool(trainer.engine.autocast_dtype == torch.bfloat16) \
-                if hasattr(trainer.engine, "autocast_dtype") else bool(args.bf16)
+            bf16 = bool(args.bf16)  # resolved: bf16="auto" (the default) is a bool after construction
         else:
             args = transformers.TrainingArguments(**common_args(out, family, opts))
             trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
@@ -204,7 +203,7 @@ def report(results: dict, flops: dict[str, int], peaks: dict[str, float], opts: 
                 share = flops[name] / best(cell[side]) / peaks["bf16"]
                 verdicts.append(f"gpt bf16 {NAMES[side]}: {share:.1%} of the bf16 matmul peak, target >= "
                                 f"{PEAK_SHARE_TARGET:.0%}: {'met' if share >= PEAK_SHARE_TARGET else 'MISSED'}")
-    print(f"\nFLOPs per step (torch.utils.flop_counter): " + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in flops.items()))
+    print("\nFLOPs per step (torch.utils.flop_counter): " + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in flops.items()))
     for line in verdicts:
         print(line)
 
