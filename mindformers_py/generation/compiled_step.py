@@ -5,7 +5,9 @@ kernels on one row per sequence. Compiling the model's forward turns a step into
 (inductor fuses the element-wise work and calls the matrix products directly), which on CPU halves a small GPT's
 step. The step runs the model's own forward over the lean loop's :class:`~.static_cache.StaticKVCache`; the number
 of cached tokens is a Python int that dynamo treats as a dynamic size, so one graph serves every step and every
-prompt length (``dynamic=True``), and a batch of one gets its own specialised graph.
+prompt length (``dynamic=True``), and a batch of one gets its own specialised graph. The skinny-GEMM formulations
+of :mod:`.skinny_linear` stay in force inside the graph: dynamo traces their forwards and takes each call's
+transposed weight copies as graph inputs, so a later call reuses the graph.
 
 Compiling costs seconds to minutes once per model (and far less in a later process, from inductor's on-disk
 cache), so it runs only when asked, with transformers' switch: ``generate(..., cache_implementation="static")``

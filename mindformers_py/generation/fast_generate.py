@@ -21,7 +21,6 @@ token choice. The model forward itself is the same code as in training and in ``
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -275,16 +274,10 @@ def _lean_supports(
 
 def _step_function(model: torch.nn.Module, config: GenerationConfig) -> Callable[..., Any] | None:
     """The compiled forward the decode steps call when the request asks for it (:mod:`.compiled_step`), else
-    None (the model itself, with the skinny-GEMM kernels)."""
+    None (the model itself)."""
     if not wants_compiled_step(config):
         return None
     return CompiledSteps(compiled_forward(model, config.compile_config))
-
-
-def _decode_kernels(model: torch.nn.Module, batch: int, steps: int, step: Callable[..., Any] | None):
-    """The skinny-GEMM kernels for eager steps; nothing for compiled ones (inductor calls the products itself, and
-    per-call weight copies would make every generation recompile)."""
-    return skinny_linear_kernels(model, batch, steps=steps) if step is None else contextlib.nullcontext()
 
 
 def _processor_steps(processors: LogitsProcessorList) -> list:
@@ -402,7 +395,9 @@ def _decode(
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         forward = step or model
-        with _decode_kernels(model, batch, max_length - prompt_length - 1, step):
+        # The skinny kernels serve compiled steps too: dynamo traces their forwards, taking the per-call weight copies
+        # as graph inputs, so later calls reuse the graph.
+        with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
             length = _choose_tokens(out, lambda n: forward(**inputs.step(n), past_key_values=cache, use_cache=True),
                                     tokens, prompt_length, max_length, steps, do_sample, stop, streamer)
     return _finished(tokens, length, max_length, streamer)
@@ -516,7 +511,7 @@ def decode_seq2seq(
                         past_key_values=cache, use_cache=True)
 
         out = forward(1)
-        with _decode_kernels(_per_step_layers(model), batch, max_length - 2, step):
+        with skinny_linear_kernels(_per_step_layers(model), batch, steps=max_length - 2):
             length = _choose_tokens(out, lambda n: forward(n, step or model), tokens, 1, max_length, steps, do_sample,
                                     stop, streamer)
     return _finished(tokens, length, max_length, streamer)
