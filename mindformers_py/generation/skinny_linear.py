@@ -64,19 +64,29 @@ def fastest_formulation(weight: torch.Tensor, bias: torch.Tensor | None, rows: i
         weight_t = weight.t().contiguous() if allow_copy else None
         candidates = [LINEAR, WEIGHT_FIRST] + ([TRANSPOSED] if allow_copy else [])
         with torch.inference_mode():
-            _FASTEST[key] = min(candidates, key=lambda f: _seconds(lambda: _product(f, x, weight, bias, weight_t)))
+            times = _interleaved_times({f: (lambda f=f: _product(f, x, weight, bias, weight_t)) for f in candidates})
+        _FASTEST[key] = min(candidates, key=times.__getitem__)
     return _FASTEST[key]
 
 
-def _seconds(call: Callable[[], torch.Tensor], calls: int = 8, repeats: int = 3) -> float:
-    """Best time of ``repeats`` rounds of ``calls`` calls (after one warm-up call)."""
-    call()
-    best = float("inf")
-    for _ in range(repeats):
+def _interleaved_times(calls: dict[str, Callable[[], torch.Tensor]], rounds: int = 5,
+                       round_seconds: float = 1e-3) -> dict[str, float]:
+    """Best process CPU time per call of each candidate over ``rounds`` rounds that run every candidate in turn for
+    about ``round_seconds`` (so a busy spell of a shared machine hits them alike). CPU time rather than wall time,
+    so that other jobs do not decide the choice."""
+    repeats = {}
+    for name, call in calls.items():  # warm up, and size each candidate's share of a round
+        call()
         start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, time.perf_counter() - start)
+        call()
+        repeats[name] = max(1, int(round_seconds / max(time.perf_counter() - start, 1e-7)))
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.process_time()
+            for _ in range(repeats[name]):
+                call()
+            best[name] = min(best[name], (time.process_time() - start) / repeats[name])
     return best
 
 
