@@ -1,63 +1,39 @@
 """mindformers_py: HuggingFace-compatible transformer models with a Trainer and configuration-driven parallelism.
 
-Importing the package registers our model types with transformers' Auto classes.
+Importing the package makes our model types known to transformers' Auto classes (a model family loads the first
+time transformers looks one up: :mod:`mindformers_py.models.lazy_registration`). The public names below load their
+module on first use, so ``import mindformers_py`` (and ``mindformers-py --help``) costs little; ``benchmarks/
+bench_startup.py`` measures it against ``import torch, transformers``.
 """
 
-from transformers import AutoImageProcessor, AutoTokenizer
-
-from . import models  # noqa: F401  (registers the families)
-from .models import gpt  # noqa: F401
-from .models import vit  # noqa: F401
-from .models import bert  # noqa: F401
-from .models import t5  # noqa: F401
-from .auto import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTextEncoding,
-    AutoModelForTokenClassification,
-)
-from .convert import convert_checkpoint
-from .errors import CheckpointError, ConfigError, MindFormersError
-from .models.gpt import (
-    GPTConfig,
-    GPTForCausalLM,
-    GPTForQuestionAnswering,
-    GPTForSequenceClassification,
-    GPTForTokenClassification,
-    GPTModel,
-)
-from .models.vit import ViTConfig, ViTForImageClassification, ViTModel
-from .models.bert import (
-    BertConfig,
-    BertForMaskedLM,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertModel,
-)
-from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
-from .parallel import MoEConfig, ParallelConfig, RecomputeConfig
-from .pipelines import pipeline
-from .trainer import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
+from .models.lazy_registration import install as _install_auto_registration
+from .utils.lazy_exports import lazy_exports as _lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
-    "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-    "AutoModelForTokenClassification", "AutoTokenizer", "convert_checkpoint", "GPTConfig", "GPTModel",
-    "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification", "GPTForQuestionAnswering",
-    "MindFormersError", "ConfigError", "CheckpointError", "ParallelConfig", "RecomputeConfig", "MoEConfig",
-    "Trainer", "TrainingArguments", "pipeline",
-    "AutoImageProcessor", "ViTConfig", "ViTModel", "ViTForImageClassification",
-    "BertConfig", "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification",
-    "BertForQuestionAnswering", "BertForPreTraining",
-    "AutoModelForTextEncoding", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
-]
+_EXPORTS = {
+    **dict.fromkeys(["AutoImageProcessor", "AutoTokenizer"], "transformers"),
+    **dict.fromkeys(["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification",
+                     "AutoModelForMaskedLM", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM",
+                     "AutoModelForSequenceClassification", "AutoModelForTextEncoding",
+                     "AutoModelForTokenClassification"], ".auto"),
+    "convert_checkpoint": ".convert",
+    **dict.fromkeys(["CheckpointError", "ConfigError", "MindFormersError"], ".errors"),
+    **dict.fromkeys(["GPTConfig", "GPTForCausalLM", "GPTForQuestionAnswering", "GPTForSequenceClassification",
+                     "GPTForTokenClassification", "GPTModel"], ".models.gpt"),
+    **dict.fromkeys(["ViTConfig", "ViTForImageClassification", "ViTModel"], ".models.vit"),
+    **dict.fromkeys(["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
+                     "BertForSequenceClassification", "BertForTokenClassification", "BertModel"], ".models.bert"),
+    **dict.fromkeys(["T5Config", "T5EncoderModel", "T5ForConditionalGeneration", "T5Model"], ".models.t5"),
+    **dict.fromkeys(["MoEConfig", "ParallelConfig", "RecomputeConfig"], ".parallel.config"),
+    "pipeline": ".pipelines",
+    "Seq2SeqTrainer": ".trainer.seq2seq",
+    "Trainer": ".trainer.trainer",
+    **dict.fromkeys(["Seq2SeqTrainingArguments", "TrainingArguments"], ".trainer.arguments"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())
+
+_install_auto_registration()

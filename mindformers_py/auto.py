@@ -11,15 +11,16 @@ Our model types are also registered with transformers' own Auto classes, so
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig
 
 from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
@@ -28,6 +29,9 @@ from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.safetensors_io import load_state_dict
 from .utils.typed_values import coerce_fields
+
+if TYPE_CHECKING:  # transformers' modeling module costs seconds; it loads with the first model
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +78,22 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
         return config, family, from_hf
     family = registry.family_for_preset(str(name_or_path))
     if family is None:
-        raise ConfigError(f"{str(name_or_path)!r} is neither a checkpoint folder nor a preset; presets: {', '.join(registry.all_presets())}")
+        raise _not_found(str(name_or_path))
     _check_fields(family.config_class, overrides)
     overrides = coerce_fields(family.config_class, overrides)
     return family.config_class(**{**family.presets[str(name_or_path)], **overrides}), family, False
+
+
+def _not_found(name: str) -> ConfigError:
+    """The error for a source that is no folder and no preset: "no such folder" for what looks like a path, the
+    closest preset for a near miss, else the presets."""
+    if os.sep in name or "/" in name or name.startswith((".", "~")):
+        return ConfigError(f"no such folder: {name!r} (expected a checkpoint folder or a preset name; nothing is "
+                           "downloaded from the hub)")
+    presets = registry.all_presets()
+    close = difflib.get_close_matches(name, presets, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"presets: {', '.join(presets)}"
+    return ConfigError(f"{name!r} is neither a checkpoint folder nor a preset; {hint}")
 
 
 def _check_fields(config_class: type[PretrainedConfig], overrides: dict[str, Any]) -> None:

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import MindFormersError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .recipes import load_recipe, run_recipe
+    from .recipes.loader import apply_overrides, load_recipe, parse_overrides
 
-    run_recipe(load_recipe(args.config), args.extra)
+    # The recipe's names and the flags are checked before torch loads: such a mistake answers at once.
+    recipe = apply_overrides(load_recipe(args.config), parse_overrides(args.extra))
+    from .recipes import run_recipe
+
+    run_recipe(recipe)
     return 0
 
 
@@ -73,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
                       "mindformers_py/planner/devices.yaml (default h100_80gb; a wrong name lists them)")
     plan.add_argument("--devices_per_node", type=int, help="accelerators per node (default: the catalog's, 8)")
-    plan.add_argument("--global_batch", type=int, help="sequences per optimizer step (default: the recipe's "
-                      "per-device batch, else one per device)")
+    plan.add_argument("--global_batch", type=int, help="sequences per optimizer step, the same for every layout "
+                      "(default: a recipe's: per-device batch x gradient accumulation x its data_parallel; else one "
+                      "per device)")
     plan.add_argument("--seq_length", type=int, help="tokens per sequence (default: the recipe's block_size, else "
                       "the model's context length up to 4096)")
     plan.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -102,5 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MindFormersError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _reports_user_errors():
+            print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _reports_user_errors() -> bool:
+    """Whether this process prints a user error. Under torchrun every rank checks the same recipe, flags and world
+    before any process group exists and fails alike, so the first rank of each node speaks for its node; once the
+    ranks have joined a group, an error may be one rank's own and every rank prints its own."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()

@@ -4,9 +4,9 @@
 loads the task's model and which transformers class names belong to it, which batch keys hold its labels and
 whether they are shifted, what counts as one item of the loss (tokens, sequences, images) and how to count them,
 the loss itself, the model outputs it is computed from, the default collator and metrics, the pipeline that serves
-the task and how a recipe prepares its data. The Trainer, the engines (a pipeline's last stage computes the
-task's loss), the recipe runner, checkpoint conversion and consolidation, the Auto classes and the pipelines all
-read it.
+the task and how a recipe prepares its data. The Trainer (which hands the task to its engine: pipeline stages
+read their inputs, outputs and labels from it), the recipe runner, checkpoint conversion, the Auto classes and
+the pipelines read it; ``parallel/`` does not.
 
 =========================  ===================  ======================  ==========  ==============================
 task                       aliases              Auto class              items       pipeline

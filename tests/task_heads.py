@@ -118,14 +118,17 @@ class FirstStepGradients(TrainerCallback):
             self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=None) -> tuple[dict, float]:
-    """Gradients and logged loss of the first step over the same N samples."""
+def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=None, trainer_class: type = Trainer,
+               **trainer_kwargs) -> tuple[dict, float]:
+    """Gradients and logged loss of the first step over the same N samples (``trainer_class`` built with
+    ``trainer_kwargs`` besides the usual arguments, e.g. a ``compute_loss_func``)."""
     clock = FirstStepGradients()
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                              max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True, bf16=False,
                              parallel_config=parallel or mf.ParallelConfig())
-    trainer = Trainer(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock])
+    trainer = trainer_class(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock],
+                            **trainer_kwargs)
     trainer.train()
     loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
     trainer.engine.teardown()

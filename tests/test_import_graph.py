@@ -1,7 +1,11 @@
-"""The package's import graph points one way: cli -> recipes -> trainer -> engine -> parallel -> models -> layers.
+"""The package's import graph points one way: cli -> recipes -> trainer -> engine -> planner -> parallel -> models ->
+layers.
 
 Every import in every module counts (module level, inside functions, under ``TYPE_CHECKING``): a lazy import that
-points the wrong way is still a dependency the wrong way.
+points the wrong way is still a dependency the wrong way. Two rooms are held tighter than the order alone holds them:
+``parallel`` (mechanisms only) sits directly above ``models`` and reads no task, Auto class or conversion (the engine
+hands it the task and the loss, the caller the model factory), and only the CLI, the recipe runner and the engine
+registry use the offline ``planner``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ PACKAGE = Path(mindformers_py.__file__).parent
 
 # Lowest first; a module may import its own group and the groups before it, never one after it.
 ORDER = [
-    "errors", "utils", "layers", "generation", "data", "metrics", "task_registry", "models", "auto", "convert",
-    "parallel", "planner", "pipelines", "engine", "trainer", "recipes", "cli", "__main__",
+    "errors", "utils", "layers", "generation", "data", "metrics", "task_registry", "models", "parallel", "auto",
+    "convert", "planner", "pipelines", "engine", "trainer", "recipes", "cli", "__main__",
 ]
+# Groups below ``parallel`` in ORDER that it still may not import: what a task is, the Auto classes, conversion.
+NOT_FOR_PARALLEL = {"task_registry", "auto", "convert"}
+# The only modules outside the planner that import it.
+PLANNER_USERS = {"mindformers_py.cli", "mindformers_py.recipes.runner", "mindformers_py.engine.registry"}
 
 
 def _module_name(path: Path) -> str:
@@ -95,3 +103,16 @@ def test_no_import_cycles_between_modules():
         if state[node] == 0:
             visit(node, [node])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_parallel_sits_directly_above_models():
+    assert ORDER.index("parallel") == ORDER.index("models") + 1
+    wrong = sorted(f"{source} -> {target}" for source, targets in _graph().items() if _group(source) == "parallel"
+                   for target in targets if _group(target) in NOT_FOR_PARALLEL)
+    assert not wrong, "parallel/ imports what the engine or the caller should hand it:\n" + "\n".join(wrong)
+
+
+def test_only_the_cli_the_recipe_runner_and_the_engine_registry_use_the_planner():
+    users = {source for source, targets in _graph().items() if _group(source) not in ("planner", None)
+             and any(_group(t) == "planner" for t in targets)}
+    assert users <= PLANNER_USERS, f"these import the planner: {sorted(users - PLANNER_USERS)}"

@@ -2,16 +2,23 @@
 
 An engine owns what a parallel layout changes in training (device placement and wrapping of the model, the
 optimizer, mixed precision, one step's forward and backward, gradient clipping, the data shard of a rank, metric
-reduction, checkpoint files and RNG states); the mechanisms it applies (mesh, tensor / data / pipeline
-parallelism, recompute, resharding checkpoints, the planner) live in :mod:`mindformers_py.parallel`.
+reduction, checkpoint files and RNG states) and the one path that normalises the loss for every layout
+(:mod:`.step_loss`); the mechanisms it applies (mesh, tensor / data / pipeline parallelism, recompute, resharding
+checkpoints) live in :mod:`mindformers_py.parallel`, the ``auto_parallel`` planner in :mod:`mindformers_py.planner`.
 Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
 """
 
-from .args import EngineArguments
-from .base import Engine, LossFn
-from .distributed import DistributedEngine
-from .pipeline_engine import PipelineEngine
-from .registry import build_engine, current_world_size, register_engine
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["DistributedEngine", "Engine", "EngineArguments", "LossFn", "PipelineEngine", "build_engine",
-           "current_world_size", "register_engine"]
+_EXPORTS = {
+    "EngineArguments": ".args",
+    "Engine": ".base",
+    **dict.fromkeys(["LossFn", "StepLoss", "TrainingLoss"], ".step_loss"),
+    "DistributedEngine": ".distributed",
+    "PipelineEngine": ".pipeline_engine",
+    **dict.fromkeys(["build_engine", "current_world_size", "plan_layout", "register_engine"], ".registry"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

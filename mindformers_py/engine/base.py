@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
@@ -27,13 +28,11 @@ from ..parallel.recompute import apply_recompute
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
 from .cpu_memory import keep_freed_cpu_memory
+from .step_loss import LossFn, StepLoss, TrainingLoss, count_step_items
 from .optim import create_optimizer, parameter_groups
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, load_state_into, \
     torch_load
-
-LossFn = Callable[[nn.Module, dict[str, Any], Any], torch.Tensor]
-
 
 class Engine:
     """Stand-alone engine: one process on one device (CUDA when visible and not ``use_cpu``, else CPU).
@@ -43,6 +42,7 @@ class Engine:
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel size (0 and 1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
+        plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
     """
 
     supports_fused_loss: bool = True
@@ -58,6 +58,7 @@ class Engine:
         self.dp_size = 1
         self.device = torch.device("cpu")
         self.scaler: torch.amp.GradScaler | None = None
+        self.plan_summary: str | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -99,12 +100,13 @@ class Engine:
 
     # -- model and optimizer --------------------------------------------------------------------------------------
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
         """Place ``model`` for training (device, recompute, ``torch.compile`` of each transformer layer, or of the
         whole model when it declares no layers); returns the module to call.
 
         The returned module may be a wrapper; ``model`` itself stays the plain model whose ``save_pretrained``
-        and parameters the Trainer uses.
+        and parameters the Trainer uses. ``task`` is the task the Trainer trains (its task registry entry), for
+        engines whose model parts must know it (pipeline stages); None lets the model say.
         """
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size)
@@ -137,19 +139,38 @@ class Engine:
             return dict(batch)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
-        """Forward and backward of every micro-batch of one optimizer step; gradients accumulate in the
-        parameters. ``loss_fn(model, batch, num_items_in_batch)`` returns a micro-batch's share of the step's
-        loss (normalised by the whole step's label tokens), so the returned sum is the step's loss. No sync.
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold other samples of a step: the loss items are counted over them, and their number is
+        what data parallelism averages gradients over (None: this process alone). The one place a layout widens
+        the loss normalisation (:mod:`.step_loss`)."""
+        return None
 
-        ``num_items_in_batch`` counts the label tokens of all data-parallel ranks; an engine whose gradient
-        reduction averages over ranks scales what it back-propagates by the data-parallel size (HF's rule), so
-        the update equals stand-alone training on the whole global batch."""
+    def count_items(self, micro_batches: Sequence[Mapping[str, Any]], loss: TrainingLoss) -> torch.Tensor | None:
+        """The items of the whole step's loss (``num_items_in_batch``): ``loss``'s count of this rank's
+        micro-batches summed over :meth:`loss_group` (see :func:`~.loss.count_step_items`)."""
+        return count_step_items(loss, micro_batches, self.loss_group(), self.device)
+
+    def step_loss(self, loss_fn: LossFn | TrainingLoss, num_items_in_batch: torch.Tensor | None,
+                  pieces: int) -> StepLoss:
+        """The loss of one step over ``pieces`` micro-batches on this rank (:class:`~.loss.StepLoss`): each
+        micro-batch's share, rescaled by the size of :meth:`loss_group`."""
+        group = self.loss_group()
+        return StepLoss(loss_fn, num_items_in_batch, pieces, dist.get_world_size(group) if group is not None else 1)
+
+    def check_loss(self, loss: TrainingLoss) -> None:
+        """Refuse, in one line and before training starts, a loss this layout cannot compute (nothing here)."""
+
+    def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step; gradients accumulate in the
+        parameters. Each micro-batch back-propagates its share of the step's loss (:meth:`step_loss`: the
+        ``loss_fn`` value normalised by ``num_items_in_batch``, the items of the whole step on every rank of
+        :meth:`loss_group`, and rescaled for data parallelism), so the returned sum is the step's loss. No sync."""
+        step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         for batch in micro_batches:
             with self.autocast():
-                loss = loss_fn(model, self.to_device(batch), num_items_in_batch)
+                loss = step(model, self.to_device(batch))
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
@@ -280,4 +301,4 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-__all__ = ["Engine", "LossFn"]
+__all__ = ["Engine"]

@@ -5,12 +5,11 @@ group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh
 :func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
-* **Loss normalisation.** The Trainer hands over the label-token count of the whole global batch (summed over
-  the data-parallel ranks with :meth:`all_reduce_sum`), so every micro-batch loss is (its token-summed loss) /
-  (tokens of the global batch). DDP and FSDP average gradients over the ``dp`` ranks, so the loss is multiplied
-  by ``dp`` before backward: the resulting gradients are exactly those of one stand-alone step over the global
-  batch. ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is
-  the global step loss (the convention of HF's Trainer).
+* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the data-parallel ranks, so
+  every micro-batch loss is (its item-summed loss) / (items of the global batch), multiplied by ``dp`` before
+  backward because DDP and FSDP average gradients over those ranks: the gradients are exactly those of one
+  stand-alone step over the global batch. ``forward_backward`` returns that backpropagated value;
+  :meth:`all_reduce_mean` of it over the ranks is the global step loss (the convention of HF's Trainer).
 * **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
   cross-entropy runs under ``loss_parallel()`` (forward and backward).
 * **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
@@ -47,7 +46,8 @@ from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.parallelize import parallelize
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .base import Engine, LossFn
+from .base import Engine
+from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
@@ -114,7 +114,7 @@ class DistributedEngine(Engine):
 
     # -- model and optimizer --------------------------------------------------------------------------------------
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
         """Check the model against the layout, move it to the device and parallelize it in place (its parameter
         names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
@@ -153,20 +153,18 @@ class DistributedEngine(Engine):
         return loss_parallel() if self.parallel_config.vocab_parallel else contextlib.nullcontext()
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; gradients are reduced over the data-parallel ranks
-        after the last one. ``num_items_in_batch`` is the label-token count of the whole global batch (all ranks,
-        all micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
-        # With a global token count the ranks' losses are shares of one global loss: undo DDP/FSDP's averaging.
-        scale = float(self.dp_size) if num_items_in_batch is not None else 1.0
+        after the last one. ``num_items_in_batch`` is the item count of the whole global batch (all ranks, all
+        micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
+        step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             set_gradient_sync(model, i == last)
             with self.loss_context():
                 with self.autocast():
-                    loss = loss_fn(model, self.to_device(batch), num_items_in_batch)
-                loss = loss * scale if scale != 1.0 else loss
+                    loss = step(model, self.to_device(batch))
                 loss.backward()
             value = loss.detach()
             value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -199,6 +197,10 @@ class DistributedEngine(Engine):
 
     def _dp_group(self) -> dist.ProcessGroup:
         return self.mesh.dp_mesh.get_group()
+
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel ranks (tensor-parallel and pipeline ranks of one replica share its samples)."""
+        return self._dp_group() if self.dp_size > 1 else None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over the data-parallel ranks (a new tensor on the engine's device)."""

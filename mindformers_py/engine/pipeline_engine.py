@@ -13,9 +13,11 @@ What the Trainer sees:
   place, so the Trainer's "model" has exactly this rank's parameters under the full model's names: the optimizer,
   gradient clipping and the sharded (DCP) checkpoints work on it unchanged. Whole weights are consolidated from
   every stage when saved (``save_pretrained``), so ``from_pretrained`` loads a pipeline run's output.
-* The loss is the task's loss (task registry) computed on the last stage (the Trainer's loss function is not
-  used), with the same global item normalisation as the distributed engine, so loss curves match ``stand_alone``
-  for every task head.
+* The loss is the Trainer's (its ``compute_loss``, a user's override or ``compute_loss_func``), computed on the
+  last stage for each pipeline micro-batch from the outputs the stages computed, through the same loss path as
+  every engine (:mod:`.step_loss`: global item count, share, data-parallel rescale), so loss curves match
+  ``stand_alone`` for every task head. A user's loss that cannot run there is refused before training
+  (:meth:`PipelineEngine.check_loss`).
 * Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
   the whole weights; not a whole optimizer state (rank 0 does not hold the other stages' parameters), so a
   stand-alone run cannot resume them.
@@ -32,10 +34,11 @@ from torch import nn
 from ..errors import ConfigError
 from ..parallel.config import DDP_ZERO1, ParallelConfig
 from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
+from ..parallel.pipeline_stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .base import LossFn
 from .distributed import DistributedEngine, global_grad_norm
+from .step_loss import LossFn, TrainingLoss
 
 
 class PipelineEngine(DistributedEngine):
@@ -51,10 +54,12 @@ class PipelineEngine(DistributedEngine):
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.pipeline: PipelineParallel | None = None
+        self._model_name = ""
 
-    def prepare_model(self, model: nn.Module) -> PipelineParallel:
-        """Cut ``model`` into stages, keep and parallelize this rank's, and cut ``model`` down to them in place;
-        returns the pipeline, which the Trainer calls to train and evaluate. Every rank must build the same model."""
+    def prepare_model(self, model: nn.Module, task: Any = None) -> PipelineParallel:
+        """Cut ``model`` into stages computing ``task`` (the Trainer's; None: the model's own), keep and parallelize
+        this rank's, and cut ``model`` down to them in place; returns the pipeline, which the Trainer calls to train
+        and evaluate. Every rank must build the same model."""
         config = self.parallel_config
         config.validate_for(self.world_size, getattr(model, "config", None),
                             per_device_batch=self.args.per_device_train_batch_size)
@@ -64,23 +69,34 @@ class PipelineEngine(DistributedEngine):
                 f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
+        self._model_name = type(model).__name__
         self.pipeline = build_pipeline(model, config, self.mesh, self.device,
-                                       parallelize=lambda part: self.parallelize(part, stage=part.pp_rank))
+                                       parallelize=lambda part: self.parallelize(part, stage=part.pp_rank), task=task)
         return self.pipeline
 
+    def check_loss(self, loss: TrainingLoss) -> None:
+        """Refuse a user's loss (an overridden ``compute_loss`` or a ``compute_loss_func``) for a model whose stages
+        carry state besides the hidden states (an MoE model's router statistics): the last stage cannot give it
+        the whole model's outputs (router logits, auxiliary loss) that such a loss may read."""
+        if loss.override is not None and self.pipeline is not None and self.pipeline.carries_state:
+            carried = ", ".join(carried_names(self.pipeline.model_parts[-1]))
+            raise ConfigError(
+                f"{loss.override} cannot run under pipeline_stage={self.parallel_config.pp}: "
+                f"{self._model_name} carries {carried} between stages, so the last stage does not have the whole "
+                "model's outputs to give it; use pipeline_stage=1 or the model's own loss")
+
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
         """Forward and backward of this rank's gradient-accumulation batches through the pipeline schedule (each
-        split into ``micro_batch_num`` pipeline micro-batches). ``num_items_in_batch`` is the label-token count of
-        the whole global batch; returns the backpropagated loss, whose mean over the data-parallel ranks is the
-        global step loss. ``loss_fn`` is not used: the last stage computes the task's loss (task registry)."""
+        split into ``micro_batch_num`` pipeline micro-batches), the last stage computing ``loss_fn`` on each of
+        them through :meth:`step_loss`. ``num_items_in_batch`` is the item count of the whole global batch;
+        returns the backpropagated loss, whose mean over the data-parallel ranks is the global step loss."""
         if not isinstance(model, PipelineParallel):
             raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
-        # As in DistributedEngine: the ranks' losses are shares of one global loss, so undo DDP/FSDP's averaging.
-        scale = float(self.dp_size) if num_items_in_batch is not None else 1.0
+        step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches) * model.micro_batches)
         batches = [self.to_device(batch) for batch in micro_batches]
         with self.autocast():
-            return model.forward_backward(batches, num_items_in_batch, loss_scale=scale)
+            return model.forward_backward(batches, loss_fn=step)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over every stage's (and shard's) gradients to ``max_norm``, counting a

@@ -5,12 +5,14 @@
 =====================  ====================================================================================
 ``stand_alone``        :class:`~.base.Engine` (one process)
 ``data_parallel``      :class:`~.distributed.DistributedEngine` (replicas, ZeRO per ``optimizer_shard``)
-``semi_auto_parallel`` :class:`~.pipeline.PipelineEngine` with pipeline stages, else ``DistributedEngine``
-``auto_parallel``      the planner (:func:`~mindformers_py.planner.search.auto_parallel`) turns the hints into
-                       a fixed layout for this run's processes, then the engine of that layout
+``semi_auto_parallel`` :class:`~.pipeline_engine.PipelineEngine` with pipeline stages, else ``DistributedEngine``
+``auto_parallel``      the planner turns the hints into a fixed layout for this run's processes
+                       (:func:`plan_layout`), then the engine of that layout
 =====================  ====================================================================================
 
 :func:`register_engine` replaces an entry (a custom engine for a mode); nothing registers itself on import.
+:func:`plan_layout` is the one caller of the ``auto_parallel`` planner: the recipe runner (planning before it
+launches the workers) and this table (a Trainer given an ``auto_parallel`` config) both go through it.
 """
 
 from __future__ import annotations
@@ -53,21 +55,35 @@ def current_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, model_config: Any = None,
-                    seq_length: int | None = None, **context: Any) -> Engine:
-    """``auto_parallel``: plan a layout for this run's processes and the model, then build its engine. One
-    process plans for one process (the layout sizes in the config are hints); under torchrun every rank gets
-    rank 0's plan."""
+def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: int, per_device_batch: int,
+                seq_length: int | None = None, summary: list[str] | None = None) -> ParallelConfig:
+    """The layout an ``auto_parallel`` config runs with on ``world_size`` processes for ``model_config``
+    (:func:`~mindformers_py.planner.search.auto_parallel`: the fastest that fits, logged as a table; under a
+    running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
+    ``summary``); other modes are returned unchanged."""
+    if parallel_config.parallel_mode != "auto_parallel":
+        return parallel_config
     from ..planner.search import auto_parallel
 
+    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary)
+
+
+def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, model_config: Any = None,
+                    seq_length: int | None = None, **context: Any) -> Engine:
+    """``auto_parallel``: plan a layout for this run's processes and the model (:func:`plan_layout`), then build
+    its engine. One process plans for one process (the layout sizes in the config are hints)."""
     if model_config is None:
         raise ConfigError("parallel_mode='auto_parallel' needs the model's config to plan a layout; pass the model "
                           "to the Trainer (or model_config= to build_engine)")
     world = current_world_size()
-    layout = auto_parallel(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length)
+    summary: list[str] = []
+    layout = plan_layout(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length,
+                         summary=summary)
     if world == 1:  # the one-process plan runs without a process group
         layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
-    return build_engine(layout, args)
+    engine = build_engine(layout, args)
+    engine.plan_summary = summary[0] if summary else None  # rank 0's reason, for the run's layout line
+    return engine
 
 
 _ENGINES: dict[str, EngineFactory] = {

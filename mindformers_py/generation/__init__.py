@@ -1,6 +1,12 @@
 """Generation: a preallocated KV cache and a lean decode loop behind transformers' ``generate`` API."""
 
-from .fast_generate import FastGenerationMixin, check_context_length
-from .static_cache import PreallocatedLayer, StaticKVCache
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["FastGenerationMixin", "check_context_length", "PreallocatedLayer", "StaticKVCache"]
+_EXPORTS = {
+    **dict.fromkeys(["FastGenerationMixin", "check_context_length"], ".fast_generate"),
+    **dict.fromkeys(["PreallocatedLayer", "StaticKVCache"], ".static_cache"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

@@ -1,20 +1,20 @@
 """Parallel-aware building blocks shared by all model families."""
 
-from .attention import Attention, attention_core
-from .block import TransformerBlock
-from .embedding import LearnedPositionEmbedding, RotaryEmbedding, apply_rotary
-from .loss import IGNORE_INDEX, causal_lm_loss, shift_labels
-from .masks import build_attention_mask
-from .mlp import MLP
-from .norms import RMSNorm, build_norm
-from .embedding import EmbeddingNorm, padding_aware_position_ids
-from .heads import MaskedLMHead, Pooler
-from .masks import additive_mask
-from .position_bias import RelativePositionBias, relative_position_bucket
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = [
-    "Attention", "attention_core", "TransformerBlock", "LearnedPositionEmbedding", "RotaryEmbedding",
-    "apply_rotary", "IGNORE_INDEX", "causal_lm_loss", "shift_labels", "build_attention_mask", "MLP", "RMSNorm", "build_norm",
-    "EmbeddingNorm", "padding_aware_position_ids", "MaskedLMHead", "Pooler",
-    "additive_mask", "RelativePositionBias", "relative_position_bucket",
-]
+_EXPORTS = {
+    **dict.fromkeys(["Attention", "attention_core"], ".attention"),
+    "TransformerBlock": ".block",
+    **dict.fromkeys(["EmbeddingNorm", "LearnedPositionEmbedding", "RotaryEmbedding", "apply_rotary",
+                     "padding_aware_position_ids"], ".embedding"),
+    **dict.fromkeys(["IGNORE_INDEX", "causal_lm_loss", "shift_labels"], ".loss"),
+    **dict.fromkeys(["additive_mask", "build_attention_mask"], ".masks"),
+    "MLP": ".mlp",
+    **dict.fromkeys(["RMSNorm", "build_norm"], ".norms"),
+    **dict.fromkeys(["MaskedLMHead", "Pooler"], ".heads"),
+    **dict.fromkeys(["RelativePositionBias", "relative_position_bucket"], ".position_bias"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

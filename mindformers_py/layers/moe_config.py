@@ -151,6 +151,20 @@ class MoEConfig(_Section):
         return self.shared_expert_intermediate_size or self.shared_expert_num * self.expert_size(intermediate_size)
 
 
+def expert_count(config: Any) -> tuple[int | None, str]:
+    """The number of routed experts of any model config and the field it came from: ours (its ``moe_config``
+    section) or transformers' (``num_experts``, ``expert_num``, ``num_local_experts``); (None, "") for a dense
+    model. The one reader of the expert count."""
+    moe = moe_config_of(config)
+    if moe is not None:
+        return moe.expert_num, "moe_config.expert_num"
+    for name in ("num_experts", "expert_num", "num_local_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value, name
+    return None, ""
+
+
 def moe_config_of(config: Any) -> MoEConfig | None:
     """The :class:`MoEConfig` of a model config (its ``moe_config`` section, an instance or a mapping), or None when
     the model has no experts."""

@@ -8,6 +8,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from ..layers import Attention, TransformerBlock
 from ..layers.moe import Router
+from ..task_registry import TaskSpec, task_of_model
 from .cache_names import CACHE_NAMES
 from .registry import register_with_peft
 
@@ -22,6 +23,10 @@ class MindFormersPreTrainedModel(PreTrainedModel):
       (computed under ``attn_implementation="eager"``, as in transformers), ``output_router_logits`` each MoE
       router's logits (tokens, experts).
     * models register the family with peft's defaults when they are built (peft may be imported after us).
+    * ``_whole_sequence_modules``: the modules that read the whole sequence (a head that pools or scores positions,
+      a pooler), which sequence parallelism gathers the sequence for; declared by each head and base model.
+    * ``task_spec``: the training task the model's head serves (task registry), found from its class name as
+      transformers finds a model's ``loss_type``; what its pipeline stages compute when no engine gives a task.
     """
 
     supports_gradient_checkpointing = True
@@ -31,12 +36,18 @@ class MindFormersPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
                            "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
+    _whole_sequence_modules: tuple[str, ...] = ()
 
     def post_init(self) -> None:
         """transformers' ``post_init`` (weights, plans), then our model types into peft's tables if it is loaded."""
         super().post_init()
         self.__dict__.pop("_init_roles", None)
         register_with_peft()
+
+    @property
+    def task_spec(self) -> TaskSpec | None:
+        """The task registry entry of the task this model trains (None for a base model)."""
+        return task_of_model(self)
 
     def weight_role(self, module: nn.Module) -> str:
         """The last part of ``module``'s qualified name in this model (``q_proj``, ``down_proj``, ``lm_head``, ...),

@@ -2,8 +2,14 @@
 resharding checkpoints and the launcher. The offline planner is :mod:`mindformers_py.planner`. The engines that train with them are in
 :mod:`mindformers_py.engine`."""
 
-from .config import MoEConfig, ParallelConfig, RecomputeConfig
-from .mesh import ParallelMesh, build_mesh
-from .parallelize import parallelize
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["MoEConfig", "ParallelConfig", "ParallelMesh", "RecomputeConfig", "build_mesh", "parallelize"]
+_EXPORTS = {
+    **dict.fromkeys(["MoEConfig", "ParallelConfig", "RecomputeConfig"], ".config"),
+    **dict.fromkeys(["ParallelMesh", "build_mesh"], ".mesh"),
+    "parallelize": ".parallelize",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

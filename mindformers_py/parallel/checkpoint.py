@@ -13,6 +13,11 @@ dp2 x tp2 loads under tp2, ZeRO-3 or stand-alone and training continues on the s
 :func:`consolidate_checkpoint` turns a folder into one ordinary safetensors checkpoint that
 ``AutoModelForCausalLM.from_pretrained`` loads (and ``convert_checkpoint(..., to="hf")`` exports to HF).
 
+Consolidation builds a fresh model to load the shards into with a *model factory* given by the caller (as
+torchtitan's checkpoint manager takes its state-dict adapter from the model spec): :func:`save_consolidated` uses the
+class of the model it is given, :func:`consolidate_checkpoint` the class a folder's ``config.json`` names among the
+model families (:func:`~mindformers_py.models.registry.model_class_named`), unless the caller passes its own.
+
 Folders are written under a temporary name and renamed when every rank finished, so a crash never leaves a
 half-written checkpoint under the final name.
 """
@@ -20,12 +25,13 @@ half-written checkpoint under the final name.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..auto import auto_class_for, resolve_config
-from ..convert import checkpoint_task
 from ..errors import CheckpointError
-from ..task_registry import task_for_class_name
 from ..utils.safetensors_io import atomic_folder
+
+ModelFactory = Callable[[Path], nn.Module]
+"""``factory(folder) -> model``: a fresh single-process model for the checkpoint ``folder`` (which holds the model's
+``config.json``), into which consolidation loads the whole weights."""
 
 MODEL_KEY, OPTIM_KEY = "model", "optimizer"
 CONFIG_NAME, EXTRA_NAME, METADATA_NAME = "config.json", "extra_state.json", ".metadata"
@@ -125,8 +132,8 @@ def _write_config(model: nn.Module, folder: Path) -> None:
         return
     data = json.loads(config.to_json_string(use_diff=False))
     arch = _architecture(model)
-    if arch and (arch.endswith("Model") or task_for_class_name(arch) is not None):  # a base model or any task's head
-        data["architectures"] = [arch]  # the model's own class, whatever a wrapped save_pretrained wrote before
+    if arch and hasattr(model, "config_class"):  # a transformers-style model: its own class, as save_pretrained writes
+        data["architectures"] = [arch]  # whatever a wrapped save_pretrained wrote before
     (folder / CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -205,41 +212,57 @@ def _copy_hyper_parameters(src: list[dict[str, Any]], dst: list[dict[str, Any]])
             target.update({k: v for k, v in source.items() if k != "params"})
 
 
-def consolidated_model(checkpoint_dir: str | os.PathLike) -> nn.Module:
-    """A fresh single-process model holding the weights of a sharded checkpoint written under any layout (its
-    class from the checkpoint's ``config.json``); runs in one process without collectives."""
+def model_from_config_file(folder: Path) -> nn.Module:
+    """The default model factory of a checkpoint folder: a fresh model of the class its ``config.json`` names in
+    ``architectures``, looked up among our model families, with that config."""
+    from ..models.registry import model_class_named  # reads the family table (the built-in families load with it)
+
+    data = json.loads((folder / CONFIG_NAME).read_text())
+    arch = (data.get("architectures") or [None])[0]
+    cls = model_class_named(arch) if arch else None
+    if cls is None:
+        raise CheckpointError(f"checkpoint {folder} names no model class of ours in {CONFIG_NAME} "
+                              f"(architectures={data.get('architectures')!r}); pass model_factory= to build its model")
+    return cls(cls.config_class.from_dict(data))
+
+
+def consolidated_model(checkpoint_dir: str | os.PathLike, model_factory: ModelFactory | None = None) -> nn.Module:
+    """A fresh single-process model holding the weights of a sharded checkpoint written under any layout; runs in
+    one process without collectives. ``model_factory(folder)`` builds the model (default:
+    :func:`model_from_config_file`, the class the checkpoint's ``config.json`` names)."""
     src = Path(checkpoint_dir)
     _check_folder(src)
     if not (src / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
         )
-    config, family, _ = resolve_config(src)
-    model = auto_class_for(checkpoint_task(getattr(config, "architectures", None), family)).from_config(config)
+    model = (model_factory or model_from_config_file)(src)
     state = {MODEL_KEY: model.state_dict()}
     _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])
     return model
 
 
-def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                           model_factory: ModelFactory | None = None) -> Path:
     """Turn a sharded checkpoint (any layout) into one safetensors checkpoint that
     ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads and ``convert_checkpoint(..., to="hf")``
     exports; runs in a single process (offline, or rank 0 of a job). ``output_dir`` is replaced, and appears
-    under its final name only when complete."""
-    model = consolidated_model(checkpoint_dir)
+    under its final name only when complete. ``model_factory`` as for :func:`consolidated_model`."""
+    model = consolidated_model(checkpoint_dir, model_factory)
     with atomic_folder(output_dir) as tmp:
         model.save_pretrained(tmp)
     return Path(output_dir)
 
 
 def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
-                      processing_class: Any = None) -> None:
+                      processing_class: Any = None, model_factory: ModelFactory | None = None) -> None:
     """Write whole weights (``save_pretrained`` format: safetensors + config) of a model trained under any layout
     into ``folder``, beside whatever it already holds; collective.
 
-    The ranks write a sharded checkpoint of the weights into a temporary folder and rank 0 consolidates it, so
-    pipeline stages on other ranks are included too.
+    The ranks write a sharded checkpoint of the weights into a temporary folder and rank 0 consolidates it into a
+    fresh model, so pipeline stages on other ranks are included too. ``model_factory(folder)`` builds that model
+    (default: a model of ``model``'s own class and config, :func:`same_class_factory`).
     """
     folder = Path(folder)
     holder = [tempfile.mkdtemp(prefix=".consolidate-", dir=_existing_parent(folder)) if _is_rank0() else None]
@@ -251,13 +274,25 @@ def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.P
         if _is_rank0():
             _write_config(_as_list(model)[0], tmp)
             folder.mkdir(parents=True, exist_ok=True)
-            consolidated_model(tmp).save_pretrained(folder)
+            factory = model_factory or same_class_factory(_as_list(model)[0])
+            consolidated_model(tmp, factory).save_pretrained(folder)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(folder)
         _barrier()
     finally:
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def same_class_factory(model: nn.Module) -> ModelFactory:
+    """A factory of fresh models like ``model``: its own class (behind FSDP/DDP wrappers) with its config, for a
+    transformers-style model (one with a ``config_class``); else the class a checkpoint's config names
+    (:func:`model_from_config_file`)."""
+    cls = next((c for c in type(model).__mro__ if c.__name__ == _architecture(model)), None)
+    config = getattr(model, "config", None)
+    if cls is None or not hasattr(cls, "config_class") or config is None:
+        return model_from_config_file
+    return lambda folder: cls(copy.deepcopy(config))
 
 
 def _existing_parent(folder: Path) -> Path:

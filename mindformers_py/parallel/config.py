@@ -37,8 +37,8 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
-from ..layers.moe_config import moe_config_of
-from .moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig, _expert_count  # noqa: F401
+from ..layers.moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
+from ..layers.moe_config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
@@ -58,6 +58,11 @@ _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batc
 # ---------------------------------------------------------------------------------------------------------------
 # Parallel layout
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _processes(count: int) -> str:
+    """How to start ``count`` processes, for an error's fix."""
+    return f"{count} processes (torchrun --nproc_per_node {count}, or mindformers-py run without torchrun)"
 
 
 @dataclass
@@ -262,12 +267,17 @@ class ParallelConfig(_Section):
         if mode == "data_parallel" and self.data_parallel != world_size:
             raise ConfigError(
                 f"data_parallel={self.data_parallel} does not match world_size={world_size}; "
-                f"expected data_parallel={world_size} with parallel_mode='data_parallel'"
+                f"expected data_parallel={world_size} with parallel_mode='data_parallel', or run "
+                f"{_processes(self.data_parallel)}"
             )
         if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
+            others = self.model_parallel * self.pipeline_stage
+            fits = world_size % others == 0 and (world_size // others) % self.expert_parallel == 0
+            fix = f"set data_parallel={world_size // others}" if fits else "change the layout"
             raise ConfigError(
                 f"data_parallel*model_parallel*pipeline_stage = {self.data_parallel}*{self.model_parallel}*"
-                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}"
+                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}; run "
+                f"{_processes(self.required_world_size())}, or {fix}"
             )
         if model_config is not None:
             self._validate_model(model_config)
@@ -311,7 +321,7 @@ class ParallelConfig(_Section):
                 f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
                 f"expected at most {num_layers} model chunks (each needs a layer)"
             )
-        experts, source = _expert_count(cfg)
+        experts, source = expert_count(cfg)
         if experts is None and self.ep > 1:
             raise ConfigError(f"expert_parallel={self.ep} is not valid for a model without experts (a dense model); "
                               "expected expert_parallel=1, or a model with experts (MoE)")
@@ -359,6 +369,51 @@ class ParallelConfig(_Section):
         mode = "semi_auto_parallel" if self.parallel_mode == "auto_parallel" else self.parallel_mode
         return dataclasses.replace(self, **{"parallel_mode": mode, **fields, "data_parallel": data_parallel,
                                             "model_parallel": model_parallel, "pipeline_stage": pipeline_stage})
+
+    def describe(self) -> str:
+        """The layout applied, in one line: ``dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full`` (then the pipeline
+        schedule, sequence and vocabulary parallelism where they apply). Runs print it at start."""
+        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep}"]
+        if self.pp > 1:
+            chunks = f" x{self.vpp} chunks" if self.vpp > 1 else ""
+            parts.append(f"{self.pipeline_schedule}{chunks} over {self.micro_batches} micro-batches")
+        zero = f"ZeRO-{self.zero_stage}" if self.zero_stage else "no ZeRO"
+        parts.append(zero + (f" (HSDP, shard groups of {self.shard_size})" if self.shard_size else ""))
+        recompute = self.recompute
+        mode = "off" if not recompute.enabled else recompute.recompute
+        if recompute.enabled and recompute.recompute == "selective":
+            mode += "(" + "+".join(recompute.select_recompute) + ")"
+        if recompute.enabled and recompute.recompute_num_layers is not None:
+            layers = recompute.recompute_num_layers
+            mode += f" on {list(layers) if isinstance(layers, tuple) else layers} layer(s) per stage"
+        parts.append(f"recompute={mode}")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        if self.vocab_parallel:
+            parts.append("vocabulary sharded")
+        return ", ".join(parts)
+
+    def ignored_sizes(self) -> dict[str, int]:
+        """Layout sizes above 1 that this ``parallel_mode`` does not apply (``stand_alone`` runs one process whatever
+        ``data_parallel`` says), by field name; a run warns about them rather than pretend they ran."""
+        applied = {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
+                   "expert_parallel": self.ep}
+        return {name: getattr(self, name) for name, size in applied.items() if getattr(self, name) != size}
+
+    def ignored_sizes_warning(self) -> str | None:
+        """One line saying which sizes this mode leaves unapplied and how to apply them; None when all apply."""
+        ignored = self.ignored_sizes()
+        if not ignored:
+            return None
+        sizes = ", ".join(f"{name}={size}" for name, size in ignored.items())
+        world = math.prod(ignored.get(name, 1) for name in ("data_parallel", "model_parallel", "pipeline_stage"))
+        mode = "data_parallel" if set(ignored) == {"data_parallel"} else "semi_auto_parallel"
+        return (f"parallel_mode={self.parallel_mode!r} runs one process, so {sizes} "
+                f"{'is' if len(ignored) == 1 else 'are'} not applied; set parallel_mode={mode!r} to run {world} processes")
+
+    def without_ignored_sizes(self) -> ParallelConfig:
+        """A copy whose sizes are those applied (:meth:`ignored_sizes` set back to 1): what a run records."""
+        return dataclasses.replace(self, **dict.fromkeys(self.ignored_sizes(), 1)) if self.ignored_sizes() else self
 
     @property
     def is_distributed(self) -> bool:

@@ -9,13 +9,17 @@ checkpoints written under one layout load under another. Then each stage this ra
 ``stage_view`` of the cut model. Each view is parallelized like a whole model (tensor parallel, recompute, FSDP) and
 driven by torch's schedules: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``.
 
-The loss of a micro-batch is the task's loss (:mod:`mindformers_py.task_registry`) summed over its items and
-divided by the items of the whole batch (``num_items_in_batch``), and gradients are not rescaled by the
-schedule, so a pipelined step computes the same loss and gradients as one stand-alone forward/backward of the
-whole batch. State the stages carry (``pipeline_carry``) becomes the last stage's model's
-``carried_loss(carried, labels, num_items_in_batch, counted)``, added to the task's loss. ``counted`` is False for
-the one call torch makes on placeholder tensors when a schedule first runs (to infer gradient shapes), so a model
-that counts its micro-batches for the logs leaves it out.
+**The loss comes from the caller.** The last stage calls a :data:`StageLoss` ``loss(model, inputs)`` once per
+pipeline micro-batch, with that micro-batch's rows of the batch and a :class:`LastStageModel` that answers
+``model(**inputs)`` as the whole model would, from the outputs the stages computed: the engine passes the
+Trainer's loss there (its ``compute_loss``, a user's override or ``compute_loss_func``), normalised and rescaled
+by the engine's one loss path (:mod:`mindformers_py.engine.step_loss`). Gradients are not rescaled by the schedule, so a
+pipelined step computes the same loss and gradients as one stand-alone forward/backward of the whole batch.
+Callers without an engine get the task's loss normalised by the batch's items. State the stages carry
+(``pipeline_carry``) becomes the last stage's model's ``carried_loss(carried, labels, num_items_in_batch,
+counted)``, added to the task's loss as the whole model adds it. ``counted`` is False for the one call torch makes
+on placeholder tensors when a schedule first runs (to infer gradient shapes), so a model that counts its
+micro-batches for the logs leaves it out; that call computes the task's loss, not the caller's.
 """
 
 from __future__ import annotations
@@ -32,26 +36,24 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..errors import ConfigError
-from ..task_registry import TaskSpec
+from ..errors import ConfigError, MindFormersError
 from .config import ParallelConfig
-from .pipeline_stages import TOKEN_IDS_KEY, carried_names, split_model, stage_ids_for_rank
+from .pipeline_stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
+
+StageLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+"""``loss(model, inputs)``: the loss one pipeline micro-batch back-propagates, computed on the last stage; ``inputs``
+are the micro-batch's rows of the batch and ``model`` the :class:`LastStageModel` holding their outputs."""
 
 
-def _pipeline_loss(output: Any, target: torch.Tensor, task: TaskSpec, config: Any, num_items_in_batch: Any = None,
-                   loss_scale: float = 1.0, last_stage: nn.Module | None = None, counted: bool = True) -> torch.Tensor:
-    """Loss of one micro-batch on the last stage: the task's loss summed over the micro-batch's items and divided by
-    the whole batch's ``num_items_in_batch``, plus the ``carried_loss`` of the state the stages carried (see
-    :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`), times ``loss_scale`` (a data-parallel engine that averages gradients over N ranks
-    passes N). Several label tensors arrive stacked on the last dimension."""
-    outputs = output if isinstance(output, tuple) else (output,)
-    labels = target.unbind(-1) if len(task.label_names) > 1 else (target,)
-    count = len(task.output_fields)
-    loss = task.compute_loss(outputs[:count], labels, config, num_items_in_batch)
-    extra = _carried_loss(last_stage, outputs[count:], labels, num_items_in_batch, counted)
-    if extra is not None:
-        loss = loss + extra
-    return loss * loss_scale if loss_scale != 1.0 else loss
+def _task_loss(task: StageTask, config: Any, outputs: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
+               labels: Sequence[torch.Tensor], num_items_in_batch: Any, stage: nn.Module | None,
+               counted: bool = True) -> torch.Tensor:
+    """The whole model's loss from the last stage's outputs: the task's loss normalised by ``num_items_in_batch``,
+    plus the ``carried_loss`` of the state the stages carried (see
+    :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`)."""
+    loss = task.compute_loss(tuple(outputs), tuple(labels), config, num_items_in_batch)
+    extra = _carried_loss(stage, carried, labels, num_items_in_batch, counted)
+    return loss if extra is None else loss + extra
 
 
 def _carried_loss(stage: nn.Module | None, carried: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
@@ -76,6 +78,47 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+class LastStageModel:
+    """What a loss function calls "the model" on the last pipeline stage: the stages already ran the micro-batch,
+    so calling it returns their outputs as the whole model would return them (the task's output class, with the
+    loss when the inputs hold the labels; ``num_items_in_batch`` normalises it). Other attributes (``config``,
+    ``training``, ...) are the last stage's model's.
+
+    It answers for its own micro-batch only: a loss function that calls it with other model inputs than the ones it
+    was given (another forward) is refused, as that cannot run on one stage.
+    """
+
+    def __init__(self, pipeline: PipelineParallel, outputs: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
+                 inputs: Mapping[str, Any], counted: bool = True) -> None:
+        self._pipeline = pipeline
+        self._outputs = tuple(outputs)
+        self._carried = tuple(carried)
+        self._inputs = inputs
+        self._counted = counted
+
+    def __call__(self, *args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        task = self._pipeline.task
+        if args:
+            kwargs[task.model_input] = args[0]
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and name not in task.label_names and name in self._inputs \
+                    and value is not self._inputs[name]:
+                raise MindFormersError(
+                    f"under pipeline_stage > 1 the loss runs on the last stage, after the stages ran the batch: call "
+                    f"model(**inputs) with the inputs the loss was given ({name!r} differs), not another forward")
+        fields: dict[str, Any] = dict(zip(task.output_fields, self._outputs))
+        labels = [kwargs.get(name) for name in task.label_names]
+        if all(isinstance(label, torch.Tensor) for label in labels):
+            fields["loss"] = _task_loss(task, self._pipeline.config, self._outputs, self._carried, labels,
+                                        num_items_in_batch, self._pipeline.last_part, self._counted)
+        return task.output_class(**fields)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_pipeline":  # not set yet (copying): no model to ask
+            raise AttributeError(name)
+        return getattr(self._pipeline.model_parts[-1], name)
+
+
 # Schedules kept per (input shape, training or evaluation): torch fixes a stage's activation shapes when it first
 # runs, so training and evaluation batches and a few sequence lengths of dynamically padded data each keep theirs.
 MAX_CACHED_SCHEDULES = 8
@@ -86,14 +129,15 @@ class PipelineParallel:
 
     Build it with :func:`build_pipeline`. ``model_parts`` are the stage views this rank holds (one, or
     ``virtual_pipeline_stages`` for interleaved 1F1B); give their parameters to the optimizer. :meth:`step`
-    runs forward and backward of a whole per-rank batch and returns the batch loss on every pipeline rank;
-    calling the object runs forward only (evaluation) and returns the task's outputs (and loss, with labels) on
-    every pipeline rank.
+    runs forward and backward of a whole per-rank batch with a :data:`StageLoss` and returns the batch loss on
+    every pipeline rank; calling the object runs forward only (evaluation) and returns the task's outputs (and
+    loss, with labels) on every pipeline rank.
 
     Attributes:
         model_parts: this rank's stage views, in stage order.
         stage_ids: the pipeline stage index of each model part.
-        task: the task whose loss the last stage computes.
+        task: the task the stages compute (:class:`~mindformers_py.parallel.pipeline_stages.StageTask`): model
+            input, labels, output fields and, for callers without an engine, the loss.
         pp_group: the process group of this rank's pipeline.
         pp_rank: this rank's position in the pipeline.
         pp_size: number of pipeline ranks.
@@ -107,7 +151,7 @@ class PipelineParallel:
         self.model_parts = model_parts
         self.stage_ids = stage_ids
         self.num_stages = num_stages
-        self.task: TaskSpec = model_parts[0].pipeline_task
+        self.task: StageTask = model_parts[0].pipeline_task
         self.config = model_parts[0].config
         self.pp_group = pp_group
         self.device = device
@@ -125,6 +169,9 @@ class PipelineParallel:
         # Loss calls still to come on placeholder tensors: a new training schedule's first step infers the gradient
         # shapes by running the stages and the loss once on empty tensors (torch's dynamic metadata inference).
         self._placeholder_losses = 0
+        # The batch being stepped and its loss, for the last stage's loss calls (which receive row indices).
+        self._batch: Mapping[str, Any] | None = None
+        self._loss_fn: StageLoss | None = None
 
     # -- parameters and modes ---------------------------------------------------------------------------------
 
@@ -167,16 +214,50 @@ class PipelineParallel:
 
     # -- running --------------------------------------------------------------------------------------------------
 
-    def _loss(self, output: Any, target: torch.Tensor, num_items_in_batch: Any = None,
-              loss_scale: float = 1.0) -> torch.Tensor:
-        counted = self._placeholder_losses == 0
-        self._placeholder_losses = max(self._placeholder_losses - 1, 0)
-        return _pipeline_loss(output, target, self.task, self.config, num_items_in_batch, loss_scale, self._last_part(),
-                              counted)
-
-    def _last_part(self) -> nn.Module | None:
+    @property
+    def last_part(self) -> nn.Module | None:
         """The model part holding the last stage (None on other ranks)."""
         return self.model_parts[-1] if self.has_last_stage else None
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether the stages hand the model's ``pipeline_carry`` state on beside the hidden states."""
+        return bool(carried_names(self.model_parts[-1]))
+
+    def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: ``rows`` (the target torch splits like the inputs) are the micro-batch's
+        rows of the batch being stepped."""
+        counted = self._placeholder_losses == 0
+        self._placeholder_losses = max(self._placeholder_losses - 1, 0)
+        outputs = output if isinstance(output, tuple) else (output,)
+        count = len(self.task.output_fields)
+        inputs = self._rows(rows)
+        model = LastStageModel(self, outputs[:count], outputs[count:], inputs, counted)
+        if counted:
+            return self._loss_fn(model, inputs)
+        # torch's shape inference on placeholder tensors: any loss of every output gives the gradients' shapes.
+        loss = model(**inputs).loss
+        return loss if loss is not None else sum(t.float().sum() * 0.0 for t in outputs if t.requires_grad)
+
+    def _rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        """The batch being stepped, cut to ``rows`` (tensors with a batch dimension; other values as they are)."""
+        batch = self._batch
+        size = batch[self.task.model_input].shape[0]
+        return {k: v.index_select(0, rows.to(v.device)) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == size
+                else v for k, v in batch.items()}
+
+    def task_loss(self, num_items_in_batch: Any, loss_scale: float = 1.0) -> StageLoss:
+        """The :data:`StageLoss` of callers without an engine: the task's loss (the whole model's) normalised by
+        ``num_items_in_batch``, times ``loss_scale``."""
+        def loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+            value = model(**inputs, num_items_in_batch=num_items_in_batch).loss
+            return value * loss_scale if loss_scale != 1.0 else value
+
+        return loss
+
+    def _batch_items(self, batches: Sequence[Mapping[str, Any]]) -> int:
+        """The task's items in ``batches`` (at least 1): the default normalisation of callers without an engine."""
+        return max(sum(self.task.count_items(b) or 0 for b in batches), 1)
 
     def _schedule_for(self, shape: tuple[int, ...], training: bool) -> Any:
         key = (*shape, training)
@@ -235,34 +316,35 @@ class PipelineParallel:
             shape += tuple(target.shape[1:]) if isinstance(target, torch.Tensor) else ()
         return shape
 
-    def _target(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The batch's labels as one tensor (several label tensors stacked on a last dimension)."""
-        labels = [batch[name] for name in self.task.label_names]
-        return labels[0] if len(labels) == 1 else torch.stack(labels, dim=-1)
-
     def step(self, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None,
-             loss_scale: float = 1.0, sync_tied: bool = True) -> torch.Tensor:
+             loss_scale: float = 1.0, sync_tied: bool = True, loss_fn: StageLoss | None = None) -> torch.Tensor:
         """Forward and backward of one per-rank batch (the model input, labels, optional ``attention_mask``), split
         into the configured micro-batches.
 
         Every rank of the pipeline passes the same batch (the first stage reads the model input, the last the
-        labels). ``num_items_in_batch`` normalises the summed loss (HF's meaning); by default it is this batch's
-        item count, which makes the loss the mean over items. ``loss_scale`` multiplies the loss before backward.
-        Gradients accumulate into the parameters. ``sync_tied`` then sums the gradients of a tied embedding
-        between the first and last stage: pass False for all but the last batch of an accumulation (a sum of
-        already-summed gradients would count the earlier batches twice). Returns the backpropagated batch loss
-        (detached) on every rank of the pipeline.
+        labels). ``loss_fn`` is each micro-batch's loss (:data:`StageLoss`); without one, :meth:`task_loss` with
+        ``num_items_in_batch`` (HF's meaning; by default this batch's item count, which makes the loss the mean
+        over items) and ``loss_scale``. Gradients accumulate into the parameters. ``sync_tied`` then sums the
+        gradients of a tied embedding between the first and last stage: pass False for all but the last batch of
+        an accumulation (a sum of already-summed gradients would count the earlier batches twice). Returns the
+        backpropagated batch loss (detached) on every rank of the pipeline.
         """
-        if num_items_in_batch is None:
-            num_items_in_batch = max(self.task.count_items(batch) or 0, 1)
+        if loss_fn is None:
+            items = self._batch_items([batch]) if num_items_in_batch is None else num_items_in_batch
+            loss_fn = self.task_loss(items, loss_scale)
         args, kwargs = self._stage_inputs(batch)
-        target = self._target(batch) if self.has_last_stage else None
+        rows = batch[self.task.model_input].shape[0]
+        # The last stage's loss receives the row indices of its micro-batch (torch splits the target as the inputs).
+        target = torch.arange(rows, device=self.device) if self.has_last_stage else None
         losses: list[torch.Tensor] = []
         schedule = self._schedule_for(self._shape_key(batch), training=True)
-        loss_kwargs = {"num_items_in_batch": num_items_in_batch, "loss_scale": loss_scale}
-        # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
-        with loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext():
-            schedule.step(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
+        self._batch, self._loss_fn = batch, loss_fn
+        try:
+            # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
+            with loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext():
+                schedule.step(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self._batch = self._loss_fn = None
         total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
             else torch.zeros((), device=self.device)
         # The loss is known on the last rank only; the caller logs it on every rank.
@@ -272,16 +354,18 @@ class PipelineParallel:
         return total
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
-        """:meth:`step` over each gradient-accumulation batch of one optimizer step; returns the summed loss.
-        ``num_items_in_batch`` is the item count of the whole step, so the sum is the step's loss; by default it
-        is counted from ``micro_batches``."""
-        if num_items_in_batch is None:
-            num_items_in_batch = max(sum(self.task.count_items(b) or 0 for b in micro_batches), 1)
+                         num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0,
+                         loss_fn: StageLoss | None = None) -> torch.Tensor:
+        """:meth:`step` over each gradient-accumulation batch of one optimizer step with ``loss_fn``; returns the
+        summed loss. Without ``loss_fn``, :meth:`task_loss` with ``num_items_in_batch``, the item count of the
+        whole step (by default counted from ``micro_batches``), so the sum is the step's loss."""
+        if loss_fn is None:
+            items = self._batch_items(micro_batches) if num_items_in_batch is None else num_items_in_batch
+            loss_fn = self.task_loss(items, loss_scale)
         total = None
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            loss = self.step(batch, num_items_in_batch, loss_scale, sync_tied=i == last)
+            loss = self.step(batch, sync_tied=i == last, loss_fn=loss_fn)
             total = loss if total is None else total + loss
         return total
 
@@ -304,10 +388,9 @@ class PipelineParallel:
         fields = dict(zip(self.task.output_fields, outputs))
         if all(isinstance(batch.get(name), torch.Tensor) for name in self.task.label_names):
             labels = [batch[name] for name in self.task.label_names]
-            fields["loss"] = self.task.compute_loss(outputs[:count], labels, self.config, num_items_in_batch)
-            extra = _carried_loss(self.model_parts[0], outputs[count:], labels, num_items_in_batch)
-            if extra is not None:  # the carried state came to every rank with the outputs
-                fields["loss"] = fields["loss"] + extra
+            # The carried state came to every rank with the outputs; any part's model computes its loss.
+            fields["loss"] = _task_loss(self.task, self.config, outputs[:count], outputs[count:], labels,
+                                        num_items_in_batch, self.model_parts[0])
         return self.task.output_class(**fields)
 
     def _broadcast_outputs(self, output: Any) -> list[torch.Tensor]:
@@ -374,13 +457,13 @@ def build_pipeline(
     mesh: Any = None,
     device: torch.device | str | None = None,
     parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
+    task: StageTask | None = None,
 ) -> PipelineParallel:
     """Cut ``model`` in place to this rank's stages and return them ready to run with torch's schedules.
 
     Args:
-        model: a model of a task of the registry declaring a pipeline plan (``GPTForCausalLM``,
-            ``GPTForSequenceClassification``, ...), with the same weights on every rank (same seed or same
-            checkpoint). It is cut in place (:func:`cut_to_stages`): afterwards it holds exactly this rank's
+        model: a model declaring a pipeline plan (``GPTForCausalLM``, ``GPTForSequenceClassification``, ...),
+            with the same weights on every rank (same seed or same checkpoint). It is cut in place (:func:`cut_to_stages`): afterwards it holds exactly this rank's
             parameters under the full model's names.
         parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
             ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
@@ -390,6 +473,8 @@ def build_pipeline(
         parallelize: applied to each stage view (tensor parallel, recompute, data parallel / ZeRO, in
             torchtitan's order; ``part.pp_rank`` gives the stage for per-stage settings); it may return a wrapping
             module or modify the part in place and return None.
+        task: the task the stages compute (the engine passes the Trainer's task registry entry); None takes the
+            model's own (its ``task_spec``).
     """
     pp, vpp = parallel_config.pp, parallel_config.vpp
     group = _pp_group(mesh)
@@ -407,7 +492,7 @@ def build_pipeline(
     tied_names = _tied_weight_names(model) if pp > 1 else []
     model.to(device)
     parts: list[nn.Module] = []
-    for part in split_model(model, num_chunks, chunk_ids, pp):
+    for part in split_model(model, num_chunks, chunk_ids, pp, task=task):
         part.sequence_shards = parallel_config.tp if parallel_config.sequence_parallel else 1
         if parallelize is not None:
             part = parallelize(part) or part

@@ -3,7 +3,7 @@
 **The model is its own stage** (torchtitan's way). The cut follows the plans the model declares
 (``config.base_model_pp_plan`` and the head's ``_pp_plan``): modules listed before ``layers`` (token and position
 embeddings) live on the first stage, ``layers`` is split into contiguous ranges, and modules listed after it (final
-norm, head) live on the last stage, where the task's loss is computed. A stage is the model itself with the parts
+norm, head) live on the last stage, where the loss is computed. A stage is the model itself with the parts
 it does not hold set to None: its own ``forward`` skips them (a base model without ``embed_tokens`` takes the
 previous stage's hidden states as ``inputs_embeds``; a head model without its head returns the base output). No
 stage code repeats the model's forward.
@@ -30,15 +30,37 @@ sends every tensor of a tuple on, and their gradients back), and the last stage 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..task_registry import TaskSpec, task_of_model
+
+class StageTask(Protocol):
+    """What the stages need to know of the task they train: the engine passes its task registry entry
+    (:class:`~mindformers_py.task_registry.TaskSpec`); without one, the model's own (its ``task_spec``)."""
+
+    model_input: str
+    """The batch key the first stage reads (``input_ids``, ``pixel_values``)."""
+    label_names: tuple[str, ...]
+    """Batch keys holding the labels, in the order the loss takes them."""
+    output_fields: tuple[str, ...]
+    """The model output fields the last stage returns (``logits``; ``start_logits``, ``end_logits``)."""
+    output_class: type
+    """The model output class those fields are presented in."""
+
+    def outputs_of(self, output: Any) -> tuple[torch.Tensor, ...]:
+        """The :attr:`output_fields` of a model output."""
+
+    def compute_loss(self, outputs: Any, labels: Any, config: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The task's loss of ``outputs`` against ``labels``, normalised by ``num_items_in_batch``."""
+
+    def count_items(self, batch: Mapping[str, Any]) -> int | None:
+        """Items of the task's loss in ``batch``."""
+
 
 LAYERS_KEY = "layers"
 # The keyword under which every stage receives the batch's token ids (heads that pool by token, such as the
@@ -198,7 +220,7 @@ class PipelineStageMixin:
     output fields (``logits``, or ``(start_logits, end_logits)``), on which the loss is computed.
 
     Attributes set by :func:`stage_view`: ``stage_index``, ``pp_rank``, ``layer_ids``, ``is_first``, ``is_last``,
-    ``pipeline_task`` (the :class:`~mindformers_py.task_registry.TaskSpec`) and ``sequence_shards`` (the
+    ``pipeline_task`` (the :class:`StageTask`) and ``sequence_shards`` (the
     tensor-parallel size under sequence parallelism: the hidden states a later stage receives are that many times
     shorter than the sequence, which positions and masks must cover).
 
@@ -210,7 +232,7 @@ class PipelineStageMixin:
     def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        spec: TaskSpec = self.pipeline_task
+        spec: StageTask = self.pipeline_task
         names = carried_names(self)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
         if self.is_first:  # the model numbers the positions itself (RoBERTa's count only real tokens)
@@ -240,7 +262,6 @@ def carried_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "pipeline_carry", ()) or ())
 
 
-_STAGE_CLASSES: dict[type, type] = {}
 class EncoderDecoderStageMixin(PipelineStageMixin):
     """:class:`PipelineStageMixin` for encoder-decoders (T5), whose stages hand tuples of tensors on.
 
@@ -293,16 +314,17 @@ def _stage_class(cls: type, mixin: type = PipelineStageMixin) -> type:
     return _STAGE_CLASSES[cls, mixin]
 
 
-def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, task: TaskSpec | None = None) -> nn.Module:
+def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, task: StageTask | None = None) -> nn.Module:
     """One stage of ``model`` (cut by :func:`cut_to_stages` or whole) as a module torch's schedules can run: a
     shallow copy sharing the model's modules (no weight is copied), holding ``layers`` and, on the first / last
     stage, the embeddings / norm and head (see :class:`PipelineStageMixin`). Its state-dict keys are the full
-    model's. ``task`` defaults to the model's own (from its class name)."""
+    model's. ``task`` is what the stage computes (the engine gives its task); None takes the model's own
+    ``task_spec``."""
     plan = stage_plan(model)  # refuses a model without a pipeline plan
-    task = task or task_of_model(model)
+    task = task or getattr(model, "task_spec", None)
     if task is None:
-        raise ConfigError(f"pipeline_stage > 1 needs a model of a known task; {type(model).__name__} has none "
-                          "(its class name ends in no task suffix of the task registry)")
+        raise ConfigError(f"pipeline_stage > 1 needs the task {type(model).__name__} trains: it names none (no "
+                          "task_spec); train it with the Trainer, or pass task= (a task registry entry)")
     view = _shallow_copy(model)
     prefix = model.base_model_prefix
     view._modules[prefix] = _shallow_copy(getattr(model, prefix))
@@ -324,15 +346,17 @@ def stage_view(model: nn.Module, layers: range, is_first: bool, is_last: bool, t
     return view
 
 
-def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1) -> list[nn.Module]:
+def split_model(model: nn.Module, num_chunks: int, chunk_ids: list[int], pp_size: int = 1,
+                task: StageTask | None = None) -> list[nn.Module]:
     """Cut ``model`` in place to the chunks ``chunk_ids`` of ``num_chunks`` (:func:`layer_ranges`; chunk ``i``
-    runs on pipeline rank ``i % pp_size``) and return their stage views, in order."""
+    runs on pipeline rank ``i % pp_size``) and return their stage views (computing ``task``, see
+    :func:`stage_view`), in order."""
     ranges = layer_ranges(sum(stack_sizes(model)), num_chunks)
     held = [i for chunk in chunk_ids for i in ranges[chunk]]
     cut_to_stages(model, held, 0 in chunk_ids, num_chunks - 1 in chunk_ids)
     parts = []
     for i in chunk_ids:
-        part = stage_view(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1)
+        part = stage_view(model, ranges[i], is_first=i == 0, is_last=i == num_chunks - 1, task=task)
         part.stage_index, part.pp_rank = i, i % pp_size
         parts.append(part)
     return parts

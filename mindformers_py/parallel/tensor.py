@@ -158,25 +158,21 @@ def _styles(
 
 
 def _whole_sequence_modules(model: nn.Module) -> list[str]:
-    """Modules that take the whole sequence under sequence parallelism: the heads beside the base model that read
-    its hidden states (a head declared in ``_pp_plan`` with other inputs, such as a classifier of the pooled
-    output, is left alone) and the base model's modules after its layers other than norms (a pooler)."""
+    """Modules that take the whole sequence under sequence parallelism, as the model declares them in
+    ``_whole_sequence_modules`` (its heads that pool or score positions) and its base model does (a pooler); those
+    this model (or pipeline stage) holds."""
+    names = list(getattr(model, "_whole_sequence_modules", ()))
     base = getattr(model, "base_model_prefix", None)
-    head_plan = getattr(model, "_pp_plan", None) or {}
-    names = []
-    for name, child in model.named_children():
-        if name == base or child is None or not any(True for _ in child.parameters()):
-            continue
-        if "hidden_states" in head_plan.get(name, (["hidden_states"], []))[0]:
-            names.append(name)
     base_module = getattr(model, base, None) if base else None
-    base_plan = list(getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {})
-    if base_module is not None and "layers" in base_plan:
-        for part in base_plan[base_plan.index("layers") + 1:]:
-            module = getattr(base_module, part, None)
-            if isinstance(module, nn.Module) and not isinstance(module, NORM_TYPES):
-                names.append(f"{base}.{part}")
-    return names
+    if isinstance(base_module, nn.Module) and base_module is not model:
+        names += [f"{base}.{name}" for name in getattr(base_module, "_whole_sequence_modules", ())]
+    held = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        module = getattr(model.get_submodule(owner) if owner else model, leaf, None)
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+            held.append(name)
+    return held
 
 
 def _positional_arity(module: nn.Module) -> int:

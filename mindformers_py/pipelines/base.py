@@ -8,6 +8,7 @@ folder), and the preprocessor it needs.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrained
 from ..auto import auto_class_for
 from ..errors import CheckpointError, MindFormersError, invalid_choice
 from ..models import registry
+
+logger = logging.getLogger(__name__)
 
 class AcceptsOurModels:
     """Mixin for a transformers ``Pipeline`` subclass: our families' models count as supported (transformers
@@ -98,7 +101,13 @@ def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreT
         return model, None
     if isinstance(model, (str, os.PathLike)):
         folder = Path(model)
-        loaded = task.auto_model.from_pretrained(model, **load_kwargs)
+        loaded, info = task.auto_model.from_pretrained(model, output_loading_info=True, **load_kwargs)
+        if info["missing_keys"] and task.task != "base":
+            # e.g. fill-mask on all-MiniLM-L6-v2, a checkpoint of embeddings without its masked-LM head
+            logger.warning("pipeline(%r) on %s: the checkpoint has no trained head for this task (%d tensors newly "
+                           "initialised, e.g. %s), so the outputs are noise; fine-tune it first, or use "
+                           "pipeline('feature-extraction') for the checkpoint's embeddings", task.name, model,
+                           len(info["missing_keys"]), sorted(info["missing_keys"])[0])
         return loaded, folder if folder.is_dir() else None
     if model is None:
         what = "a model object, a checkpoint folder or a preset (" + ", ".join(registry.all_presets()) + ")"

@@ -1,12 +1,14 @@
 """The sizes of a model that the planner's memory and time estimates depend on (:class:`ModelShape`), and the one
 place that reads them from a model description: our configs (``GPTConfig`` and presets) and HF ``config.json``
-dicts of every family the planner covers (decoders, mixtures of experts, encoders, encoder-decoders, vision
+dicts of every architecture the planner covers (decoders, mixtures of experts, encoders, encoder-decoders, vision
 encoders).
 
-A family plugs in by registering a reader for its HF ``model_type`` with :func:`register_shape_reader`; model types
-our own families convert (``gpt2``, ``llama``, ``mistral``, ``qwen2``) are read through the family's converter, so
-the planner sees exactly the model we would build. Parameter counts are exact for the HF classes named in each
-reader (the tests compare them with transformers' models on the meta device).
+The readers here know transformers' architectures only. A reader for an HF ``model_type`` is registered with
+:func:`register_shape_reader`; model types our own families convert (``gpt2``, ``llama``, ``mistral``, ``qwen2``)
+are read through the family's converter, so the planner sees exactly the model we would build. Our own configs are
+read as their family says (its registry entry's ``planner_config``: BERT, T5 and ViT as the HF config they export
+to), else field by field, GPT-style. Parameter counts are exact for the HF classes named in each reader (the tests
+compare them with transformers' models on the meta device).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..layers.moe_config import moe_config_of
-from ..models import registry  # the package's import registers every family in it
+from ..models import registry  # the family table (it imports the built-in families on first read)
 from ..parallel.config import RecomputeConfig
 
 # Activation tensors the MLP activation function keeps for backward, counted in intermediate-size units (the
@@ -422,19 +424,11 @@ def _bert(cfg: Mapping[str, Any]) -> ModelShape:
         norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), learned_positions=True,
         act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob", "hidden_dropout", "attention_dropout"),
+        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"),
         causal=False,
         token_types=cfg.get("type_vocab_size", 2), head="mlm", post_norm=True, final_norm=False,
         model_type=str(cfg.get("model_type")),
     )
-
-
-@register_shape_reader("mindformers_bert")
-def _our_bert(cfg: Mapping[str, Any]) -> ModelShape:
-    """Our ``BertConfig`` (BERT and RoBERTa): the same shape as BERT's, its dropouts under our field names."""
-    renamed = {**cfg, "hidden_dropout_prob": cfg.get("hidden_dropout", 0.1),
-               "attention_probs_dropout_prob": cfg.get("attention_dropout", 0.1)}
-    return replace(_bert(renamed), model_type="mindformers_bert")
 
 
 @register_shape_reader("t5", "mt5")
@@ -456,21 +450,10 @@ def _t5(cfg: Mapping[str, Any]) -> ModelShape:
     )
 
 
-@register_shape_reader("mindformers_t5")
-def _our_t5(cfg: Mapping[str, Any]) -> ModelShape:
-    """Our ``T5Config`` (its fields under our names): read as the transformers T5 config it exports to."""
-    from ..models.t5 import T5Config
-    from ..models.t5.convert_t5 import config_to_hf
-
-    config = T5Config(**{k: v for k, v in cfg.items() if k != "model_type"})
-    return replace(_t5(config_to_hf(config).to_dict()), model_type="mindformers_t5")
-
-
-@register_shape_reader("vit", "mindformers_vit")
+@register_shape_reader("vit")
 def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     """``ViTForImageClassification``: pre-norm encoder over image patches plus a class token, a linear
-    classifier on the class token. Reads transformers' names and our ``ViTConfig``'s (``attention_bias``,
-    ``hidden_dropout``, ``attention_dropout``)."""
+    classifier on the class token."""
     hidden, layers, heads, image, patch = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads",
                                                    "image_size", "patch_size")
     channels = cfg.get("num_channels", 3)
@@ -479,11 +462,10 @@ def _vit(cfg: Mapping[str, Any]) -> ModelShape:
     return ModelShape(
         hidden=hidden, layers=layers, heads=heads, kv_heads=heads, head_dim=hidden // heads,
         ffn=cfg.get("intermediate_size") or 4 * hidden, vocab=0, max_positions=patches + 1, gated_mlp=False,
-        rope=False, rms_norm=False, norm_bias=True, qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", True))),
-        out_bias=True,
+        rope=False, rms_norm=False, norm_bias=True, qkv_bias=bool(cfg.get("qkv_bias", True)), out_bias=True,
         mlp_bias=True, tied_embeddings=False, learned_positions=True,
         act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob", "hidden_dropout", "attention_dropout"),
+        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"),
         causal=False,
         head="classifier", num_labels=len(cfg.get("id2label") or {}) or 2, patch_inputs=channels * patch * patch,
         model_type="vit",
@@ -496,9 +478,13 @@ def image_sequence_length(shape: ModelShape) -> int:
 
 
 def shape_from_config(config: Any) -> ModelShape:
-    """The shape of one of our model configs (a ``PretrainedConfig``): a reader registered for its
-    ``model_type`` reads its dict; GPT-style configs are read field by field."""
+    """The shape of a model config (a ``PretrainedConfig``): one of our families' as the family reads it (its
+    ``planner_config``, the HF config of the same shape), a transformers one by the reader of its ``model_type``;
+    GPT-style configs field by field."""
     model_type = getattr(config, "model_type", None)
+    family = registry.family_for_model_type(str(model_type)) if model_type else None
+    if family is not None and family.planner_config is not None and model_type == family.config_class.model_type:
+        return replace(shape_from_hf_dict(family.planner_config(config)), model_type=str(model_type))
     if model_type in SHAPE_READERS:
         return SHAPE_READERS[model_type](config.to_dict())
     return ModelShape.from_config(config)

@@ -42,8 +42,11 @@ class ModelSource:
     """The model's sizes."""
     label: str
     """How the source was named (preset, file, folder)."""
-    per_device_batch: int | None = None
-    """Sequences per data-parallel rank and step, from a recipe."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all ranks, from a recipe: its per-device batch x gradient accumulation x
+    its own data-parallel size."""
+    batch_origin: str = ""
+    """How a recipe's global batch is made, for the report's header."""
     seq_length: int | None = None
     """Tokens per sequence, from a recipe."""
     base: ParallelConfig | None = None
@@ -80,12 +83,17 @@ def _from_recipe(path: Path) -> ModelSource:
 
     config, _, _ = resolve_config(name, **model)
     training = recipe.get("training") or {}
-    batch = int(training.get("per_device_train_batch_size", 8)) * int(training.get("gradient_accumulation_steps", 1))
+    per_device = int(training.get("per_device_train_batch_size", 8))
+    accumulation = int(training.get("gradient_accumulation_steps", 1))
     seq = (recipe.get("data") or {}).get("block_size")
     parallel = dict(recipe.get("parallel") or {})
+    dp = ParallelConfig.coerce(parallel, "parallel").dp  # the recipe's own layout sets its global batch
     parallel["parallel_mode"] = "auto_parallel"
     base = ParallelConfig.coerce(parallel, "parallel")
-    return ModelSource(shape_from_config(config), f"{path} ({name})", batch, int(seq) if seq else None, base)
+    origin = f"the recipe's: {per_device} per rank" + (f" x {accumulation} accumulated" if accumulation > 1 else "") \
+        + f" x {dp} data-parallel rank{'s' if dp > 1 else ''}"
+    return ModelSource(shape_from_config(config), f"{path} ({name})", global_batch=per_device * accumulation * dp,
+                       batch_origin=origin, seq_length=int(seq) if seq else None, base=base)
 
 
 def resolve_model(source: str) -> ModelSource:
@@ -142,16 +150,15 @@ class PlanReport:
     """Accelerators in the job."""
     seq_length: int
     """Tokens per sequence."""
-    global_batch: int | None
-    """Sequences per step over all ranks (None when a recipe fixes the per-rank batch instead)."""
-    per_device_batch: int | None
-    """Sequences per data-parallel rank and step, from a recipe (None when ``global_batch`` is given)."""
+    global_batch: int
+    """Sequences per optimizer step over all ranks: every layout is planned for this batch, so their throughputs
+    compare."""
+    batch_origin: str
+    """Where ``global_batch`` comes from (``--global_batch``, the recipe's, or one per device)."""
 
     def describe_batch(self) -> str:
-        """The batch in words: global, or per data-parallel rank as a recipe gives it."""
-        if self.global_batch is not None:
-            return f"global batch {self.global_batch} sequences"
-        return f"{self.per_device_batch} sequences per data-parallel rank (from the recipe)"
+        """The global batch in words, and where it comes from."""
+        return f"global batch {self.global_batch} sequences ({self.batch_origin})"
 
     def text(self, top: int = 10) -> str:
         """The layouts that fit, fastest first, the choice marked; ``top`` rows (0: all)."""
@@ -206,7 +213,7 @@ class PlanReport:
             "devices": self.devices,
             "seq_length": self.seq_length,
             "global_batch": self.global_batch,
-            "per_device_batch": self.per_device_batch,
+            "batch_origin": self.batch_origin,
             "chosen": _candidate_json(self.result.chosen, device),
             "candidates": [_candidate_json(c, device) for c in sorted(self.result.candidates,
                                                                        key=lambda c: (not c.fits, -c.samples_per_second))],
@@ -280,7 +287,9 @@ def run_plan(source: str, devices: int, device: str = DEFAULT_DEVICE, devices_pe
              overrides: dict[str, str] | None = None, runtime: Runtime | None = None) -> PlanReport:
     """Plan ``source`` on ``devices`` accelerators of kind ``device`` (see the module docstring).
 
-    Without ``global_batch``, a recipe's per-device batch is used, else one sequence per device; without
+    Without ``global_batch``, a recipe's global batch is used (its per-device batch x gradient accumulation x its
+    own data-parallel size: the same samples per step in every layout, as the recipe trains), else one sequence per
+    device; without
     ``seq_length``, a recipe's ``data.block_size``, else the model's context length capped at
     :data:`DEFAULT_SEQ_CAP` (vision encoders: their patch count).
 
@@ -305,14 +314,15 @@ def run_plan(source: str, devices: int, device: str = DEFAULT_DEVICE, devices_pe
         raise ConfigError(f"seq_length={seq_length} does not apply to {shape.model_type}: an image is {image_seq} "
                           "tokens (patches and the class token); leave --seq_length out")
     seq = image_seq or seq_length or model.seq_length or _default_seq(shape)
-    per_device = None
-    if global_batch is None and model.per_device_batch is not None:
-        per_device = model.per_device_batch
-    elif global_batch is None:
-        global_batch = devices
-    result = plan(shape, devices, per_device, seq, global_batch=global_batch, device=spec,
+    if global_batch is not None:
+        origin = "--global_batch"
+    elif model.global_batch is not None:
+        global_batch, origin = model.global_batch, f"{model.batch_origin}; --global_batch to change"
+    else:
+        global_batch, origin = devices, "one per device; --global_batch to change"
+    result = plan(shape, devices, None, seq, global_batch=global_batch, device=spec,
                   base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True)
-    return PlanReport(result, model, spec, devices, seq, global_batch, per_device)
+    return PlanReport(result, model, spec, devices, seq, global_batch, origin)
 
 
 def device_names() -> list[str]:

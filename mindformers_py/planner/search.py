@@ -460,13 +460,15 @@ def auto_parallel(
     memory_budget: int | str | None = None,
     act_bytes: int = FP32_BYTES,
     log: logging.Logger | None = None,
+    summary: list[str] | None = None,
 ) -> ParallelConfig:
     """The layout to run an ``auto_parallel`` config with: :func:`plan`, logged as a table; other modes are
     returned unchanged.
 
     ``memory_budget`` (bytes or ``"6GiB"``) overrides the detected memory per rank; ``device`` overrides all
     device assumptions. When a process group is already running, rank 0 plans (free memory differs a little
-    between devices, and every rank must run the same layout) and the others receive its answer.
+    between devices, and every rank must run the same layout) and the others receive its answer. The rank that
+    planned appends the plan's one-line reason (:meth:`AutoParallelPlan.summary`) to ``summary`` when given.
     """
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
@@ -482,6 +484,8 @@ def auto_parallel(
                           act_bytes=act_bytes)
             (log or logger).info("%s", result.table())
             answer = [result.config.to_dict()]
+            if summary is not None:
+                summary.append(result.summary())
         except ConfigError as err:
             answer = [err]
     if shared:

@@ -1,7 +1,13 @@
 """Task recipes: YAML files with model / tokenizer / data / training / parallel / generate sections."""
 
-from .loader import apply_overrides, load_recipe, parse_overrides
-from .runner import run_recipe
-from .sections import DataSection, GenerateSection, TokenizerSection
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = ["load_recipe", "parse_overrides", "apply_overrides", "run_recipe", "DataSection", "GenerateSection", "TokenizerSection"]
+_EXPORTS = {
+    **dict.fromkeys(["apply_overrides", "load_recipe", "parse_overrides"], ".loader"),
+    "run_recipe": ".runner",
+    **dict.fromkeys(["DataSection", "GenerateSection", "TokenizerSection"], ".sections"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

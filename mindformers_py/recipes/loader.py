@@ -48,7 +48,7 @@ def parse_yaml(text: str) -> Any:
 
 def _training_fields() -> list[str]:
     """TrainingArguments' fields, and Seq2SeqTrainingArguments' (seq2seq recipes; others refuse them later)."""
-    from ..trainer.seq2seq import Seq2SeqTrainingArguments
+    from ..trainer.arguments import Seq2SeqTrainingArguments
 
     return [f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.name != "parallel_config"]
 

@@ -10,6 +10,7 @@ and which pipeline runs on ``generate.prompts`` after training.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
+
+logger = logging.getLogger(__name__)
 
 RESOLVED_NAME = "run_config.yaml"
 DEFAULT_TASK = "causal_lm"
@@ -56,9 +59,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
-    from ..planner.search import auto_parallel, default_world_size
-    from ..trainer.arguments import TrainingArguments
-    from ..trainer.seq2seq import Seq2SeqTrainingArguments
+    from ..planner.search import default_world_size
+    from ..trainer.arguments import Seq2SeqTrainingArguments, TrainingArguments
 
     training = dict(recipe.get("training") or {})
     if training.get("task") not in (None, task.name) and get_task(training["task"]) is not task:
@@ -80,11 +82,17 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
+    parallel.validate_for(world)  # a layout torchrun's world cannot hold fails here, before any data is prepared
     per_device_batch = args.per_device_train_batch_size
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
-    parallel = auto_parallel(parallel, config, world, per_device_batch, seq_length)
+    from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
+
+    parallel = plan_layout(parallel, config, world, per_device_batch, seq_length)
+    if parallel.ignored_sizes_warning():  # e.g. stand_alone with data_parallel=2: say so, record what runs
+        logger.warning("%s", parallel.ignored_sizes_warning())
+        parallel = parallel.without_ignored_sizes()
     recipe["parallel"] = parallel.to_dict()
 
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
@@ -123,10 +131,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if run_mode != "predict":
         results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task))
     if gen_s.prompts and world == 1:
-        results["samples"] = run_pipeline(task, model, tokenizer, gen_s, args.output_dir)
+        results["samples"] = run_pipeline(task, model, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
     elif gen_s.prompts and under_torchrun() and args.process_index == 0 and run_mode != "predict":
         # Ranks hold shards of the model; rank 0 runs the pipeline on the consolidated checkpoint just saved.
-        results["samples"] = run_pipeline(task, auto.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir)
+        results["samples"] = run_pipeline(task, auto.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir,
+                                          args.seed, run_mode)
     return results
 
 
@@ -189,10 +198,8 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
     results: dict[str, Any] = {}
     if generating and val is not None:
-        # Baselines the trained model is measured against: the model before this run, and the data's own (seq2seq:
-        # the function's name as its summary).
-        if run_mode in ("train", "finetune"):
-            results.update(trainer.evaluate(metric_key_prefix="before"))
+        # The data's own baselines the trained model is measured against (seq2seq: the function's name as its
+        # summary); the model before this run is one with training.eval_on_start.
         names = [m for m in task.metrics if m in AVAILABLE]
         for name, predictions in datasets.baselines.items():
             scores = score_texts(predictions, datasets.references, names)
@@ -203,11 +210,15 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
 
 
 def _train_and_evaluate(run_mode, trainer, args, val) -> dict[str, Any]:
+    from ..trainer.callbacks import SaveBeforeFinalEvaluationCallback
+
+    saver = SaveBeforeFinalEvaluationCallback(trainer)
+    trainer.add_callback(saver)
     if run_mode == "train":
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     elif run_mode == "finetune":  # the model was loaded from name_or_path already
         trainer.finetune(resume_from_checkpoint=args.resume_from_checkpoint)
-    if run_mode in ("train", "finetune"):
+    if run_mode in ("train", "finetune") and not saver.saved:
         trainer.save_model()
     if val is None:
         return {}
@@ -218,10 +229,15 @@ def _train_and_evaluate(run_mode, trainer, args, val) -> dict[str, Any]:
     return trainer.evaluate()
 
 
-def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, output_dir: str) -> list[Any]:
+def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, output_dir: str, seed: int = 42,
+                 run_mode: str = "train") -> list[Any]:
     """Run the task's pipeline on each of ``gen_s.prompts`` (texts, or image files for image tasks; generation
     settings apply to text generation) with the task's processing class ``tokenizer``; print the results and save
-    ``samples.txt``."""
+    them in ``output_dir``: ``samples.txt`` after training, ``predictions.txt`` for ``run_mode="predict"`` (beside,
+    not over, the samples of the run that trained the model). Sampling starts from ``seed``, so the same model and
+    recipe give the same samples whichever run mode generates them."""
+    from transformers import set_seed
+
     from ..pipelines import pipeline
 
     pipe = pipeline(gen_s.pipeline or task.pipeline, model=model, **{task.processor: tokenizer})
@@ -233,13 +249,17 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
             kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
         if task.name == "seq2seq_lm":
             kwargs["num_beams"] = gen_s.num_beams
+    model.eval()  # as loaded by from_pretrained: a model fresh from training generates without dropout too
+    set_seed(seed)  # what training drew from the random streams does not change the samples
     outputs = [pipe(p, **kwargs) for p in gen_s.prompts]
     # Generated texts come as records keyed generated_text / summary_text / translation_text.
     samples = [next(iter(out[0].values())) for out in outputs] if task.name in ("causal_lm", "seq2seq_lm") else outputs
     text = "\n\n".join(f"----- sample {i + 1} -----\n{s}" for i, s in enumerate(samples))
     print(text)
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    Path(output_dir, "samples.txt").write_text(text + "\n")
+    path = Path(output_dir, "predictions.txt" if run_mode == "predict" else "samples.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"wrote {path}")
     return samples
 
 

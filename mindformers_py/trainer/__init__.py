@@ -1,29 +1,17 @@
 """Training: ``Trainer`` and ``TrainingArguments`` with HF's API, our callbacks, optimizer and loss helpers."""
 
-from .arguments import TrainingArguments
-from .callbacks import (
-    JsonlLoggerCallback,
-    LossCurveCallback,
-    ProgressCallback,
-    TensorBoardCallback,
-    default_callbacks,
-    plot_loss_curve,
-)
-from .loss import FusedCausalLMLoss, linear_cross_entropy
-from .seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
-from .trainer import Trainer
+from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
-__all__ = [
-    "FusedCausalLMLoss",
-    "JsonlLoggerCallback",
-    "LossCurveCallback",
-    "ProgressCallback",
-    "TensorBoardCallback",
-    "Seq2SeqTrainer",
-    "Seq2SeqTrainingArguments",
-    "Trainer",
-    "TrainingArguments",
-    "default_callbacks",
-    "linear_cross_entropy",
-    "plot_loss_curve",
-]
+_EXPORTS = {
+    **dict.fromkeys(["Seq2SeqTrainingArguments", "TrainingArguments"], ".arguments"),
+    **dict.fromkeys(["JsonlLoggerCallback", "LossCurveCallback", "ProgressCallback", "TensorBoardCallback",
+                     "default_callbacks", "plot_loss_curve"], ".callbacks"),
+    "FusedCausalLMLoss": ".fused_loss",
+    "linear_cross_entropy": "mindformers_py.layers.linear_cross_entropy",
+    "Seq2SeqTrainer": ".seq2seq",
+    "Trainer": ".trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

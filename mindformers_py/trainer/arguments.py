@@ -9,6 +9,7 @@ construction and every field is checked there, so an instance that exists is val
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -16,15 +17,22 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from transformers.trainer_utils import SchedulerType
-
 from ..engine.precision import AUTO, resolve_bf16
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
-from ..task_registry import get_task
 from ..utils.typed_values import coerce_value
 
-SCHEDULERS = tuple(s.value for s in SchedulerType)
+
+
+@functools.cache
+def schedulers() -> tuple[str, ...]:
+    """transformers' ``lr_scheduler_type`` names. Its ``trainer_utils`` imports peft when installed (seconds), so
+    it is read when an argument is checked, not when this module is imported."""
+    from transformers.trainer_utils import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
 # Schedulers that step on an evaluation metric instead of every optimizer step.
 METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -97,8 +105,8 @@ class TrainingArguments:
     logging_steps: int = 10
     """Log every this many optimizer steps (HF's default is 500; ours suits small runs). Logging is the only
     point where the training loop waits for the device."""
-    logging_first_step: bool = False
-    """Also log after the first step."""
+    logging_first_step: bool = True
+    """Also log after the first step, so the starting loss shows at once (HF's default is False)."""
     logging_dir: str | None = None
     """TensorBoard folder; None = ``<output_dir>/runs``."""
     report_to: str | list[str] = "tensorboard"
@@ -117,6 +125,9 @@ class TrainingArguments:
     """Evaluate every this many steps; None = ``logging_steps``."""
     eval_delay: float = 0
     """Steps (or epochs, with ``eval_strategy="epoch"``) to wait before the first evaluation."""
+    eval_on_start: bool = False
+    """Evaluate once before the first training step (logged at step 0, as in transformers): the untrained model's
+    scores, for comparison."""
     prediction_loss_only: bool = False
     """In ``evaluate``/``predict``, compute only the loss (no logits gathered for ``compute_metrics``)."""
 
@@ -266,12 +277,13 @@ class TrainingArguments:
 
     def validate(self) -> None:
         """Check every field and the relations between fields; raise a one-line ConfigError on the first fault."""
-        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         check_choice("eval_strategy", self.eval_strategy, INTERVAL_STRATEGIES)
         check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES)
         check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
         check_choice("optim", self.optim, OPTIMIZERS)
         if self.task is not None:
+            from ..task_registry import get_task  # imports torch: not needed to read the fields
+
             get_task(self.task)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "eval_steps", "save_steps"):
@@ -323,6 +335,7 @@ class TrainingArguments:
                          ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
         if not str(self.output_dir).strip():
             raise ConfigError("output_dir='' is not valid; expected a folder path")
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, schedulers())  # last: may import peft (seconds)
         if not isinstance(self.parallel_config, ParallelConfig):
             raise ConfigError(f"parallel_config={self.parallel_config!r} is not valid; expected a ParallelConfig")
         self.parallel_config.validate()
@@ -384,3 +397,22 @@ def _at_least(name: str, value: Any, minimum: float, hint: str = "") -> None:
         kind = "an integer" if isinstance(minimum, int) and not isinstance(value, float) else "a number"
         extra = f" {hint}" if hint else ""
         raise ConfigError(f"{name}={value!r} is not valid; expected {kind} >= {minimum}{extra}")
+
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArguments):
+    """:class:`TrainingArguments` plus transformers' generation-during-evaluation fields."""
+
+    predict_with_generate: bool = False
+    """Predictions of ``evaluate``/``predict`` are generated token ids (for ROUGE, BLEU, ...) instead of logits."""
+    generation_max_length: int | None = None
+    """``max_length`` of that generation; None: the model's generation config."""
+    generation_num_beams: int | None = None
+    """``num_beams`` of that generation; None: the model's generation config."""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("generation_max_length", "generation_num_beams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= 1 or None")

@@ -45,16 +45,19 @@ class ProgressCallback(TrainerCallback):
             return
         if self.bar is not None and "loss" in logs:
             postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs.get('learning_rate', 0.0):.2e}"}
-            if "tokens_per_second" in logs:  # the task's throughput unit: images for image tasks
-                unit = "img/s" if _counts_images(args, kwargs.get("model")) else "tok/s"
-                postfix[unit] = f"{logs['tokens_per_second']:.0f}"
+            for key, unit in (("tokens_per_second", "tok/s"), ("images_per_second", "img/s")):
+                if key in logs:  # the task's throughput item
+                    postfix[unit] = f"{logs[key]:.0f}"
             tracker = getattr(kwargs.get("model"), "training_metrics", None)
             for key in getattr(tracker, "postfix_keys", ()):
                 if key in logs:
                     postfix[key] = f"{logs[key]:.4g}"
             self.bar.set_postfix(postfix, refresh=False)
             return
-        line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())
+        if set(logs) <= {"layout", "epoch"}:  # the run's layout line, as it is
+            line = str(logs["layout"])
+        else:
+            line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -173,6 +176,22 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, title: 
     return path
 
 
+class SaveBeforeFinalEvaluationCallback(TrainerCallback):
+    """Saves ``trainer``'s model (``save_model``) when training reaches its last step, before the evaluation that
+    step may run: evaluating (generated texts above all) can take long, and a run stopped during it keeps its
+    model. ``saved`` says whether it did. The recipes install it."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer, self.saved = trainer, False
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if control.should_training_stop and control.should_evaluate and not self.saved:
+            self.trainer.save_model()
+            self.saved = True
+
+    on_epoch_end = on_step_end  # eval_strategy="epoch" asks for the last evaluation at the epoch's end
+
+
 def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
     """The callbacks every Trainer starts with (before the user's): flow control, progress, log.jsonl,
     TensorBoard when ``report_to`` asks for it, and the loss curve."""
@@ -181,14 +200,6 @@ def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
         callbacks.append(TensorBoardCallback())
     callbacks.append(LossCurveCallback())
     return callbacks
-
-
-def _counts_images(args: TrainingArguments, model: Any) -> bool:
-    """Whether the run's task (``args.task``, else the model's) counts its throughput in images."""
-    from ..task_registry import get_task, task_of_model
-
-    spec = get_task(args.task) if args.task else task_of_model(model) if model is not None else None
-    return spec is not None and spec.items == "images"
 
 
 def _step_of(line: str) -> float:

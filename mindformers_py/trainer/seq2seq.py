@@ -11,37 +11,17 @@ hold parts of the model, cannot generate and are refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .arguments import TrainingArguments
+from .arguments import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401 (transformers' module has both)
 from .trainer import Trainer
 
 # Batch keys of the target side: generation starts from the decoder start token, not from them.
 _TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
-
-
-@dataclass
-class Seq2SeqTrainingArguments(TrainingArguments):
-    """:class:`TrainingArguments` plus transformers' generation-during-evaluation fields."""
-
-    predict_with_generate: bool = False
-    """Predictions of ``evaluate``/``predict`` are generated token ids (for ROUGE, BLEU, ...) instead of logits."""
-    generation_max_length: int | None = None
-    """``max_length`` of that generation; None: the model's generation config."""
-    generation_num_beams: int | None = None
-    """``num_beams`` of that generation; None: the model's generation config."""
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("generation_max_length", "generation_num_beams"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= 1 or None")
 
 
 class Seq2SeqTrainer(Trainer):

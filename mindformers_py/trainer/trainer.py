@@ -26,7 +26,8 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
     speed_metrics
 from transformers.utils.generic import find_labels
 
-from ..engine import Engine, build_engine
+from ..engine import Engine, TrainingLoss, build_engine
+from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
 from ..task_registry import TaskSpec, get_task, task_of_model
@@ -37,8 +38,7 @@ from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
-from .loss import FusedCausalLMLoss
-from .loss_share import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, micro_batch_share, probe_mode
+from .fused_loss import FusedCausalLMLoss
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,21 @@ class Trainer:
         preprocess_logits_for_metrics: ``(logits, labels) -> tensor`` applied to each batch's logits before they
             are gathered for ``compute_metrics`` (e.g. argmax, to avoid keeping whole vocabularies).
         task: overrides ``args.task`` (a task registry name or alias); None infers it from the model's class.
+        compute_loss_func: ``(outputs, labels, num_items_in_batch) -> loss``, the loss of a batch with ``labels``
+            computed from the model's outputs (transformers' Trainer's argument, same meaning): it divides its
+            item-summed loss by ``num_items_in_batch``. Under every layout it gives the gradients it gives
+            stand-alone (under pipeline parallelism it runs on the last stage).
+
+    The training loss is :meth:`compute_loss` (override it to change the objective, as in transformers); the engine
+    normalises it over the step's items, micro-batches and data-parallel ranks in one place
+    (:mod:`mindformers_py.engine.step_loss`). Set ``loss_is_scaled_for_ga`` (transformers' class attribute) on a
+    subclass whose ``compute_loss`` divides by ``num_items_in_batch`` (True) or averages over its batch (False).
     """
+
+    loss_is_scaled_for_ga: bool | None = None
+    """Whether an overridden :meth:`compute_loss` already divides by ``num_items_in_batch`` (True) or returns a
+    per-batch mean that the step then averages (False); None: transformers' rule (when the model accepts
+    ``num_items_in_batch``, or with a ``compute_loss_func``)."""
 
     def __init__(
         self,
@@ -77,6 +91,7 @@ class Trainer:
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         task: str | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         if model is None:
             raise MindFormersError("Trainer needs a model")
@@ -92,24 +107,30 @@ class Trainer:
         self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
                                            seq_length=_sequence_length(train_dataset, model))
         self.engine.setup()
+        if self.args.parallel_config.ignored_sizes_warning() and self.engine.is_main_process:
+            logger.warning("%s", self.args.parallel_config.ignored_sizes_warning())
         set_seed(self.args.seed)
         self.model = model
-        self.model_wrapped = self.engine.prepare_model(model)
+        self.model_wrapped = self.engine.prepare_model(model, task=self.task_spec)
         self.data_collator = data_collator or _default_collator(self.task_spec, self.processing_class)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        self.compute_loss_func = compute_loss_func
         self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
-        self._loss_mode = initial_mode(model)  # how the model's loss becomes a micro-batch's share (loss_share)
+        self._loss_mode = initial_mode(model)  # how the model's loss relates to num_items_in_batch (engine.loss)
         # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token.
         self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
             if hasattr(model, "num_parameters") else 0
         self._fused_loss: FusedCausalLMLoss | None = None
         self._fused_probed = False
-        self._current_accum = self.args.gradient_accumulation_steps
         self._loss_mode_measured = False
+        # What the engine's one loss path normalises: this Trainer's compute_loss and the task's item count.
+        self.training_loss = TrainingLoss(self._compute_training_loss, self._count_items, self._share_mode,
+                                          self._loss_override())
+        self.engine.check_loss(self.training_loss)
         self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
                                   is_world_process_zero=self.engine.is_main_process)
         self.control = TrainerControl()
@@ -220,7 +241,10 @@ class Trainer:
         self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
+        self.log({"layout": _layout_line(engine)})  # printed once (before the bar), kept in log.jsonl and trainer_state
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.eval_dataset is not None:
+            self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
         return self._train_loop(source, position, num_epochs)
@@ -257,11 +281,11 @@ class Trainer:
                     break
                 consumed += len(micro_batches)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
-                self._current_accum = len(micro_batches)
                 tokens = sum(self._count_throughput(b) for b in micro_batches)
                 self._measure_loss_mode(micro_batches)
                 loss = engine.forward_backward(self.model_wrapped, micro_batches,
-                                               self._num_items(micro_batches), self._micro_batch_loss)
+                                               engine.count_items(micro_batches, self.training_loss),
+                                               self.training_loss)
                 if args.max_grad_norm > 0:
                     self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(args, state, self.control)
@@ -299,9 +323,11 @@ class Trainer:
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
+        # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
+        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
-                                num_steps=steps_run, num_tokens=tokens_run * engine.dp_size)
+                                num_steps=steps_run, num_tokens=tokens)
         if first_step_seconds is not None:
             metrics["train_first_step_runtime"] = round(first_step_seconds, 4)
         metrics["total_flos"] = state.total_flos
@@ -340,10 +366,14 @@ class Trainer:
         ids = batch.get("input_ids")
         return ids.numel() if isinstance(ids, torch.Tensor) else 0
 
+    def _throughput_unit(self) -> str:
+        """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
+        return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
+
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
         ``num_items_in_batch`` (only for models that take it without declaring ``accepts_loss_kwargs``)."""
-        if self._loss_mode != UNKNOWN or self._loss_mode_measured or type(self).compute_loss is not Trainer.compute_loss:
+        if self._loss_mode != UNKNOWN or self._loss_mode_measured or self._loss_override() is not None:
             return
         for batch in micro_batches:
             mode = probe_mode(self.model, self.engine.to_device(batch), self._count_items)
@@ -351,39 +381,46 @@ class Trainer:
                 self._loss_mode, self._loss_mode_measured = mode, True
                 return
 
-    def _num_items(self, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor | None:
-        """Items of the whole optimizer step's loss (HF's ``num_items_in_batch``), counted on the host batches and
-        summed over data-parallel ranks; None when the batches have no labels or the model's loss cannot be
-        rescaled exactly (then micro-batch losses are averaged, as transformers' Trainer does)."""
-        counts = [self._count_items(b) for b in micro_batches]
-        if any(c is None for c in counts) or self._share_mode(micro_batches[0]) == UNKNOWN:
-            return None
-        total = torch.tensor(sum(counts), device=self.engine.device)
-        return self.engine.all_reduce_sum(total)
+    def _loss_override(self) -> str | None:
+        """The name of the user's loss (``compute_loss_func`` or an overridden ``compute_loss``), else None."""
+        if self.compute_loss_func is not None:
+            return "compute_loss_func"
+        if type(self).compute_loss is not Trainer.compute_loss:
+            return f"{type(self).__name__}.compute_loss"
+        return None
 
-    def _micro_batch_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        """One micro-batch's share of the step loss (:mod:`.loss_share`): the model's loss when it (or the fused
-        loss, or an overriding ``compute_loss`` that takes it) divides by the step's items, its mean rescaled by
-        this micro-batch's items otherwise."""
-        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        mode = self._share_mode(inputs)
-        items = self._count_items(inputs) if mode == MEAN else None
-        return micro_batch_share(loss, mode, items, num_items_in_batch, self._current_accum)
+    def _compute_training_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """:meth:`compute_loss` of one training micro-batch: the loss function of :attr:`training_loss`."""
+        return self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
 
     def _share_mode(self, inputs: Mapping[str, Any]) -> str:
-        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (:mod:`.loss_share`): the fused loss
-        divides by it; an overriding ``compute_loss`` is trusted to when the model takes it (transformers' rule);
-        else what the model was found to do."""
+        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (see
+        :mod:`mindformers_py.engine.step_loss`): the fused loss and a ``compute_loss_func`` divide by it; an
+        overriding ``compute_loss`` does as ``loss_is_scaled_for_ga`` says, else it is trusted to when the model
+        takes it (transformers' rule); else what the model was found to do."""
         if self._fused_loss is not None and "labels" in inputs:
             return NORMALISED
+        if self.compute_loss_func is not None:
+            return NORMALISED
         if type(self).compute_loss is not Trainer.compute_loss:
+            if self.loss_is_scaled_for_ga is not None:
+                return NORMALISED if self.loss_is_scaled_for_ga else UNKNOWN
             return NORMALISED if self.model_accepts_loss_kwargs else UNKNOWN
         return self._loss_mode
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """The loss of one batch (HF's signature; override to change the objective). Uses the fused causal-LM
-        loss when it applies (see ``TrainingArguments.fused_loss``), else ``model(**inputs).loss``."""
+        """The loss of one batch (HF's signature; override to change the objective). With a ``compute_loss_func``
+        it is that function of the model's outputs and the batch's ``labels`` (transformers' rule); else the fused
+        causal-LM loss when it applies (see ``TrainingArguments.fused_loss``), else ``model(**inputs).loss``."""
+        if self.compute_loss_func is not None and "labels" in inputs:
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            kwargs = {"num_items_in_batch": num_items_in_batch} \
+                if num_items_in_batch is not None and self.model_accepts_loss_kwargs else {}
+            outputs = model(**inputs, **kwargs)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
         if not return_outputs:
             fused = self._fused_for(inputs)
             if fused is not None:
@@ -443,8 +480,9 @@ class Trainer:
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
-            logs["num_input_tokens_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs["tokens_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
+            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
@@ -565,8 +603,13 @@ class Trainer:
             kwargs["num_items_in_batch"] = num_items_in_batch
         if _accepts(self.model, "use_cache"):
             kwargs["use_cache"] = False
-        outputs = self.engine.forward(model, inputs, **kwargs)
-        loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
+        if has_labels and self._loss_override() is not None:  # the user's loss, as transformers evaluates it
+            extra = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            loss, outputs = self.compute_loss(model, {**inputs, **extra}, return_outputs=True,
+                                              num_items_in_batch=num_items_in_batch)
+        else:
+            outputs = self.engine.forward(model, inputs, **kwargs)
+            loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
         if prediction_loss_only:
             return loss, None, None
         if ignore_keys is None:
@@ -644,6 +687,14 @@ class Trainer:
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
+
+
+def _layout_line(engine: Engine) -> str:
+    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
+    for ``auto_parallel`` what the planner chose and why."""
+    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
+    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:

@@ -7,6 +7,7 @@ Each spawned job runs several layouts one after the other, so the whole file sta
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -380,6 +381,9 @@ def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alon
     expected = _trainer_run(ParallelConfig(), str(tmp_path / "stand_alone"))
     distributed = run_workers(_trainer_worker, 2, str(tmp_path / "zero3"))
     assert distributed[0] == pytest.approx(expected, rel=RTOL) and len(expected) == STEPS
+    records = [json.loads(line) for line in (tmp_path / "zero3" / "log.jsonl").read_text().splitlines()]
+    assert [r["layout"] for r in records if "layout" in r] == [  # what the run started, recorded once (rank 0)
+        "2 processes (semi_auto_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=off"]
     checkpoint = tmp_path / "zero3" / f"checkpoint-{SAVE_AT}"
     assert (checkpoint / "dcp" / ".metadata").is_file() and (checkpoint / "model.safetensors").is_file()
     resumed = _trainer_run(ParallelConfig(), str(tmp_path / "zero3"), resume=str(checkpoint))

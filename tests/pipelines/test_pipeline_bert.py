@@ -80,6 +80,17 @@ def test_token_classification_matches_transformers(folder, strategy):
     _close(ours(SENTENCES), theirs(SENTENCES))
 
 
+def test_a_head_the_checkpoint_lacks_is_named_in_one_warning(folder, caplog):
+    """fill-mask on a checkpoint of embeddings only (as all-MiniLM-L6-v2 is) runs a random head: one line says so
+    and what to do; feature-extraction on the same checkpoint is quiet."""
+    _, path = _checkpoint(folder, "base")
+    mf.pipeline("fill-mask", model=path)
+    mf.pipeline("feature-extraction", model=path)
+    said = [r.getMessage() for r in caplog.records if r.name == "mindformers_py.pipelines.base"]
+    assert len(said) == 1 and said[0].startswith(f"pipeline('fill-mask') on {path}: the checkpoint has no trained head")
+    assert "use pipeline('feature-extraction') for the checkpoint's embeddings" in said[0]
+
+
 def test_feature_extraction_matches_transformers_on_minilm():
     ours = mf.pipeline("feature-extraction", model="sentence-transformers/all-MiniLM-L6-v2")
     hf = transformers.AutoModel.from_pretrained(ours.model.name_or_path)

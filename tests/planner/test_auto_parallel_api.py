@@ -3,6 +3,8 @@ processes (one process: stand-alone; two gloo processes: a two-rank layout) and 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,9 +33,18 @@ def _train(folder: str, parallel: mf.ParallelConfig) -> tuple[list[float], str, 
         engine.parallel_config.parallel_mode
 
 
+def _layout(folder) -> list[str]:
+    """The layout lines the run recorded (log.jsonl)."""
+    records = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    return [r["layout"] for r in records if "layout" in r]
+
+
 def test_one_process_plans_stand_alone(tmp_path):
     losses, engine, mode = _train(str(tmp_path / "auto"), mf.ParallelConfig(parallel_mode="auto_parallel"))
     assert (engine, mode) == (Engine.__name__, "stand_alone")
+    [line] = _layout(tmp_path / "auto")  # the layout, then what the planner chose and why
+    assert line.startswith("1 process (stand_alone): dp=1 tp=1 pp=1 ep=1, no ZeRO, recompute=off; auto_parallel "
+                           "chose dp=1 tp=1 pp=1") and "fastest estimated throughput" in line
     expected, _, _ = _train(str(tmp_path / "ref"), mf.ParallelConfig())
     assert losses == pytest.approx(expected, rel=1e-6)
 
@@ -48,3 +59,5 @@ def test_two_processes_plan_a_two_rank_layout_with_stand_alone_losses(tmp_path):
     for losses, engine, mode in run_workers(_two_ranks, 2, str(tmp_path / "auto")):
         assert mode == "semi_auto_parallel" and engine in (DistributedEngine.__name__, "PipelineEngine")
         assert losses == pytest.approx(expected, rel=1e-4)
+    [line] = _layout(tmp_path / "auto")
+    assert line.startswith("2 processes (semi_auto_parallel): ") and "; auto_parallel chose " in line

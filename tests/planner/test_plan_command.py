@@ -78,7 +78,10 @@ def test_plan_from_a_preset_prints_the_layouts_that_fit_with_the_choice_marked(c
 def test_plan_from_a_recipe_takes_its_batch_block_size_and_model(capsys):
     recipe = ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml"
     report = plan_json(recipe, "--devices", 4, "--device", "a100_80gb", capsys=capsys)
-    assert report["per_device_batch"] == 16 and report["global_batch"] is None and report["seq_length"] == 128
+    # every layout plans the recipe's global batch (16 per rank x its 1 data-parallel rank), so throughputs compare
+    assert report["global_batch"] == 16 and report["seq_length"] == 128
+    assert report["batch_origin"].startswith("the recipe's: 16 per rank x 1 data-parallel rank")
+    assert {c["per_device_batch"] * c["data_parallel"] for c in report["candidates"]} == {16}
     assert report["model"]["layers"] == 4 and report["model"]["hidden"] == 256
     check_report(report)
     overridden = plan_json(recipe, "--devices", 4, "--global_batch", 32, "--seq_length", 64, capsys=capsys)
@@ -159,7 +162,9 @@ def test_device_fields_can_be_overridden(capsys):
     (["gpt_small", "--devices", 8, "--set", "flops=fast"], "device field flops='fast' is not valid"),
     (["gpt_small", "--devices", 8, "--set", "memory=lots"], "device field memory='lots' is not valid"),
     (["gpt_small", "--devices", 0], "devices=0 is not valid"),
-    (["no_such_preset", "--devices", 8], "'no_such_preset' is neither a checkpoint folder nor a preset"),
+    (["no_such_preset", "--devices", 8], "'no_such_preset' is neither a checkpoint folder nor a preset; presets: "),
+    (["gpt_smal", "--devices", 8], "'gpt_smal' is neither a checkpoint folder nor a preset; did you mean 'gpt_small'?"),
+    (["runs/nope", "--devices", 8], "no such folder: 'runs/nope'"),
     (["missing/config.json", "--devices", 8], "config file missing/config.json does not exist"),
     (["missing.yaml", "--devices", 8], "recipe missing.yaml does not exist"),
     (["gpt_small", "--devices", 3, "--global_batch", 2], "found no valid layout for world_size=3"),

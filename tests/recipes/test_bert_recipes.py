@@ -97,4 +97,4 @@ def test_minilm_finetuning_recipe_trains_evaluates_and_predicts(tmp_path, capsys
     code, out = run_cli(resolved, "--run_mode", "predict", "--model.name_or_path", tmp_path / "out", "--output_dir",
                         tmp_path / "predict", capsys=capsys)
     assert code == 0, out.err
-    assert (tmp_path / "predict" / "samples.txt").read_text().count("'label':") == 3
+    assert (tmp_path / "predict" / "predictions.txt").read_text().count("'label':") == 3

@@ -40,20 +40,37 @@ def run_cli(*args, capsys):
     return code, capsys.readouterr()
 
 
-def test_recipe_runs_and_resolved_config_reruns(recipe, tmp_path, capsys):
-    code, out = run_cli(recipe, "--max_steps", "2", "--model.num_layers", "1", capsys=capsys)
+def test_recipe_runs_and_resolved_config_reruns(recipe, tmp_path, capsys, caplog):
+    # stand_alone with a data-parallel size runs one process: a one-line warning says so and run_config.yaml records
+    # what ran. The run's first line (and log record) is its layout.
+    code, out = run_cli(recipe, "--max_steps", "2", "--model.num_layers", "1", "--data_parallel", "2",
+                        "--generate.do_sample", "true", capsys=capsys)
     assert code == 0, out.err
     outdir = tmp_path / "out"
     for name in ("run_config.yaml", "log.jsonl", "loss_curve.png", "model.safetensors", "tokenizer.json", "samples.txt", "trainer_state.json"):
         assert (outdir / name).is_file(), name
     resolved = yaml.safe_load((outdir / "run_config.yaml").read_text())
     assert resolved["training"]["max_steps"] == 2 and resolved["model"]["num_layers"] == 1
-    assert json.loads((outdir / "trainer_state.json").read_text())["global_step"] == 2
-    assert "def function_" in (outdir / "samples.txt").read_text()
+    assert resolved["parallel"]["data_parallel"] == 1
+    warned = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+    assert warned == ["parallel_mode='stand_alone' runs one process, so data_parallel=2 is not applied; set "
+                      "parallel_mode='data_parallel' to run 2 processes"]
+    layout = "1 process (stand_alone): dp=1 tp=1 pp=1 ep=1, no ZeRO, recompute=off"
+    assert out.out.splitlines().count(layout) == 1
+    assert json.loads((outdir / "log.jsonl").read_text().splitlines()[0])["layout"] == layout
+    state = json.loads((outdir / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["log_history"][0]["layout"] == layout
+    samples = (outdir / "samples.txt").read_text()
+    assert "def function_" in samples
     # The saved recipe runs again as is (here: evaluating the trained model).
     code, out = run_cli(outdir / "run_config.yaml", "--run_mode", "eval", "--model.name_or_path", outdir,
                         "--output_dir", tmp_path / "eval", capsys=capsys)
     assert code == 0, out.err
+    # Predicting into the run's folder writes beside its samples, and the same ones: sampling starts from the seed.
+    code, out = run_cli(outdir / "run_config.yaml", "--run_mode", "predict", "--model.name_or_path", outdir,
+                        capsys=capsys)
+    assert code == 0, out.err
+    assert (outdir / "predictions.txt").read_text() == samples == (outdir / "samples.txt").read_text()
 
 
 def test_output_dir_with_another_run_is_refused(recipe, capsys):

@@ -50,13 +50,18 @@ def test_span_pretraining_layouts_give_stand_alone_losses(tmp_path, capsys, monk
 def test_summarization_recipe_reports_rouge_bleu_and_baselines(tmp_path, capsys):
     run("finetune_summarization.yaml", "--model.name_or_path", "t5_tiny", *SMALL_MODEL, *SMALL_DATA,
         "--data.max_target_length", "12", "--max_steps", "3", "--eval_steps", "3", "--logging_steps", "1",
-        "--report_to", "none", "--generation_max_length", "8", "--output_dir", tmp_path / "out",
-        "--generate.max_new_tokens", "6", "--generate.num_beams", "1", "--disable_tqdm", "true", capsys=capsys)
+        "--report_to", "none", "--generation_max_length", "8", "--output_dir", tmp_path / "out", "--eval_on_start",
+        "true", "--generate.max_new_tokens", "6", "--generate.num_beams", "1", "--disable_tqdm", "true", capsys=capsys)
     out = tmp_path / "out"
     logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     keys = set().union(*logged)
-    for prefix in ("before", "eval", "baseline_function_name"):
+    for prefix in ("eval", "baseline_function_name"):
         assert {f"{prefix}_rougeL", f"{prefix}_bleu"} <= keys, prefix
+    # The model before fine-tuning (eval_on_start) at step 0, the trained one at step 3; each evaluation generated
+    # for data.max_eval_samples=16 held-out functions, however many steps ran.
+    evals = [r for r in logged if "eval_rougeL" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert all(round(r["eval_samples_per_second"] * r["eval_runtime"]) == 16 for r in evals)
     config = json.loads((out / "config.json").read_text())
     assert config["task_specific_params"]["summarization"]["prefix"] == "summarize: "
     assert (out / "samples.txt").read_text().count("----- sample") == 2

@@ -50,7 +50,7 @@ def test_recipe_trains_evaluates_and_predicts(tmp_path, capsys):
     code, res = run_cli("--run_mode", "predict", "--model.name_or_path", out, "--output_dir", tmp_path / "predict",
                         "--generate.prompts", f"[{image}]", *SMALL, capsys=capsys)
     assert code == 0, res.err
-    assert "'label':" in (tmp_path / "predict" / "samples.txt").read_text()
+    assert "'label':" in (tmp_path / "predict" / "predictions.txt").read_text()
 
 
 @pytest.mark.parametrize("flags, needle", [

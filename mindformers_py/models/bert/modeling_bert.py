@@ -61,6 +61,8 @@ class BertModel(BertPreTrainedModel):
     """Embeddings, a stack of post-norm :class:`TransformerBlock` with bidirectional attention and, with
     ``add_pooling_layer``, the first-token :class:`Pooler`; returns the last hidden states and the pooled output."""
 
+    _whole_sequence_modules = ("pooler",)  # it reads the first token
+
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -170,6 +172,7 @@ class BertForMaskedLM(BertPreTrainedModel):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("lm_head",)  # its dense + norm run on whole rows
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
@@ -245,6 +248,7 @@ class BertForTokenClassification(BertPreTrainedModel):
     """BERT with a linear ``classifier`` on every token, after dropout (named entities, tagging)."""
 
     _pp_plan = {"classifier": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("classifier",)
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
@@ -282,6 +286,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     """BERT with a ``qa_outputs`` head giving each token a start and an end logit for an extractive answer span."""
 
     _pp_plan = {"qa_outputs": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("qa_outputs",)
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
@@ -337,6 +342,7 @@ class BertForPreTraining(BertPreTrainedModel):
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
+    _whole_sequence_modules = ("lm_head", "nsp_head")
     # Two losses with different items (masked tokens, pairs): Trainers average it per micro-batch, as transformers'.
     accepts_loss_kwargs = False
 

@@ -1,21 +1,20 @@
 """GPT family (GPT-2 and Llama flavours; GPT-MoE with a ``moe_config``)."""
 
+from ...utils.lazy_exports import lazy_exports as _lazy_exports
+from .. import registry as _registry
+from . import convert_gpt as _convert
 from .configuration_gpt import GPTConfig
-from .modeling_gpt import (
-    GPTForCausalLM,
-    GPTForQuestionAnswering,
-    GPTForSequenceClassification,
-    GPTForTokenClassification,
-    GPTModel,
-    GPTPreTrainedModel,
-)
 from .presets import GPT_PRESETS
+
+# The model classes load on first use (the registry and transformers' Auto classes name them without importing).
+_MODELS = _registry.ModelClasses(__name__ + ".modeling_gpt", {
+    "base": "GPTModel", "causal_lm": "GPTForCausalLM", "sequence_classification": "GPTForSequenceClassification",
+    "token_classification": "GPTForTokenClassification", "question_answering": "GPTForQuestionAnswering"})
 
 __all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification",
            "GPTForQuestionAnswering", "GPTPreTrainedModel", "GPT_PRESETS"]
-
-from .. import registry as _registry
-from . import convert_gpt as _convert
+__getattr__, __dir__ = _lazy_exports(__name__, dict.fromkeys([*_MODELS.names.values(), "GPTPreTrainedModel"],
+                                                             ".modeling_gpt"), globals())
 
 _HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -34,8 +33,7 @@ _HF_QA = {"gpt2": "GPT2ForQuestionAnswering", "llama": "LlamaForQuestionAnswerin
 _registry.register_family(_registry.Family(
     name="gpt",
     config_class=GPTConfig,
-    model_classes={"base": GPTModel, "causal_lm": GPTForCausalLM, "sequence_classification": GPTForSequenceClassification,
-                   "token_classification": GPTForTokenClassification, "question_answering": GPTForQuestionAnswering},
+    model_classes=_MODELS,
     presets=GPT_PRESETS,
     converter=_convert,
     hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get,

@@ -195,6 +195,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("lm_head",)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -292,6 +293,7 @@ class GPTForSequenceClassification(GPTPreTrainedModel):
     single-label, multi-label or regression by ``config.problem_type``."""
 
     _pp_plan = {"score": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("score",)  # pools or scores every position
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -339,6 +341,7 @@ class GPTForTokenClassification(GPTPreTrainedModel):
     ``classifier``, renamed on conversion), after dropout of ``classifier_dropout``."""
 
     _pp_plan = {"score": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("score",)  # pools or scores every position
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -373,6 +376,7 @@ class GPTForQuestionAnswering(GPTPreTrainedModel):
     """GPT with a ``qa_outputs`` head giving each token a start and an end logit for an extractive answer span."""
 
     _pp_plan = {"qa_outputs": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("qa_outputs",)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)

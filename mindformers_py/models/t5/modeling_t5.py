@@ -326,6 +326,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("lm_head",)
 
     def __init__(self, config: T5Config) -> None:
         super().__init__(config)

@@ -48,6 +48,7 @@ class ViTModel(ViTPreTrainedModel):
     """Patch embeddings, a stack of bidirectional :class:`TransformerBlock`, a final LayerNorm and (optionally) a pooler
     on the class token; returns the last hidden states (B, 1 + patches, C) and the pooled output (B, C)."""
 
+    _whole_sequence_modules = ("pooler",)  # it reads the class token
     # Image-classification checkpoints have no pooler (transformers' classifier drops it); it starts from its init.
     _keys_to_ignore_on_load_missing = [r"^pooler\."]
 
@@ -106,6 +107,7 @@ class ViTForImageClassification(ViTPreTrainedModel):
     ``ViTForImageClassification``); single-label, multi-label or regression by ``config.problem_type``."""
 
     _pp_plan = {"classifier": (["hidden_states"], ["logits"])}
+    _whole_sequence_modules = ("classifier",)  # it reads the class token
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config)

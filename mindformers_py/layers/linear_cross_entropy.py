@@ -4,30 +4,18 @@ A causal LM's logits and their gradient are (tokens x vocabulary) each: for a 12
 that is 8 GiB in fp32, usually the largest tensors of a step. :class:`LinearCrossEntropy` walks the tokens in
 chunks, turns each chunk's logits into ``softmax - one_hot`` in place and multiplies it straight into the
 hidden-state and weight gradients, so only one chunk of logits ever exists and backward just scales two saved
-gradients. The matrix products are the same three as the plain path.
-
-:class:`FusedCausalLMLoss` applies it to a model from outside: the model's body (``model.base_model``) gives the
-hidden states, its output embedding (an ``nn.Linear``) the weight. That is only valid when the model's logits are
-exactly ``lm_head(base_model(...)[0])`` and its loss is plain next-token cross-entropy, so :meth:`probe` runs the
-model both ways once on a slice of the first batch and enables the fused path only when the losses agree.
-The Trainer uses it when ``TrainingArguments.fused_loss`` is set.
+gradients. The matrix products are the same three as the plain path. Its normalisation follows the other losses of
+:mod:`.loss` (``num_items_in_batch``, -100 ignored); the Trainer applies it to a model from outside
+(:class:`~mindformers_py.trainer.fused_loss.FusedCausalLMLoss`).
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
-from typing import Any, Mapping
+from typing import Any
 
 import torch
-from torch import nn
 
-from ..layers.loss import IGNORE_INDEX, shift_labels
-
-# The probe runs on the first sample of a batch, cut to this many tokens.
-_PROBE_TOKENS = 64
-
-logger = logging.getLogger(__name__)
+from .loss import IGNORE_INDEX, shift_labels
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -126,65 +114,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets, denominator)
 
 
-class FusedCausalLMLoss:
-    """The loss of a causal LM computed as ``linear_cross_entropy(body(inputs), head.weight, labels)``.
-
-    Build it with :meth:`probe`, which returns None unless the model's own loss agrees on a sample.
-    """
-
-    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
-        self.body = body
-        self.head = head
-        self._body_kwargs = {"use_cache": False} if _accepts(body, "use_cache") else {}
-
-    def __call__(self, inputs: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        """The loss of one batch (``inputs`` holds ``labels``), normalised as :func:`linear_cross_entropy`."""
-        body_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        hidden = self.body(**body_inputs, **self._body_kwargs)[0]
-        return linear_cross_entropy(hidden, self.head.weight, inputs["labels"], num_items_in_batch, self.head.bias)
-
-    @classmethod
-    def probe(cls, model: nn.Module, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
-        """A fused loss for ``model`` if its loss on (a slice of) ``inputs`` equals the fused one, else None."""
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        body = getattr(model, "base_model", None)
-        labels = inputs.get("labels")
-        if not isinstance(head, nn.Linear) or not isinstance(body, nn.Module) or body is model \
-                or not isinstance(labels, torch.Tensor) or labels.ndim != 2:
-            return None
-        fused = cls(body, head)
-        sample = _probe_slice(inputs, labels.shape)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), torch.autocast(labels.device.type, enabled=False):
-                reference = model(**sample).loss
-                mine = fused(sample)
-            agree = reference is not None and bool(torch.allclose(reference.float(), mine, rtol=1e-4, atol=1e-5))
-        except Exception as err:  # noqa: BLE001 - any failure just means the model is not of the expected shape
-            logger.debug("fused causal-LM loss not applicable to %s: %s", type(model).__name__, err)
-            agree = False
-        finally:
-            model.train(was_training)
-        return fused if agree else None
-
-
-def _probe_slice(inputs: Mapping[str, Any], shape: torch.Size) -> dict[str, Any]:
-    """The first sample of a batch, cut to ``_PROBE_TOKENS`` positions, for the tensors shaped like the labels."""
-    batch, length = shape
-    keep = min(length, _PROBE_TOKENS)
-    out = {}
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == batch:
-            value = value[:1]
-            if value.ndim == 2 and value.shape[1] == length:
-                value = value[:, :keep]
-        out[key] = value
-    return out
-
-
-def _accepts(module: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
+__all__ = ["LinearCrossEntropy", "linear_cross_entropy"]
