@@ -23,6 +23,15 @@ WORKER_TIMEOUT_S = 120
 _PRELOAD = ["torch", "torch.distributed", "transformers", "mindformers_py"]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a worker that should have been stopped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -68,6 +68,15 @@ def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: 
     return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary)
 
 
+def local_world_size(parallel_config: ParallelConfig) -> int:
+    """Processes an ``auto_parallel`` run started on this machine without torchrun plans for (the Trainer's own
+    workers): every visible GPU, else the product of the config's size hints
+    (:func:`~mindformers_py.planner.search.default_world_size`)."""
+    from ..planner.search import default_world_size
+
+    return default_world_size(parallel_config)
+
+
 def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, model_config: Any = None,
                     seq_length: int | None = None, **context: Any) -> Engine:
     """``auto_parallel``: plan a layout for this run's processes and the model (:func:`plan_layout`), then build

@@ -14,6 +14,11 @@ Several nodes: run one torchrun agent per node with the same rendezvous endpoint
         -m mindformers_py run tasks/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel
 
 where HOST is the address of one of the nodes (reachable from all of them); every node runs the same command.
+
+From a Python program or a notebook kernel (the Trainer's and the parallel pipelines' own workers),
+:func:`launch_from_python` runs a function in local workers on the same agent, with what such a caller needs: fast
+starts (a fork server that imported torch once), the caller's main module not run again, its signal handlers kept,
+and an interrupt turned into ``KeyboardInterrupt`` once every worker stopped.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -38,7 +44,11 @@ TORCHRUN_ENV = ("LOCAL_RANK", "WORLD_SIZE")
 
 
 class LaunchError(MindFormersError):
-    """A launched worker failed; the job was stopped. The message names the first failing rank and its exit."""
+    """A launched worker failed; the job was stopped. The message names the first failing rank and its exit;
+    ``rank`` and ``exitcode`` hold them (None when the job stopped for another reason)."""
+
+    rank: int | None = None
+    exitcode: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,13 @@ def _describe_failure(err: ChildFailedError) -> str:
     return f"rank {rank} of the job failed with {how}{detail}{tail}; the other ranks were stopped"
 
 
+def _launch_error(err: ChildFailedError) -> LaunchError:
+    error = LaunchError(_describe_failure(err))
+    error.rank, failure = err.get_first_failure()
+    error.exitcode = failure.exitcode
+    return error
+
+
 @contextlib.contextmanager
 def _worker_threads(nproc: int) -> Iterator[None]:
     """As torchrun: one OpenMP thread per worker unless the user chose, so N workers do not oversubscribe."""
@@ -184,7 +201,7 @@ def launch(
         with _worker_threads(nproc):
             return elastic_launch(config, entrypoint)(*call_args)
     except ChildFailedError as err:
-        raise LaunchError(_describe_failure(err)) from None
+        raise _launch_error(err) from None
 
 
 def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_args: Sequence[str],
@@ -198,3 +215,110 @@ def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_a
              "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", run_id,
              "-m", "mindformers_py", *program_args]
     return shlex.join(parts)
+
+
+# -- launching from a Python program or a notebook ----------------------------------------------------------------
+
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "transformers", "mindformers_py")
+"""Modules the fork server imports once, so each launched worker starts without importing them again."""
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name))
+
+
+def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
+                       preload: Sequence[str] = FORKSERVER_PRELOAD) -> dict[int, Any]:
+    """:func:`launch` of a function from a Python program or a notebook kernel; returns ``{rank: return value}``.
+
+    What differs from calling :func:`launch` with a function:
+
+    * Workers fork from multiprocessing's fork server, which imports ``preload`` once per program (the first
+      launch pays for it; later ones start in about a second). The server stays up, idle, until the program ends.
+    * The caller's main module (a script, ``python -m module``) is not run again in the workers, as ``spawn`` would
+      do to a script without an ``if __name__ == "__main__":`` guard: ``target`` and ``args`` must carry what the
+      workers need (pickled; objects defined in the script or notebook travel by value with cloudpickle).
+    * The signal handlers the elastic agent installs are removed again afterwards, and an interrupt (Ctrl-C, the
+      notebook's stop button) stops every worker and then raises ``KeyboardInterrupt`` here.
+
+    Raises:
+        LaunchError: a worker failed or was killed (naming its rank and exit code or signal); the others were
+            stopped.
+        KeyboardInterrupt: the program was interrupted; every worker was stopped.
+    """
+    prepare_fork_server(preload)
+    saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    try:
+        with main_module_not_rerun(), quiet_agent():
+            return launch(target, nproc, *args, start_method="forkserver")
+    except SignalException as err:
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise LaunchError(f"the launch was stopped by {err.sigval.name}; every worker was stopped") from None
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+# What the elastic agent sets in each worker's environment: the launching program's values (a notebook's MASTER_PORT)
+# must not replace them.
+AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def adopt_environment(env: Mapping[str, str]) -> None:
+    """In a worker forked from the fork server (which has the environment of the moment it started), take the
+    launching program's environment ``env`` as it is now, keeping what the agent set for this worker."""
+    os.environ.update({k: v for k, v in env.items() if k not in AGENT_VARIABLES and not k.startswith("TORCHELASTIC_")})
+
+
+def threads_per_worker(nproc: int) -> int:
+    """CPU threads for each of ``nproc`` local workers: ``OMP_NUM_THREADS`` when set (torchrun's rule), else the
+    cores shared out."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def prepare_fork_server(preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
+    """Have multiprocessing's fork server import ``preload`` when it starts (no effect once it runs: it has)."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+
+
+@contextlib.contextmanager
+def main_module_not_rerun() -> Iterator[None]:
+    """Hide the main module's origin while workers start: multiprocessing would otherwise import a script (or a
+    ``python -m`` module) again in each worker, running its top-level code, which starts the run again when it lacks
+    a ``__main__`` guard. Workers get everything they need pickled, so they do not need the main module."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    hidden = {name: main.__dict__.pop(name) for name in ("__file__",) if name in main.__dict__}
+    spec = getattr(main, "__spec__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(hidden)
+        main.__spec__ = spec
+
+
+@contextlib.contextmanager
+def quiet_agent() -> Iterator[None]:
+    """Silence the elastic agent's logs (a failed worker's traceback, the shutdown warning): the caller raises one
+    line for them instead."""
+    import logging
+
+    names = [name for name in list(logging.Logger.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"))]
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in zip(loggers, saved):
+            logger.disabled = disabled

@@ -53,7 +53,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if missing:
         raise ConfigError(
             f"torch.distributed environment is incomplete (missing {', '.join(missing)}); start the run with "
-            "torchrun or `mindformers-py run`, or use parallel_mode='stand_alone'"
+            "torchrun or `mindformers-py run` (the Trainer and pipeline() start their own), or use "
+            "parallel_mode='stand_alone'"
         )
     device_type = default_device_type()
     if device_type == "cuda":

@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import Pipeline, PreTrainedModel
 
+from ..errors import MindFormersError
 from .base import PIPELINES, PipelineTask, get_pipeline, load_model, load_preprocessor, register_pipeline, task_name
 from .classification import TextClassificationPipeline, TokenClassificationPipeline
 from .image_classification import ImageClassificationPipeline
@@ -52,11 +53,28 @@ def pipeline(
             name needs one given).
         **kwargs: passed to the pipeline class as with ``transformers.pipeline`` (``device``, ``batch_size``,
             generation parameters such as ``max_new_tokens``, ...); ``dtype``/``torch_dtype`` apply when the model is
-            loaded here.
+            loaded here. ``parallel_config`` (a :class:`~mindformers_py.ParallelConfig` with ``model_parallel``,
+            ``pipeline_stage`` and, for MoE models, ``expert_parallel``) makes a generating pipeline run in a pool of
+            worker processes holding the model sharded (:mod:`.parallel_pool`); the pool stays up until ``close()``,
+            the end of a ``with`` block, or interpreter exit.
     """
     entry = get_pipeline(task)
     load_kwargs = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype") if kwargs.get(key) is not None}
-    model, folder = load_model(entry, model, **load_kwargs)
+    parallel_config = kwargs.pop("parallel_config", None)
+    pooled = None
+    if parallel_config is not None:
+        if kwargs.get("device") is not None:
+            raise MindFormersError("device= does not apply with parallel_config: each worker process uses its own "
+                                   "device (GPU LOCAL_RANK, else the CPU)")
+        from .parallel_pool import start_pooled_model  # the launcher's imports only for parallel pipelines
+
+        pooled = start_pooled_model(entry.pipeline_class, entry.name, entry.auto_model, entry.task, model,
+                                    parallel_config, load_kwargs)
+    if pooled is not None:
+        model, folder = pooled
+        kwargs["device"] = "cpu"  # inputs and outputs stay here; the workers place them on their devices
+    else:
+        model, folder = load_model(entry, model, **load_kwargs)
     given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
     preprocessor = load_preprocessor(entry, given, folder, model)
     arguments = {**entry.defaults, **kwargs, entry.preprocessor: preprocessor}

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 class AcceptsOurModels:
     """Mixin for a transformers ``Pipeline`` subclass: our families' models count as supported (transformers
-    checks the class name against its own tables, which list only transformers' classes, and logs an error)."""
+    checks the class name against its own tables, which list only transformers' classes, and logs an error); and
+    ``close()`` / ``with`` stop the worker pool of a parallel pipeline."""
 
     def check_model_type(self, supported_models: list[str] | dict) -> None:
         """transformers' check, passing our families' model classes."""
@@ -33,6 +34,18 @@ class AcceptsOurModels:
         if type(self.model) in ours or any(isinstance(self.model, cls) for cls in ours):
             return
         super().check_model_type(supported_models)
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel pipeline (``parallel_config``); nothing for one process."""
+        close_pool = getattr(self.model, "close_pool", None)
+        if close_pool is not None:
+            close_pool()
+
+    def __enter__(self) -> AcceptsOurModels:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 PREPROCESSOR_LOADERS: dict[str, Any] = {"tokenizer": AutoTokenizer, "image_processor": AutoImageProcessor}

@@ -115,6 +115,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
             model_s[key] = value
     config, _, _ = resolve_config(name_or_path, **model_s)
     parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
+        return _predict_in_pool(task, name_or_path, model_s, tokenizer, gen_s, args.output_dir, parallel, args.seed)
     if world > 1 and not under_torchrun():
         return _relaunch(recipe, args.output_dir, world)
 
@@ -229,18 +231,37 @@ def _train_and_evaluate(run_mode, trainer, args, val) -> dict[str, Any]:
     return trainer.evaluate()
 
 
+def _predict_in_pool(task: TaskSpec, name_or_path: str, model_s: dict[str, Any], tokenizer, gen_s: GenerateSection,
+                     output_dir: str, parallel: ParallelConfig, seed: int) -> dict[str, Any]:
+    """``run_mode: predict`` with a layout: the pipeline's workers load the checkpoint and shard it (the model is
+    loaded here first only when the recipe overrides its config)."""
+    if under_torchrun():
+        raise ConfigError("run_mode='predict' with a parallel layout starts its own worker processes; run it without "
+                          "torchrun (mindformers-py run ... --run_mode predict)")
+    if not gen_s.prompts:
+        raise ConfigError("run_mode='predict' needs generate.prompts (texts to complete)")
+    model: Any = name_or_path
+    if model_s:
+        from ..auto import auto_class_for
+
+        model = auto_class_for(task.name).from_pretrained(name_or_path, **model_s)
+    return {"samples": run_pipeline(task, model, tokenizer, gen_s, output_dir, seed, "predict", parallel_config=parallel)}
+
+
 def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, output_dir: str, seed: int = 42,
-                 run_mode: str = "train") -> list[Any]:
+                 run_mode: str = "train", parallel_config: ParallelConfig | None = None) -> list[Any]:
     """Run the task's pipeline on each of ``gen_s.prompts`` (texts, or image files for image tasks; generation
     settings apply to text generation) with the task's processing class ``tokenizer``; print the results and save
     them in ``output_dir``: ``samples.txt`` after training, ``predictions.txt`` for ``run_mode="predict"`` (beside,
     not over, the samples of the run that trained the model). Sampling starts from ``seed``, so the same model and
-    recipe give the same samples whichever run mode generates them."""
+    recipe give the same samples whichever run mode generates them. ``model`` may be a checkpoint folder; with
+    ``parallel_config`` the pipeline generates in a pool of worker processes, closed at the end."""
     from transformers import set_seed
 
     from ..pipelines import pipeline
 
-    pipe = pipeline(gen_s.pipeline or task.pipeline, model=model, **{task.processor: tokenizer})
+    extra = {"parallel_config": parallel_config} if parallel_config is not None else {}
+    pipe = pipeline(gen_s.pipeline or task.pipeline, model=model, **{task.processor: tokenizer}, **extra)
     kwargs: dict[str, Any] = {}
     if task.name in ("causal_lm", "seq2seq_lm"):
         kwargs = dict(max_new_tokens=gen_s.max_new_tokens, do_sample=gen_s.do_sample,
@@ -249,9 +270,12 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
             kwargs.update(temperature=gen_s.temperature, top_k=gen_s.top_k, top_p=gen_s.top_p)
         if task.name == "seq2seq_lm":
             kwargs["num_beams"] = gen_s.num_beams
-    model.eval()  # as loaded by from_pretrained: a model fresh from training generates without dropout too
+    pipe.model.eval()  # as loaded by from_pretrained: a model fresh from training generates without dropout too
     set_seed(seed)  # what training drew from the random streams does not change the samples
-    outputs = [pipe(p, **kwargs) for p in gen_s.prompts]
+    try:
+        outputs = [pipe(p, **kwargs) for p in gen_s.prompts]
+    finally:
+        pipe.close()
     # Generated texts come as records keyed generated_text / summary_text / translation_text.
     samples = [next(iter(out[0].values())) for out in outputs] if task.name in ("causal_lm", "seq2seq_lm") else outputs
     text = "\n\n".join(f"----- sample {i + 1} -----\n{s}" for i, s in enumerate(samples))

@@ -39,6 +39,7 @@ from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosi
     prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
     save_trainer_state
 from .fused_loss import FusedCausalLMLoss
+from .local_workers import LocalWorkers
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class Trainer:
     normalises it over the step's items, micro-batches and data-parallel ranks in one place
     (:mod:`mindformers_py.engine.step_loss`). Set ``loss_is_scaled_for_ga`` (transformers' class attribute) on a
     subclass whose ``compute_loss`` divides by ``num_items_in_batch`` (True) or averages over its batch (False).
+
+    Processes: under torchrun each process is one rank of the layout. In a program or notebook without torchrun, a
+    layout needing more processes (``data_parallel=2``, ...) makes ``train``/``evaluate``/``predict`` start them
+    on this machine and bring the results back (the state, metrics, and the trained weights into ``model``); see
+    :mod:`mindformers_py.trainer.local_workers` for how the objects given here reach them and what cannot.
     """
 
     loss_is_scaled_for_ga: bool | None = None
@@ -104,14 +110,19 @@ class Trainer:
         self.task = self.task_spec.name if self.task_spec is not None else None
         self.label_names = list(self.args.label_names or find_labels(type(model))
                                 or (self.task_spec.label_names if self.task_spec else ["labels"]))
-        self.engine: Engine = build_engine(self.args.parallel_config, self.args, model_config=getattr(model, "config", None),
-                                           seq_length=_sequence_length(train_dataset, model))
-        self.engine.setup()
-        if self.args.parallel_config.ignored_sizes_warning() and self.engine.is_main_process:
-            logger.warning("%s", self.args.parallel_config.ignored_sizes_warning())
-        set_seed(self.args.seed)
         self.model = model
-        self.model_wrapped = self.engine.prepare_model(model, task=self.task_spec)
+        # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
+        # and this process builds no engine and joins no process group.
+        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model))
+        if self._workers is None:
+            self._setup_engine(_sequence_length(train_dataset, model))
+        else:
+            self.engine: Engine = self._workers.host_engine(self.args)
+            set_seed(self.args.seed)
+            self.model_wrapped = model
+        ignored = self.args.parallel_config.ignored_sizes_warning()
+        if ignored and self.engine.is_main_process:
+            logger.warning("%s", ignored)
         self.data_collator = data_collator or _default_collator(self.task_spec, self.processing_class)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -139,6 +150,15 @@ class Trainer:
             self.optimizer, self.lr_scheduler,
         )
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def _setup_engine(self, seq_length: int | None = None) -> None:
+        """Build the layout's engine (joining the process group of a distributed layout) and prepare the model on
+        it; in this process, or in each worker the Trainer started (:mod:`.local_workers`)."""
+        self.engine = build_engine(self.args.parallel_config, self.args,
+                                   model_config=getattr(self.model, "config", None), seq_length=seq_length)
+        self.engine.setup()
+        set_seed(self.args.seed)
+        self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)
 
     # -- callbacks (HF's API) ------------------------------------------------------------------------------------
 
@@ -178,9 +198,11 @@ class Trainer:
         or True for the latest in ``output_dir``: weights, optimizer, scheduler, RNG and data position are
         restored, so the run continues exactly as if it had not stopped.
         """
-        args, engine = self.args, self.engine
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
+        args, engine = self.args, self.engine
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         checkpoint = resolve_resume(resume, args.output_dir)
         if checkpoint is None:
@@ -568,6 +590,8 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise MindFormersError("evaluate needs an eval_dataset (pass one to the Trainer or to evaluate)")
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.evaluate, eval_dataset, ignore_keys, metric_key_prefix)
         if isinstance(dataset, dict):
             metrics: dict[str, float] = {}
             for name, part in dataset.items():
@@ -583,6 +607,8 @@ class Trainer:
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits, or ``preprocess_logits_for_metrics`` of them) for ``test_dataset`` as NumPy
         arrays, its label ids when it has labels, and metrics (loss, ``compute_metrics``, speed)."""
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.predict, test_dataset, ignore_keys, metric_key_prefix)
         output = self._evaluation_loop(test_dataset, "test_dataset", False, ignore_keys, metric_key_prefix)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
