@@ -60,7 +60,8 @@ def fastest_formulation(weight: torch.Tensor, bias: torch.Tensor | None, rows: i
     ``allow_copy``), timed once per shape, row count, dtype and thread count in this process."""
     key = (*weight.shape, rows, weight.dtype, torch.get_num_threads(), allow_copy)
     if key not in _FASTEST:
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        # A private generator: drawing from the global one would change the tokens of a seeded sampling call.
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         weight_t = weight.t().contiguous() if allow_copy else None
         candidates = [LINEAR, WEIGHT_FIRST] + ([TRANSPOSED] if allow_copy else [])
         with torch.inference_mode():
