@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -44,7 +42,7 @@ import transformers
 from transformers import default_data_collator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_train import StepClock, steady_seconds_per_step  # noqa: E402
+from bench_train import StepClock, quiet, steady_seconds_per_step  # noqa: E402
 from family_models import FAMILIES  # noqa: E402
 from flops import matmul_peak, step_flops  # noqa: E402
 
@@ -124,15 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def quiet(opts: argparse.Namespace) -> None:
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-
-
 def best(runs: list[dict], kind: str = "wall") -> float:
     return min(r[kind] for r in runs)
 
@@ -140,7 +129,7 @@ def best(runs: list[dict], kind: str = "wall") -> float:
 def main() -> None:
     argv = sys.argv[1:]
     opts = parse_args(argv)
-    quiet(opts)
+    quiet(opts.threads)
     if opts.worker:
         print("RESULT " + json.dumps(train_once(opts.worker, opts.checkpoint, opts)))
         return
