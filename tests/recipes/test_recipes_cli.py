@@ -217,3 +217,21 @@ def test_a_task_without_recipe_data_is_refused(recipe, capsys):
     assert code == 2 and "task='question_answering'" in out.err and "causal_lm" in out.err
     code, out = run_cli(recipe, "--task", "image_classification", capsys=capsys)  # a task GPT models do not serve
     assert code == 2 and "gpt family" in out.err and "Traceback" not in out.err
+
+
+def test_a_run_stopped_during_its_final_evaluation_has_already_saved_its_model(recipe, monkeypatch, capsys):
+    """Evaluation (generation metrics above all) can take long: the trained model is written before the last
+    evaluation starts, so stopping the run there loses nothing."""
+    import mindformers_py as mf
+    from mindformers_py.trainer.trainer import Trainer
+
+    def stopped(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", stopped)
+    outdir = Path(yaml.safe_load(recipe.read_text())["training"]["output_dir"])
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(recipe, "--eval_strategy", "steps", "--eval_steps", "3", capsys=capsys)
+    assert (outdir / "config.json").is_file() and (outdir / "model.safetensors").is_file()
+    saved = mf.AutoModelForCausalLM.from_pretrained(outdir)
+    assert saved.config.num_hidden_layers == 1
