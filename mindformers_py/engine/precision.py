@@ -3,8 +3,8 @@
 ``TrainingArguments.bf16="auto"`` (the default) resolves here. bf16 autocast keeps fp32 weights, gradients and AdamW
 state and runs the matrix products in bf16; on hardware with bf16 matrix units that is several times the fp32 rate,
 and the loss curves stay close to fp32's (the GPT demo recipe within 1% over its first 80 steps:
-``benchmarks/bf16_loss_curves.py``). Where
-bf16 is only emulated it would be slower than fp32, so ``"auto"`` means fp32 there:
+``benchmarks/bf16_loss_curves.py``). Where bf16 is only emulated it would be slower than fp32, so ``"auto"``
+means fp32 there:
 
 * CUDA: compute capability 8.0 or newer (Ampere, Hopper, Blackwell, ...), which have bf16 tensor cores;
 * CPU: the AVX-512 BF16 or AMX-BF16 instructions (x86: Cooper Lake, Sapphire Rapids and later; AMD Zen 4 and
