@@ -189,9 +189,18 @@ class _AutoModel:
         if state is not None:
             info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
             if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-                model.generation_config = GenerationConfig.from_pretrained(folder)
+                model.generation_config = _generation_config(folder)
         model = apply_loading_options(model.eval(), options, folder)
         return (model, info) if options.get("output_loading_info") else model
+
+
+def _generation_config(folder: Path) -> GenerationConfig:
+    """The folder's ``generation_config.json``; a damaged one is a one-line CheckpointError naming it."""
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        reason = "not valid JSON" if "not a valid JSON" in str(err) else str(err).splitlines()[0]
+        raise CheckpointError(f"{folder / 'generation_config.json'} cannot be read ({reason}); fix or delete it") from None
 
 
 LOADING_KWARGS = (

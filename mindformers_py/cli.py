@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="list model families, presets and loadable HF architectures")
     show.set_defaults(func=_cmd_show)
     plan = sub.add_parser("plan", help="estimate the parallel layouts of a model on N accelerators (starts nothing)",
-                          description="Estimate memory per rank, step time and throughput of every data/tensor/"
-                          "pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
+                          description="Estimate memory per rank, step time and throughput of every data/context/"
+                          "tensor/pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
     plan.add_argument("source", help="a recipe (tasks/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF config.json "
                       "or a checkpoint folder")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
@@ -111,6 +111,29 @@ def main(argv: list[str] | None = None) -> int:
         if _reports_user_errors():
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not _lost_a_peer(e):
+            raise
+        # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
+        # job with --max_restarts); this rank's traceback would only bury it.
+        import time
+
+        from .parallel.launch import PEER_GRACE_S
+
+        time.sleep(PEER_GRACE_S)  # the launcher sees the failed rank first (its SIGTERM ends the wait)
+        rank = os.environ.get("RANK", "?")
+        print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
+              "failed or was stopped; the launcher's message names it)", file=sys.stderr)
+        return 1
+
+
+def _lost_a_peer(exc: Exception) -> bool:
+    """Whether ``exc`` is a distributed worker's collective failing because another rank went away."""
+    if "torch.distributed" not in sys.modules or not os.environ.get("RANK"):
+        return False
+    from .parallel.launch import lost_a_peer
+
+    return lost_a_peer(exc)
 
 
 def _reports_user_errors() -> bool:

@@ -99,14 +99,17 @@ class TaskSpec:
 
     def count_items(self, batch: Mapping[str, Any]) -> int | None:
         """Items of this task's loss in one batch (None when the batch has no labels): label entries that are not
-        -100, without each row's first position when labels are shifted; for tasks with several label tensors
-        (question answering), the rows."""
+        -100, without each row's first position when labels are shifted (or the batch's ``shift_labels``, already
+        shifted, as transformers' Trainer counts them); for tasks with several label tensors (question answering),
+        the rows."""
         labels = batch.get(self.label_names[0])
         if not isinstance(labels, torch.Tensor):
             return None
         if len(self.label_names) > 1:
             return int(labels.shape[0])
-        if self.shifted_labels and labels.ndim >= 2:
+        if self.shifted_labels and isinstance(batch.get("shift_labels"), torch.Tensor):
+            labels = batch["shift_labels"]
+        elif self.shifted_labels and labels.ndim >= 2:
             labels = labels[..., 1:]
         return int((labels != IGNORE_INDEX).sum())
 
@@ -122,8 +125,11 @@ class TaskSpec:
         return inputs.numel() if isinstance(inputs, torch.Tensor) else 0
 
     def compute_loss(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], config: Any,
-                     num_items_in_batch: Any = None) -> torch.Tensor:
-        """:attr:`loss` of ``outputs`` against ``labels``."""
+                     num_items_in_batch: Any = None, labels_shifted: bool = False) -> torch.Tensor:
+        """:attr:`loss` of ``outputs`` against ``labels``; ``labels_shifted``: a causal LM's labels come already
+        shifted (the batch's ``shift_labels``) and are scored as they are."""
+        if labels_shifted and self.shifted_labels:
+            return token_cross_entropy(outputs[0], labels[0], num_items_in_batch)
         return self.loss(outputs, labels, config, num_items_in_batch)
 
     def outputs_of(self, output: Any) -> tuple[torch.Tensor, ...]:

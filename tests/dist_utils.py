@@ -20,7 +20,10 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 WORKER_TIMEOUT_S = 120
-_PRELOAD = ["torch", "torch.distributed", "transformers", "mindformers_py"]
+# The package's exports are lazy: name the Trainer's and the engines' modules so that the server imports them once,
+# not every forked worker (about 10 s each on a loaded 2-core machine).
+_PRELOAD = ["torch", "torch.distributed", "transformers", "mindformers_py", "mindformers_py.trainer.trainer",
+            "mindformers_py.engine.registry"]
 
 
 def process_alive(pid: int) -> bool:

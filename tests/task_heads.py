@@ -17,6 +17,9 @@ VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
          "hf_sequence_classifier", "image_classification", "bert_masked_lm", "bert_single_label",
          "bert_token_classification", "bert_question_answering", "moe_causal_lm", "seq2seq_lm"]
+# Heads of the context-parallel tests only (not in HEADS): causal LMs on packed rows (positions restarting at each
+# document, no attention mask) and with Mistral's sliding window.
+EXTRA_HEADS = ["packed_causal_lm", "window_causal_lm"]
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
        "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
 TARGET = 7  # label tokens of the encoder-decoder's rows
@@ -39,8 +42,10 @@ def make_model(head: str) -> torch.nn.Module:
         return {"bert_masked_lm": mf.BertForMaskedLM, "bert_single_label": mf.BertForSequenceClassification,
                 "bert_token_classification": mf.BertForTokenClassification,
                 "bert_question_answering": mf.BertForQuestionAnswering}[head](_bert_config(num_labels=3 if head == "bert_single_label" else 5))
-    if head == "causal_lm":
+    if head in ("causal_lm", "packed_causal_lm"):
         return mf.GPTForCausalLM(_config())
+    if head == "window_causal_lm":
+        return mf.GPTForCausalLM(_config(sliding_window=3))
     if head == "moe_causal_lm":
         return mf.GPTForCausalLM(_config(moe_config=MOE, output_router_logits=True))
     if head == "single_label":
@@ -75,12 +80,20 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
     if head == "image_classification":  # one ignored label, so micro-batches hold different numbers of images
         return [{"pixel_values": torch.randn(3, 12, 12, generator=g),
                  "labels": torch.tensor(-100 if i == 2 else i % 3)} for i in range(N)]
+    if head == "packed_causal_lm":  # documents of these lengths packed into rows, as DataCollatorWithFlattening does
+        for i in range(N):
+            ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+            docs = [lengths[i], SEQ - lengths[i]] if lengths[i] < SEQ else [SEQ]
+            positions = torch.cat([torch.arange(n) for n in docs if n])
+            labels = ids.masked_fill(positions == 0, -100)
+            rows.append({"input_ids": ids, "position_ids": positions, "labels": labels})
+        return rows
     for i, length in enumerate(lengths):
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
         ids[length:] = 0
         mask = (torch.arange(SEQ) < length).long()
         row = {"input_ids": ids, "attention_mask": mask}
-        kind = "causal_lm" if head == "moe_causal_lm" else head
+        kind = "causal_lm" if head in ("moe_causal_lm", "window_causal_lm") else head
         if head.startswith("bert_"):  # sentence pairs: the second half of each row is segment B
             row["token_type_ids"] = ((torch.arange(SEQ) >= length // 2) & (mask == 1)).long()
             kind = head.removeprefix("bert_").replace("masked_lm", "mlm")

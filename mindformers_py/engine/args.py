@@ -40,3 +40,8 @@ class EngineArguments(Protocol):
     """``torch.compile`` backend (None: inductor)."""
     torch_compile_mode: str | None
     """``torch.compile`` mode."""
+    ddp_timeout: int
+    """Seconds without progress (or in one collective) after which a distributed job ends, naming the rank it waits
+    for (:mod:`~mindformers_py.parallel.watchdog`)."""
+    save_async: bool
+    """Write checkpoints in a background thread (:mod:`.checkpoint_writer`)."""

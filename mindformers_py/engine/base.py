@@ -14,8 +14,9 @@ serves which ``parallel_mode`` is in :mod:`.registry`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,17 @@ from ..errors import ConfigError
 from ..parallel.compile import compile_layers
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
+from ..utils.disk_space import check_free_space
+from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
+from .checkpoint_writer import CheckpointWriter, snapshot
 from .cpu_memory import keep_freed_cpu_memory
 from .step_loss import LossFn, StepLoss, TrainingLoss, count_step_items
 from .optim import create_optimizer, parameter_groups
 from .rng_state import capture_rng_state, restore_rng_state
-from .state_files import OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, load_state_into, \
-    torch_load
+from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, \
+    load_state_into, torch_load
 
 class Engine:
     """Stand-alone engine: one process on one device (CUDA when visible and not ``use_cpu``, else CPU).
@@ -40,6 +44,7 @@ class Engine:
     Attributes:
         rank, world_size: this process and the number of processes (0 and 1 here).
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel size (0 and 1 here).
+        cp_size: context-parallel ranks that split each sequence of this rank's batches (1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
         plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
@@ -56,8 +61,10 @@ class Engine:
         self.world_size = 1
         self.dp_rank = 0
         self.dp_size = 1
+        self.cp_size = 1
         self.device = torch.device("cpu")
         self.scaler: torch.amp.GradScaler | None = None
+        self._checkpoint_writer = CheckpointWriter()
         self.plan_summary: str | None = None
 
     @property
@@ -93,10 +100,20 @@ class Engine:
             keep_freed_cpu_memory()
 
     def teardown(self) -> None:
-        """Release what :meth:`setup` acquired (nothing for one process)."""
+        """Wait for a checkpoint still being written, then release what :meth:`setup` acquired."""
+        self._checkpoint_writer.close()
 
     def barrier(self) -> None:
         """Wait for every process (a no-op for one process)."""
+
+    def watch_progress(self) -> ContextManager[Any]:
+        """A context in which a job whose processes stop making progress ends, naming the one it waits for (see
+        :meth:`beat`); nothing to watch for one process."""
+        return contextlib.nullcontext()
+
+    def beat(self, step: int) -> None:
+        """Tell the progress watch that training reached another point (``step``); every process beats at the same
+        points."""
 
     # -- model and optimizer --------------------------------------------------------------------------------------
 
@@ -138,6 +155,11 @@ class Engine:
         if self.device.type == "cpu":
             return dict(batch)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's part of a training batch the data-parallel split gave it: the batch itself here; its chunks of
+        every sequence under context parallelism. Items, tokens and the loss are counted on what it returns."""
+        return batch
 
     def loss_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold other samples of a step: the loss items are counted over them, and their number is
@@ -250,34 +272,102 @@ class Engine:
         copy_weights(model, state, folder)
 
     def save_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None) -> None:
+                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None, *,
+                        asynchronous: bool = False, on_saved: Callable[[], None] | None = None) -> None:
         """Write a complete training checkpoint into ``folder`` atomically: weights (``save_pretrained``),
-        optimizer, scheduler, fp16 scaler, RNG states and the Trainer's text ``files`` (name -> content).
-        The folder appears only when everything is written."""
-        with atomic_folder(folder) as tmp:
-            self.save_pretrained(model, tmp, processing_class)
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
-            torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
-            if self.scaler is not None:
-                torch.save(self.scaler.state_dict(), tmp / SCALER_NAME)
-            torch.save(capture_rng_state(), tmp / RNG_NAME)
+        optimizer, scheduler, fp16 scaler, RNG states, the Trainer's text ``files`` (name -> content) and a manifest
+        of them all (sizes, checksums). The folder appears only when everything is written; a filesystem without
+        room for it is refused before anything is written, in one line naming the folder and the space it needs.
+
+        ``asynchronous``: the state is copied to host memory (all the step waits for) and written by a background
+        thread (:mod:`.checkpoint_writer`); a save still in flight is waited for first, and :meth:`wait_for_checkpoint`
+        waits for this one. ``on_saved`` runs once the folder is in place (in the thread that wrote it)."""
+        self.wait_for_checkpoint()
+        folder = Path(folder)
+        needed = self.checkpoint_bytes(model, optimizer)
+        self.check_free_space(folder, needed)
+        state = self._checkpoint_state(model, optimizer, lr_scheduler)
+        if asynchronous:
+            state = snapshot(state)
+        job = functools.partial(self._write_checkpoint, folder, model, state, dict(files), processing_class, needed,
+                                on_saved)
+        if asynchronous:
+            self._checkpoint_writer.submit(str(folder), job)
+        else:
+            job()
+
+    def _checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
+        """What a checkpoint holds, as state dicts (live tensors: :func:`snapshot` copies them for a background
+        write)."""
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": lr_scheduler.state_dict(),
+                 "rng": capture_rng_state()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def _write_checkpoint(self, folder: Path, model: nn.Module, state: dict[str, Any], files: Mapping[str, str],
+                          processing_class: Any, needed: int, on_saved: Callable[[], None] | None) -> None:
+        with atomic_folder(folder, manifest=True, needed_bytes=needed) as tmp:
+            if hasattr(model, "save_pretrained"):
+                with _quiet_progress_bars():
+                    model.save_pretrained(tmp, state_dict=state["model"])
+            else:
+                save_state_dict(state["model"], tmp)
+            if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(tmp)
+            torch.save(state["optimizer"], tmp / OPTIMIZER_NAME)
+            torch.save(state["scheduler"], tmp / SCHEDULER_NAME)
+            if "scaler" in state:
+                torch.save(state["scaler"], tmp / SCALER_NAME)
+            torch.save(state["rng"], tmp / RNG_NAME)
             for name, text in files.items():
                 (tmp / name).write_text(text, encoding="utf-8")
+        if on_saved is not None:
+            on_saved()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the background checkpoint write in flight, if any, and raise what it failed with."""
+        self._checkpoint_writer.wait()
+
+    def raise_checkpoint_error(self) -> None:
+        """Raise the error of a background checkpoint write that has finished (never waits)."""
+        self._checkpoint_writer.raise_if_failed()
+
+    def checkpoint_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """About how many bytes a checkpoint of ``model`` and ``optimizer`` takes on disk (their tensors; shared
+        tensors counted once)."""
+        return _tensor_bytes([model.state_dict(), optimizer.state_dict()["state"]])
+
+    def check_free_space(self, folder: Path, needed: int) -> None:
+        """Refuse a checkpoint of ``needed`` bytes that the filesystem of ``folder`` cannot hold."""
+        check_free_space(folder, needed)
 
     def load_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         lr_scheduler: Any) -> None:
-        """Restore weights, optimizer, scheduler and fp16 scaler from a folder written by
-        :meth:`save_checkpoint` (RNG states separately, with :meth:`load_rng_state`, right before training)."""
+        """Restore weights, optimizer, scheduler and fp16 scaler from a folder written by :meth:`save_checkpoint`
+        (RNG states separately, with :meth:`load_rng_state`, right before training). A distributed run's checkpoint
+        is read from its sharded part (``dcp/``, any layout, pipeline stages included)."""
         folder = Path(folder)
-        self.load_weights(model, folder)
-        load_state_into("optimizer", optimizer, folder / OPTIMIZER_NAME)
+        if (folder / DCP_DIR).is_dir():
+            from ..parallel import checkpoint as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
+
+            dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer, no_dist=True)
+        else:
+            self.load_weights(model, folder)
+            load_state_into("optimizer", optimizer, folder / OPTIMIZER_NAME)
         load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
         if self.scaler is not None and (folder / SCALER_NAME).is_file():
             load_state_into("fp16 scaler", self.scaler, folder / SCALER_NAME)
 
     def checkpoint_files(self) -> list[str]:
-        """Files (besides weights) a complete checkpoint of this engine holds, for checking before loading."""
-        return [OPTIMIZER_NAME, SCHEDULER_NAME, RNG_NAME]
+        """Files (besides weights and the optimizer state, ``optimizer.pt`` or ``dcp/``, checked when loading) a
+        complete checkpoint holds, for checking checkpoints written before manifests existed."""
+        return [SCHEDULER_NAME, RNG_NAME]
+
+    def checkpoint_problem(self, folder: str | Path) -> str | None:
+        """What is wrong with checkpoint ``folder`` against its manifest (a file missing, cut short or changed), in
+        one line, or None. Distributed engines split the checksum reading over the ranks and agree on the answer."""
+        return manifest_problem(folder)
 
     def load_rng_state(self, folder: str | Path) -> None:
         """Restore Python, NumPy, torch and CUDA random states saved in ``folder``."""
@@ -285,6 +375,31 @@ class Engine:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
+
+
+def _tensor_bytes(states: Sequence[Any]) -> int:
+    """Bytes of the tensors in nested state dicts, each storage counted once (tied weights share one)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def walk(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            key = (local.untyped_storage().data_ptr(), local.storage_offset())
+            if key not in seen or local.numel() == 0:
+                seen.add(key)
+                total += local.numel() * local.element_size()
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    for state in states:
+        walk(state)
+    return total
 
 
 @contextlib.contextmanager

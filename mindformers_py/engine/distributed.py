@@ -5,20 +5,25 @@ group (torchrun's environment), builds the :class:`~mindformers_py.parallel.mesh
 :func:`~mindformers_py.parallel.parallelize.parallelize` (tensor/sequence/vocabulary parallel, recompute, DDP/ZeRO/FSDP2/HSDP) and owns
 what a layout changes in a step:
 
-* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the data-parallel ranks, so
-  every micro-batch loss is (its item-summed loss) / (items of the global batch), multiplied by ``dp`` before
-  backward because DDP and FSDP average gradients over those ranks: the gradients are exactly those of one
-  stand-alone step over the global batch. ``forward_backward`` returns that backpropagated value;
-  :meth:`all_reduce_mean` of it over the ranks is the global step loss (the convention of HF's Trainer).
+* **Loss normalisation** follows the one path of :mod:`.step_loss`: the loss group is the ranks holding
+  different data of a step (data x context parallel), so every micro-batch loss is (its item-summed loss) /
+  (items of the global batch), multiplied by the group's size before backward because DDP and FSDP average
+  gradients over those ranks: the gradients are exactly those of one stand-alone step over the global batch.
+  ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is the
+  global step loss (the convention of HF's Trainer).
+* **Context parallelism.** Each context-parallel rank trains on its chunks of every sequence (:meth:`shard_batch`,
+  inside :meth:`ContextParallel.sharded <mindformers_py.parallel.context.ContextParallel.sharded>`) and counts the
+  items its own loss scores, so the counts, the loss scale and the gradient average all run over ``batch_mesh``.
 * **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
   cross-entropy runs under ``loss_parallel()`` (forward and backward).
 * **Gradient clipping** over gradients that are DTensors on different meshes (tensor-parallel, FSDP, both) or
   plain tensors: one norm per (mesh, placements) group, combined exactly.
 * **Checkpoints.** A checkpoint folder holds a sharded DCP checkpoint (``dcp/``: model and optimizer, resharded
-  on load under any layout) and, with :attr:`portable_checkpoints`, also the whole weights (``save_pretrained``
-  files) and the whole optimizer state in the stand-alone format, so the stand-alone engine (or any layout)
-  resumes it and ``from_pretrained`` loads it. Resuming prefers ``dcp/`` and falls back to the whole files, so a
-  stand-alone checkpoint resumes under a distributed layout too.
+  on load under any layout, the stand-alone engine's included) and, with :attr:`portable_checkpoints`, also the
+  whole weights (``save_pretrained`` files, consolidated from the shards), so ``from_pretrained`` loads it.
+  Resuming prefers ``dcp/`` and falls back to the whole files, so a stand-alone checkpoint resumes under a
+  distributed layout too. With ``save_async`` the shards are written by a background thread on a gloo process
+  group of its own (:mod:`.checkpoint_writer`).
 
 Pipeline parallelism (``pipeline_stage > 1``) is served by the pipeline engine, which builds on this one.
 """
@@ -29,7 +34,7 @@ import contextlib
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,17 +46,21 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..errors import CheckpointError, ConfigError, MindFormersError
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
+from ..parallel.context import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.parallelize import parallelize
+from ..parallel.watchdog import ProgressWatchdog, collective_timeout
+from ..task_registry import task_of_model
+from ..utils.disk_space import check_free_space
+from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .base import Engine
+from .base import Engine, _quiet_progress_bars
 from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
-from .state_files import OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
+from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
-DCP_DIR = "dcp"
 RANK_RNG_NAME = "rng_state_{rank}.pth"
 
 
@@ -60,23 +69,24 @@ class DistributedEngine(Engine):
 
     Attributes (beyond :class:`Engine`'s):
         mesh: the run's :class:`ParallelMesh` (after :meth:`setup`).
-        portable_checkpoints: also write whole weights and optimizer state beside the sharded checkpoint (rank 0
-            gathers them), so stand-alone runs resume it; turn off when the whole state does not fit one host.
-        portable_optimizer: with ``portable_checkpoints``, write the whole optimizer state too (off for engines whose
-            ranks hold different parameters, as pipeline stages do: only the weights are consolidated then).
+        portable_checkpoints: also write the whole weights (``save_pretrained`` files, consolidated from the shards
+            by rank 0) beside the sharded checkpoint, so ``from_pretrained`` loads it; turn off when the whole model
+            does not fit one host.
     """
 
     supports_fused_loss = False  # FSDP/replicate hooks live on the root module: the model must be called whole
     portable_checkpoints: bool = True
-    portable_optimizer: bool = True
     runs_pipelines: bool = False
     """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline.PipelineEngine` does)."""
 
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
         self.mesh: ParallelMesh | None = None
+        self.context: ContextParallel | None = None
         self._owns_process_group = False
         self._fsdp_mixed_precision = False
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._watchdog: ProgressWatchdog | None = None
 
     @property
     def is_local_main_process(self) -> bool:
@@ -92,7 +102,7 @@ class DistributedEngine(Engine):
                               "(FSDP2/DTensor have no float16 loss scaling here); use bf16=True")
         use_cuda = torch.cuda.is_available() and not self.args.use_cpu
         self._owns_process_group = not dist.is_initialized()
-        init_distributed(backend=None if use_cuda else "gloo")
+        init_distributed(backend=None if use_cuda else "gloo", timeout_s=collective_timeout(self.args.ddp_timeout))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.parallel_config.validate_for(self.world_size)
         if self.parallel_config.pp > 1 and not self.runs_pipelines:
@@ -101,9 +111,15 @@ class DistributedEngine(Engine):
         self._pick_device()
         self.mesh = build_mesh(self.parallel_config, shard_size=self.parallel_config.shard_size, device_type=self.device.type)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+        self.cp_size = self.mesh.cp
+        self.context = ContextParallel(self.mesh, self.parallel_config) if self.mesh.cp > 1 else None
+        # Background checkpoint writes run their collectives on a group of their own, never interleaved with the
+        # step's on the default group (gloo: DCP stages to host memory).
+        self._checkpoint_group = dist.new_group(backend="gloo") if self.args.save_async else None
 
     def teardown(self) -> None:
-        """Leave the process group if :meth:`setup` joined it."""
+        """Wait for a checkpoint still being written, then leave the process group if :meth:`setup` joined it."""
+        self._checkpoint_writer.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -112,15 +128,32 @@ class DistributedEngine(Engine):
         """Wait for every process."""
         dist.barrier()
 
+    def watch_progress(self) -> ContextManager[Any]:
+        """A :class:`~mindformers_py.parallel.watchdog.ProgressWatchdog` over ``ddp_timeout``: when this process
+        makes no progress (:meth:`beat`) for that long, the job ends naming the rank it waits for."""
+        self._watchdog = ProgressWatchdog(self.args.ddp_timeout, self.rank, self.world_size)
+        return self._watchdog
+
+    def beat(self, step: int) -> None:
+        """Progress for the watchdog (cheap: its thread publishes it)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(step)
+
     # -- model and optimizer --------------------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
         """Check the model against the layout, move it to the device and parallelize it in place (its parameter
         names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
-                                          per_device_batch=self.args.per_device_train_batch_size)
+                                          per_device_batch=self.args.per_device_train_batch_size,
+                                          task=_task_name(model, task))
+        if self.context is not None:
+            self.context.task = task
         model.to(self.device)
-        return self.parallelize(model)
+        model = self.parallelize(model)
+        if self.context is not None:
+            self.context.prepare(model)
+        return model
 
     def parallelize(self, module: nn.Module, stage: int = 0) -> nn.Module:
         """Apply the layout to ``module`` (the model, or pipeline stage ``stage`` of it) in place with
@@ -133,7 +166,7 @@ class DistributedEngine(Engine):
                            param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
                            compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
                            compile_backend=self.args.torch_compile_backend,
-                           stage=stage)
+                           stage=stage, context=self.context)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),
@@ -160,16 +193,32 @@ class DistributedEngine(Engine):
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            set_gradient_sync(model, i == last)
-            with self.loss_context():
-                with self.autocast():
-                    loss = step(model, self.to_device(batch))
-                loss.backward()
-            value = loss.detach()
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            total = value if total is None else total + value
+        with self.context_sharded():
+            for i, batch in enumerate(micro_batches):
+                set_gradient_sync(model, i == last)
+                with self.loss_context():
+                    with self.autocast():
+                        loss = step(model, self.to_device(batch))
+                    loss.backward()
+                value = loss.detach()
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                total = value if total is None else total + value
         return total
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks holding different data (data x context parallel): gradients are averaged over them and losses,
+        item counts and metric sums summed over them."""
+        return self.dp_size * self.cp_size
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's chunks of every sequence of ``batch`` under context parallelism (the batch itself
+        otherwise); see :mod:`mindformers_py.parallel.context_data`."""
+        return self.context.shard_batch(batch) if self.context is not None else batch
+
+    def context_sharded(self) -> ContextManager[Any]:
+        """The context in which forward and backward passes run on sequences cut by :meth:`shard_batch`."""
+        return self.context.sharded() if self.context is not None else contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over every rank's shards to ``max_norm``; returns the norm before
@@ -199,20 +248,25 @@ class DistributedEngine(Engine):
         return self.mesh.dp_mesh.get_group()
 
     def loss_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel ranks (tensor-parallel and pipeline ranks of one replica share its samples)."""
-        return self._dp_group() if self.dp_size > 1 else None
+        """The ranks holding different data: data x context parallel (tensor-parallel and pipeline ranks of one
+        replica share its samples; context-parallel ranks hold different tokens of them and count the items of
+        their own loss)."""
+        return self.mesh.batch_mesh.get_group() if self.batch_ranks > 1 else None
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of ``tensor`` over the data-parallel ranks (a new tensor on the engine's device)."""
+        """Sum of ``tensor`` over the ranks holding different data: the data-parallel ranks, times the
+        context-parallel ones (a new tensor on the engine's device)."""
         out = tensor.detach().to(self.device).clone()
-        if self.dp_size > 1:
-            dist.all_reduce(out, group=self._dp_group())
+        group = self.loss_group()
+        if group is not None:
+            dist.all_reduce(out, group=group)
         return out
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean of ``tensor`` over the data-parallel ranks."""
+        """Mean of ``tensor`` over the ranks holding different data (see :meth:`all_reduce_sum`)."""
         out = self.all_reduce_sum(tensor)
-        return out / self.dp_size if out.is_floating_point() else out.float() / self.dp_size
+        ranks = self.batch_ranks
+        return out / ranks if out.is_floating_point() else out.float() / ranks
 
     def reduce_metrics(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Totals of a model's running sums over every rank, divided by the tensor-parallel size: tensor-parallel
@@ -256,27 +310,64 @@ class DistributedEngine(Engine):
             raise CheckpointError(f"weights in {folder} do not match the model: "
                                   f"{'missing' if missing else 'unexpected'} {first}")
 
-    def save_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        lr_scheduler: Any, files: Mapping[str, str], processing_class: Any = None) -> None:
-        """Write a complete training checkpoint atomically (see the module docstring for its contents);
-        collective."""
-        with dcp_checkpoint.shared_atomic_folder(Path(folder)) as tmp:
-            dcp_checkpoint.save_checkpoint(tmp / DCP_DIR, model, optimizer)
-            full_optimizer = None
-            if self.portable_checkpoints:
-                dcp_checkpoint.save_consolidated(model, tmp, processing_class)
-                if self.portable_optimizer:
-                    full_optimizer = dcp_checkpoint.full_optimizer_state(model, optimizer)
-            torch.save(capture_rng_state(), tmp / RANK_RNG_NAME.format(rank=self.rank))
+    def _checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
+        return {"dcp": dcp_checkpoint.training_state(model, optimizer), "scheduler": lr_scheduler.state_dict(),
+                "rng": capture_rng_state()}
+
+    def _write_checkpoint(self, folder: Path, model: nn.Module, state: dict[str, Any], files: Mapping[str, str],
+                          processing_class: Any, needed: int, on_saved: Callable[[], None] | None) -> None:
+        """Every rank writes its shards (``dcp/``) and RNG state; rank 0 the whole weights consolidated from the
+        shards (``save_pretrained`` files), the tokenizer, scheduler and the Trainer's files; collective over the
+        checkpoint group (its own group when the write runs in the background)."""
+        group = self._checkpoint_group
+        with dcp_checkpoint.shared_atomic_folder(folder, group=group, manifest=True, needed_bytes=needed) as tmp:
+            (tmp / DCP_DIR).mkdir(exist_ok=True)
+            dcp_checkpoint.write_training_state(tmp / DCP_DIR, state["dcp"], model, process_group=group)
+            torch.save(state["rng"], tmp / RANK_RNG_NAME.format(rank=self.rank))
             if self.is_main_process:
-                if full_optimizer is not None:
-                    torch.save(full_optimizer, tmp / OPTIMIZER_NAME)
-                elif processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                if self.portable_checkpoints:
+                    with _quiet_progress_bars():
+                        dcp_checkpoint.write_consolidated(tmp / DCP_DIR, tmp, dcp_checkpoint.same_class_factory(model))
+                if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
-                torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
-                torch.save(capture_rng_state(), tmp / RNG_NAME)
+                torch.save(state["scheduler"], tmp / SCHEDULER_NAME)
+                torch.save(state["rng"], tmp / RNG_NAME)
                 for name, text in files.items():
                     (tmp / name).write_text(text, encoding="utf-8")
+        if on_saved is not None:
+            on_saved()
+
+    def checkpoint_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """About how many bytes a checkpoint takes: the whole model and optimizer state (the shards of every rank,
+        from the global shapes; pipeline stages summed) and, with :attr:`portable_checkpoints`, the whole weights
+        again."""
+        model_bytes = _global_tensor_bytes(model.state_dict())
+        optim_bytes = _global_tensor_bytes(dcp_checkpoint.training_state(model, optimizer).get("optimizer", {}))
+        total = torch.tensor([model_bytes, optim_bytes], dtype=torch.float64)
+        if self.mesh is not None and self.mesh.pp > 1:  # each pipeline rank holds its own stages
+            dist.all_reduce(total, group=self.mesh.pp_mesh.get_group())
+        model_bytes, optim_bytes = int(total[0]), int(total[1])
+        return model_bytes + optim_bytes + (model_bytes if self.portable_checkpoints else 0)
+
+    def check_free_space(self, folder: Path, needed: int) -> None:
+        """Rank 0 checks the filesystem of ``folder``; every rank raises its answer (one collective)."""
+        verdict = [None]
+        if self.is_main_process:
+            try:
+                check_free_space(folder, needed)
+            except CheckpointError as err:
+                verdict = [str(err)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointError(verdict[0])
+
+    def checkpoint_problem(self, folder: str | Path) -> str | None:
+        """:func:`~mindformers_py.utils.manifest.manifest_problem` with the checksums split over the ranks (each
+        reads every world-size-th file); every rank gets the first problem any rank found."""
+        mine = manifest_problem(folder, share=(self.rank, self.world_size))
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, mine)
+        return first_problem(found)
 
     def load_checkpoint(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         lr_scheduler: Any) -> None:
@@ -291,11 +382,6 @@ class DistributedEngine(Engine):
             dcp_checkpoint.load_full_optimizer_state(model, optimizer, state)
         _fit_multi_tensor_kernels(optimizer)  # the loaded param groups carry the saving run's kernel choice
         load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
-
-    def checkpoint_files(self) -> list[str]:
-        """Files (besides weights) every checkpoint this engine resumes must hold; the optimizer state is either
-        ``dcp/`` or ``optimizer.pt`` (checked when loading)."""
-        return [SCHEDULER_NAME, RNG_NAME]
 
     def load_rng_state(self, folder: str | Path) -> None:
         """Restore this rank's random states (rank 0's, or a stand-alone run's, when the checkpoint has none for
@@ -326,6 +412,15 @@ def global_grad_norm(grads: Sequence[torch.Tensor], mesh: ParallelMesh | None, d
     return total_sq.sqrt()
 
 
+def _global_tensor_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the whole (unsharded) tensors of a flat state dict: DTensors by their global shape."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()  # a DTensor's numel is its global one
+    return total
+
+
 def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
     """Turn off the multi-tensor (foreach/fused) kernels in param groups that mix plain tensors and DTensors, or
     DTensors of different meshes, which those kernels refuse. Tensor parallelism without FSDP leaves replicated
@@ -334,6 +429,12 @@ def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
         kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in group["params"]}
         if len(kinds) > 1:
             group.update(foreach=False, fused=False)
+
+
+def _task_name(model: nn.Module, task: Any = None) -> str | None:
+    """The name of the task ``model`` trains: ``task``'s (the Trainer's), else the model's own."""
+    task = task if task is not None else task_of_model(model)
+    return getattr(task, "name", None)
 
 
 def _tied_names(model: nn.Module) -> set[str]:

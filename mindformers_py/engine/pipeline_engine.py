@@ -18,9 +18,9 @@ What the Trainer sees:
   every engine (:mod:`.step_loss`: global item count, share, data-parallel rescale), so loss curves match
   ``stand_alone`` for every task head. A user's loss that cannot run there is refused before training
   (:meth:`PipelineEngine.check_loss`).
-* Checkpoints hold the sharded state (``dcp/``), which resumes under any layout of the distributed engines, and
-  the whole weights; not a whole optimizer state (rank 0 does not hold the other stages' parameters), so a
-  stand-alone run cannot resume them.
+* Checkpoints hold the sharded state (``dcp/``), which resumes under any layout, stand-alone included, and the
+  whole weights. A tied embedding the first and last stage both hold is one weight to the other layouts: a
+  checkpoint written without pipeline stages gives the last stage's copy (and its optimizer state) the embedding's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
 from ..parallel.pipeline_stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .distributed import DistributedEngine, global_grad_norm
+from .distributed import DistributedEngine, _task_name, global_grad_norm
 from .step_loss import LossFn, TrainingLoss
 
 
@@ -49,7 +49,6 @@ class PipelineEngine(DistributedEngine):
     """
 
     runs_pipelines = True
-    portable_optimizer = False
 
     def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
         super().__init__(parallel_config, args)
@@ -62,7 +61,9 @@ class PipelineEngine(DistributedEngine):
         and evaluate. Every rank must build the same model."""
         config = self.parallel_config
         config.validate_for(self.world_size, getattr(model, "config", None),
-                            per_device_batch=self.args.per_device_train_batch_size)
+                            per_device_batch=self.args.per_device_train_batch_size, task=_task_name(model, task))
+        if self.context is not None:
+            self.context.task = task
         if config.data_parallel_engine == DDP_ZERO1:
             # torch's pipeline stages drive DDP-class and FSDP2/replicate modules only, not composable DDP.
             raise ConfigError(
@@ -72,6 +73,8 @@ class PipelineEngine(DistributedEngine):
         self._model_name = type(model).__name__
         self.pipeline = build_pipeline(model, config, self.mesh, self.device,
                                        parallelize=lambda part: self.parallelize(part, stage=part.pp_rank), task=task)
+        if self.context is not None:
+            self.context.prepare(model)
         return self.pipeline
 
     def check_loss(self, loss: TrainingLoss) -> None:
@@ -95,7 +98,7 @@ class PipelineEngine(DistributedEngine):
             raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches) * model.micro_batches)
         batches = [self.to_device(batch) for batch in micro_batches]
-        with self.autocast():
+        with self.autocast(), self.context_sharded():
             return model.forward_backward(batches, loss_fn=step)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

@@ -16,6 +16,8 @@ OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
 RNG_NAME = "rng_state.pth"
+DCP_DIR = "dcp"
+"""The sharded (torch.distributed.checkpoint) part of a distributed run's checkpoint, which any layout resumes."""
 
 
 def copy_weights(model: nn.Module, state: Mapping[str, torch.Tensor], where: str | Path) -> None:

@@ -46,8 +46,13 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_items_in
     return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch, 1)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts ``labels[t + 1]`` (transformers' ``ForCausalLMLoss``)."""
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]`` (transformers' ``ForCausalLMLoss``); given
+    ``shift_labels`` (labels already shifted, as for a sequence split over context-parallel ranks), position t is
+    scored against ``shift_labels[t]`` and ``labels`` is not read, as transformers does."""
+    if shift_labels is not None:
+        return token_cross_entropy(logits, shift_labels, num_items_in_batch)
     return token_cross_entropy(logits, labels, num_items_in_batch, shift=True)
 
 

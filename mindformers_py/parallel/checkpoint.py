@@ -67,18 +67,19 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _dcp_io(fn: Any, state: dict[str, Any], folder: Path, no_dist: bool | None = None) -> None:
-    """``dcp.save`` / ``dcp.load`` of ``state`` at ``folder``; without a process group (or with ``no_dist``) in
-    this process alone."""
+def _dcp_io(fn: Any, state: dict[str, Any], folder: Path, no_dist: bool | None = None,
+            process_group: dist.ProcessGroup | None = None) -> None:
+    """``dcp.save`` / ``dcp.load`` of ``state`` at ``folder`` (collective over ``process_group``, default: the whole
+    job); without a process group (or with ``no_dist``) in this process alone."""
     no_dist = not dist.is_initialized() if no_dist is None else no_dist
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # no_dist is deliberate here
-        fn(state, checkpoint_id=str(folder), no_dist=no_dist)
+        fn(state, checkpoint_id=str(folder), no_dist=no_dist, process_group=None if no_dist else process_group)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -138,15 +139,20 @@ def _write_config(model: nn.Module, folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def shared_atomic_folder(final: Path) -> Iterator[Path]:
-    """A temporary folder shared by all ranks (made by rank 0) that becomes ``final`` once every rank is done."""
+def shared_atomic_folder(final: Path, group: dist.ProcessGroup | None = None, manifest: bool = False,
+                         needed_bytes: int | None = None) -> Iterator[Path]:
+    """A temporary folder shared by all ranks of ``group`` (made by rank 0) that becomes ``final`` once every rank is
+    done (:func:`~mindformers_py.utils.safetensors_io.atomic_folder`: ``manifest`` written last by rank 0, a full
+    disk reported naming ``final`` and ``needed_bytes``). A rank that fails while writing does not reach the last
+    barrier, so the folder is never renamed: the others fail in that barrier (or its timeout)."""
     with contextlib.ExitStack() as stack:
-        tmp = [str(stack.enter_context(atomic_folder(final))) if _is_rank0() else None]
+        tmp = [str(stack.enter_context(atomic_folder(final, manifest=manifest, needed_bytes=needed_bytes)))
+               if _is_rank0() else None]
         if dist.is_initialized():
-            dist.broadcast_object_list(tmp, src=0)
+            dist.broadcast_object_list(tmp, src=0, group=group)
         yield Path(tmp[0])
-        _barrier()  # every rank has written its part before rank 0 renames the folder
-    _barrier()
+        _barrier(group)  # every rank has written its part before rank 0 renames the folder
+    _barrier(group)
 
 
 def save_checkpoint(
@@ -163,11 +169,18 @@ def save_checkpoint(
     final = Path(folder)
     state = training_state(model, optimizer)
     with shared_atomic_folder(final) as tmp:
-        _dcp_io(dcp.save, state, tmp)
-        if _is_rank0():
-            _write_config(_as_list(model)[0], tmp)
-            (tmp / EXTRA_NAME).write_text(json.dumps(dict(extra or {}), indent=2))
+        write_training_state(tmp, state, model, extra)
     return final
+
+
+def write_training_state(folder: Path, state: dict[str, dict[str, Any]], model: nn.Module | Sequence[nn.Module],
+                         extra: Mapping[str, Any] | None = None, process_group: dist.ProcessGroup | None = None) -> None:
+    """Write ``state`` (:func:`training_state`, or a host copy of it taken earlier) as DCP shards into the existing
+    ``folder``, with the model's ``config.json`` and ``extra`` (rank 0); collective over ``process_group``."""
+    _dcp_io(dcp.save, state, folder, process_group=process_group)
+    if _is_rank0():
+        _write_config(_as_list(model)[0], folder)
+        (folder / EXTRA_NAME).write_text(json.dumps(dict(extra or {}), indent=2))
 
 
 def _check_folder(folder: Path) -> None:
@@ -180,18 +193,29 @@ def load_checkpoint(
     folder: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    no_dist: bool | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` under any layout into ``model`` (and ``optimizer``),
-    resharding as needed; collective. Returns the ``extra`` values saved with it."""
+    resharding as needed; collective (``no_dist``: in this process alone, as a one-process run reads a distributed
+    run's checkpoint). Returns the ``extra`` values saved with it.
+
+    A tied weight a layout holds twice (a pipeline's last stage keeps its own copy of the embedding the first stage
+    holds) is read, with its optimizer state, from the weight it is tied to when the checkpoint was written by a
+    layout that held it once."""
     folder = Path(folder)
     _check_folder(folder)
     parts, optims = _as_list(model), _as_list(optimizer)
     state = training_state(parts, optims or None)
+    aliases = _tied_aliases(parts, state, folder)
+    for section, alias, source in aliases:
+        state[section][source] = state[section].pop(alias)
     try:
-        _dcp_io(dcp.load, state, folder)
+        _dcp_io(dcp.load, state, folder, no_dist=no_dist)
     except CheckpointException as e:
         first = next(iter(e.failures.values()))[0]  # the exception of the first failing rank
         raise CheckpointError(f"checkpoint {folder} does not match the model/optimizer: {first}") from None
+    for section, alias, source in aliases:
+        state[section][alias] = state[section].pop(source)
     for i, part in enumerate(parts):
         if optims:
             set_state_dict(part, _local_optimizer(optims[i]), model_state_dict=state[MODEL_KEY],
@@ -204,6 +228,43 @@ def load_checkpoint(
             set_model_state_dict(part, state[MODEL_KEY], options=_OPTIONS)
     extra_path = folder / EXTRA_NAME
     return json.loads(extra_path.read_text()) if extra_path.is_file() else {}
+
+
+def _tied_aliases(parts: Sequence[nn.Module], state: dict[str, dict[str, Any]],
+                  folder: Path) -> list[tuple[str, str, str]]:
+    """``(section, key, source key)`` for each requested key of a tied weight (``_tied_weights_keys``: alias ->
+    source) that the checkpoint lacks but holds under the source's name; this rank does not request the source
+    itself (it holds one of the two)."""
+    tied: dict[str, str] = {}
+    for part in parts:
+        keys = getattr(part, "_tied_weights_keys", None)
+        if isinstance(keys, Mapping):
+            tied.update(keys)
+    if not tied:
+        return []
+    stored = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    out = []
+    for section, values in state.items():
+        for key in list(values):
+            if f"{section}.{key}" in stored:
+                continue
+            for alias, source in tied.items():
+                renamed = _renamed_key(key, alias, source)
+                if renamed is not None and renamed not in values and f"{section}.{renamed}" in stored:
+                    out.append((section, key, renamed))
+                    break
+    return out
+
+
+def _renamed_key(key: str, alias: str, source: str) -> str | None:
+    """``key`` (a weight's name or a flattened optimizer key naming it: ``state.<name>.exp_avg``,
+    ``param_groups.<name>.lr``) with the weight ``alias`` replaced by ``source``; None when it names another."""
+    if key == alias:
+        return source
+    for prefix in ("state.", "param_groups."):
+        if key.startswith(f"{prefix}{alias}."):
+            return f"{prefix}{source}.{key[len(prefix) + len(alias) + 1:]}"
+    return None
 
 
 def _copy_hyper_parameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
@@ -230,17 +291,35 @@ def consolidated_model(checkpoint_dir: str | os.PathLike, model_factory: ModelFa
     """A fresh single-process model holding the weights of a sharded checkpoint written under any layout; runs in
     one process without collectives. ``model_factory(folder)`` builds the model (default:
     :func:`model_from_config_file`, the class the checkpoint's ``config.json`` names)."""
+    return _load_whole(checkpoint_dir, model_factory, on_meta=False)
+
+
+def _load_whole(checkpoint_dir: str | os.PathLike, model_factory: ModelFactory | None, on_meta: bool) -> nn.Module:
+    """The checkpoint's model with its weights. ``on_meta``: built on the meta device, initialising nothing (no random
+    draws: building a model the usual way advances the global RNG, so a run that saved would differ from one that
+    resumed), for writing its weights only: buffers that are not saved (rotary frequencies) stay unset."""
     src = Path(checkpoint_dir)
     _check_folder(src)
     if not (src / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
         )
-    model = (model_factory or model_from_config_file)(src)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = (model_factory or model_from_config_file)(src)
+    if on_meta:
+        model.to_empty(device="cpu")
     state = {MODEL_KEY: model.state_dict()}
     _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])
     return model
+
+
+def write_consolidated(checkpoint_dir: str | os.PathLike, folder: str | os.PathLike,
+                       model_factory: ModelFactory | None = None) -> None:
+    """Write the whole weights of a sharded checkpoint into ``folder`` in ``save_pretrained`` format (safetensors +
+    config), in this process alone, without touching the random number generators. ``model_factory`` as for
+    :func:`consolidated_model`."""
+    _load_whole(checkpoint_dir, model_factory, on_meta=True).save_pretrained(folder)
 
 
 def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
@@ -249,9 +328,8 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | 
     ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads and ``convert_checkpoint(..., to="hf")``
     exports; runs in a single process (offline, or rank 0 of a job). ``output_dir`` is replaced, and appears
     under its final name only when complete. ``model_factory`` as for :func:`consolidated_model`."""
-    model = consolidated_model(checkpoint_dir, model_factory)
     with atomic_folder(output_dir) as tmp:
-        model.save_pretrained(tmp)
+        write_consolidated(checkpoint_dir, tmp, model_factory)
     return Path(output_dir)
 
 
@@ -274,8 +352,7 @@ def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.P
         if _is_rank0():
             _write_config(_as_list(model)[0], tmp)
             folder.mkdir(parents=True, exist_ok=True)
-            factory = model_factory or same_class_factory(_as_list(model)[0])
-            consolidated_model(tmp, factory).save_pretrained(folder)
+            write_consolidated(tmp, folder, model_factory or same_class_factory(_as_list(model)[0]))
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(folder)
         _barrier()
@@ -301,28 +378,11 @@ def _existing_parent(folder: Path) -> Path:
     return parent
 
 
-# -- whole optimizer state in torch's own (index-keyed) format, for checkpoints any engine can resume ----------
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """The whole optimizer state as ``torch.optim.Optimizer.state_dict()`` of an unsharded run would give it
-    (parameters numbered in param-group order), on rank 0 (None elsewhere); collective."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if _is_rank0() else None
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not _is_rank0():
-        return None
-    index: dict[str, int] = {}
-    groups = []
-    for group in full["param_groups"]:
-        ids = [index.setdefault(fqn, len(index)) for fqn in group["params"]]
-        groups.append({**group, "params": ids})
-    return {"state": {index[fqn]: value for fqn, value in full["state"].items()}, "param_groups": groups}
+# -- whole optimizer state in torch's own (index-keyed) format: stand-alone checkpoints resumed under a layout --
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load a whole, index-keyed optimizer state (:func:`full_optimizer_state`, or a stand-alone run's
+    """Load a whole, index-keyed optimizer state (a stand-alone run's
     ``optimizer.state_dict()``) into an optimizer of any layout; collective, every rank passes the same state."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.load_state_dict(dict(state))

@@ -40,11 +40,17 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 from ..layers.moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
 from ..layers.moe_config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
+from .context_config import default_ulysses_degree, validate_context_layout, validate_context_model
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 # MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
 PARALLEL_MODE_IDS = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel"}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# How attention sees a sequence split over context-parallel ranks (see mindformers_py.parallel.context); MindFormers'
+# names of the same algorithms are accepted as aliases.
+CONTEXT_PARALLEL_ALGOS = ("ring", "ulysses", "hybrid")
+CONTEXT_PARALLEL_ALIASES = {"colossalai_cp": "ring", "ring_attention": "ring", "ulysses_cp": "ulysses",
+                            "hybrid_cp": "hybrid"}
 # Names understood by torch.distributed.pipelining.schedules.get_schedule_class.
 TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 ZERO_STAGES = (0, 1, 2, 3)
@@ -52,7 +58,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 # replicate (stage 0), DDP + ZeroRedundancyOptimizer (stage 1 without tensor parallelism), FSDP2 (stages 2/3).
 NONE, REPLICATE, DDP_ZERO1, FSDP = "none", "replicate", "ddp_zero1", "fsdp"
 _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stages",
-                "expert_parallel")
+                "expert_parallel", "context_parallel")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -75,9 +81,9 @@ class ParallelConfig(_Section):
     ``semi_auto_parallel`` applies the layout as given; ``auto_parallel`` lets the planner choose it: the sizes
     are hints, not checked against the world size, and the planner's answer comes from :meth:`with_layout`.
 
-    The raw fields keep what the user wrote; the read-only properties ``dp``, ``tp``, ``pp``, ``ep``, ``vpp``,
-    ``micro_batches``, ``zero_stage``, ``sequence_parallel`` and ``vocab_parallel`` give what the engine applies
-    in the current mode.
+    The raw fields keep what the user wrote; the read-only properties ``dp``, ``cp``, ``tp``, ``pp``, ``ep``,
+    ``vpp``, ``micro_batches``, ``zero_stage``, ``sequence_parallel`` and ``vocab_parallel`` give what the engine
+    applies in the current mode.
     """
 
     _SUBSECTIONS: ClassVar[tuple[str, ...]] = ("recompute",)
@@ -99,10 +105,23 @@ class ParallelConfig(_Section):
     virtual_pipeline_stages: int = 1
     """Model chunks per pipeline rank; >= 2 with ``interleaved_1f1b`` (smaller bubble), otherwise 1."""
     expert_parallel: int = 1
-    """Expert-parallel size: ranks that split each MoE layer's experts among them, borrowed from data parallelism
-    (MindFormers' and torchtitan's meaning): it divides ``data_parallel``; tokens travel to their experts' ranks by
-    all-to-all, and each expert's gradients are reduced over the ``data_parallel / expert_parallel`` ranks that
-    hold it."""
+    """Expert-parallel size: ranks that split each MoE layer's experts among them, borrowed from data (and context)
+    parallelism (MindFormers' and torchtitan's meaning): it divides ``data_parallel * context_parallel``; tokens
+    travel to their experts' ranks by all-to-all, and each expert's gradients are reduced over the
+    ``data_parallel * context_parallel / expert_parallel`` ranks that hold it."""
+    context_parallel: int = 1
+    """Context-parallel size: ranks that split every sequence among them (MindFormers' name). Each holds its chunks
+    of every sequence through the whole model; attention exchanges keys and values (``context_parallel_algo``), and
+    gradients are reduced over data x context parallel ranks."""
+    context_parallel_algo: str = "ring"
+    """How attention sees the whole sequence: ``"ring"`` (key/value blocks passed around the ranks with an
+    online-softmax merge; causal models get a load-balanced order of chunks), ``"ulysses"`` (all-to-all from
+    sequence shards to head shards around attention, and back) or ``"hybrid"`` (Ulysses within groups of
+    ``ulysses_degree_in_cp`` ranks, ring across the groups). MindFormers' ``colossalai_cp``/``ulysses_cp``/
+    ``hybrid_cp`` are accepted."""
+    ulysses_degree_in_cp: int | None = None
+    """Ranks of each Ulysses group under ``context_parallel_algo="hybrid"`` (a divisor of ``context_parallel``
+    between 1 and it); None picks the largest such divisor. Ignored by the other algorithms."""
     optimizer_shard: bool | int | str = 0
     """ZeRO stage over the data-parallel ranks: 0/False none, 1 optimizer state, 2 + gradients, 3 + parameters
     (FSDP2); True means 1, as in MindFormers."""
@@ -133,6 +152,13 @@ class ParallelConfig(_Section):
             setattr(self, name, _to_int(name, getattr(self, name)))
         self.pipeline_schedule = _to_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES,
                                             {"interleaved1f1b": "interleaved_1f1b"})
+        self.context_parallel_algo = _to_choice("context_parallel_algo", self.context_parallel_algo,
+                                                CONTEXT_PARALLEL_ALGOS, CONTEXT_PARALLEL_ALIASES)
+        if self.ulysses_degree_in_cp is not None and not (isinstance(self.ulysses_degree_in_cp, str)
+                                                          and self.ulysses_degree_in_cp.strip().lower() in ("none", "")):
+            self.ulysses_degree_in_cp = _to_int("ulysses_degree_in_cp", self.ulysses_degree_in_cp)
+        else:
+            self.ulysses_degree_in_cp = None
         shard = self.optimizer_shard
         if isinstance(shard, str) and shard.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
             shard = shard.strip().lower() in _TRUE_STRINGS  # "1" lands on True = stage 1 either way
@@ -164,6 +190,9 @@ class ParallelConfig(_Section):
             _require_int(name, getattr(self, name))
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise invalid_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.context_parallel_algo not in CONTEXT_PARALLEL_ALGOS:
+            raise invalid_choice("context_parallel_algo", self.context_parallel_algo, CONTEXT_PARALLEL_ALGOS)
+        validate_context_layout(self)
         if type(self.optimizer_shard) is not int or self.optimizer_shard not in ZERO_STAGES:
             raise invalid_choice("optimizer_shard", self.optimizer_shard, ZERO_STAGES)
         shard = self.optimizer_weight_shard_size
@@ -221,17 +250,21 @@ class ParallelConfig(_Section):
 
     def _validate_mode_sizes(self) -> None:
         if self.parallel_mode == "data_parallel":
-            for name in ("model_parallel", "pipeline_stage", "expert_parallel"):
+            for name in ("model_parallel", "pipeline_stage", "expert_parallel", "context_parallel"):
                 if getattr(self, name) != 1:
                     raise ConfigError(
                         f"{name}={getattr(self, name)} is not valid with parallel_mode='data_parallel' (expected 1); "
-                        "use parallel_mode='semi_auto_parallel' for model, pipeline or expert parallelism"
+                        "use parallel_mode='semi_auto_parallel' for model, pipeline, expert or context parallelism"
                     )
-        if self.data_parallel % self.expert_parallel:
+        borrowed = self.data_parallel * self.context_parallel
+        if borrowed % self.expert_parallel:
+            what = f"data_parallel*context_parallel={self.data_parallel}*{self.context_parallel}={borrowed}" \
+                if self.context_parallel > 1 else f"data_parallel={self.data_parallel}"
             raise ConfigError(
                 f"expert_parallel={self.expert_parallel} is not valid; expert ranks are borrowed from data "
-                f"parallelism, so it must divide data_parallel={self.data_parallel}; choose one of: "
-                f"{', '.join(map(str, _divisors(self.data_parallel)))}"
+                f"{'and context ' if self.context_parallel > 1 else ''}parallelism, so it must divide {what}; "
+                "choose one of: "
+                f"{', '.join(map(str, _divisors(borrowed)))}"
             )
 
     # -- phase (b): the config against a run --------------------------------------------------------------------
@@ -242,15 +275,21 @@ class ParallelConfig(_Section):
         model_config: Any = None,
         per_device_batch: int | None = None,
         global_batch: int | None = None,
+        *,
+        task: str | None = None,
+        sequence_length: int | None = None,
     ) -> None:
-        """Check the config against a run: ``world_size`` processes, a model config and batch sizes.
+        """Check the config against a run: ``world_size`` processes, a model config and batch sizes (and, for
+        context parallelism, the task and the tokens per sequence when known).
 
         ``model_config`` is any object with ``num_attention_heads``, ``num_key_value_heads`` (None = heads),
         ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``fixed_sequence_length`` (models whose every
         input has that many tokens, such as ViT) and, for MoE, ``num_experts`` / ``expert_num`` /
         ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
         ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
-        all data-parallel ranks (before gradient accumulation). In ``auto_parallel`` mode only ``world_size`` is
+        all data-parallel ranks (before gradient accumulation). ``task`` (a task registry name) and
+        ``sequence_length`` let context parallelism refuse a head or a length it cannot split
+        (:func:`~.context_config.validate_context_model`). In ``auto_parallel`` mode only ``world_size`` is
         checked: validate the planner's :meth:`with_layout` result instead.
         """
         self.validate()
@@ -271,16 +310,20 @@ class ParallelConfig(_Section):
                 f"{_processes(self.data_parallel)}"
             )
         if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
-            others = self.model_parallel * self.pipeline_stage
-            fits = world_size % others == 0 and (world_size // others) % self.expert_parallel == 0
+            cp = "*context_parallel" if self.context_parallel > 1 else ""
+            cp_size = f"*{self.context_parallel}" if self.context_parallel > 1 else ""
+            others = self.context_parallel * self.model_parallel * self.pipeline_stage
+            borrowed = self.context_parallel  # expert ranks are borrowed from data x context parallel ranks
+            fits = world_size % others == 0 and (world_size // others * borrowed) % self.expert_parallel == 0
             fix = f"set data_parallel={world_size // others}" if fits else "change the layout"
             raise ConfigError(
-                f"data_parallel*model_parallel*pipeline_stage = {self.data_parallel}*{self.model_parallel}*"
+                f"data_parallel{cp}*model_parallel*pipeline_stage = {self.data_parallel}{cp_size}*{self.model_parallel}*"
                 f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}; run "
                 f"{_processes(self.required_world_size())}, or {fix}"
             )
         if model_config is not None:
             self._validate_model(model_config)
+            validate_context_model(self, model_config, task=task, sequence_length=sequence_length)
         self._validate_batch(per_device_batch, global_batch)
 
     def _validate_model(self, cfg: Any) -> None:
@@ -328,7 +371,7 @@ class ParallelConfig(_Section):
         if experts is not None and experts % self.ep:
             raise ConfigError(
                 f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "
-                f"{', '.join(str(d) for d in _divisors(experts) if self.dp % d == 0)}"
+                f"{', '.join(str(d) for d in _divisors(experts) if (self.dp * self.cp) % d == 0)}"
             )
         if experts is not None and self.sequence_parallel:
             raise ConfigError("use_seq_parallel=True is not supported for a model with experts (MoE): the router "
@@ -355,8 +398,9 @@ class ParallelConfig(_Section):
 
     def required_world_size(self) -> int:
         """Processes this config asks for: 1 (stand_alone), ``data_parallel`` (data_parallel), or
-        data_parallel*model_parallel*pipeline_stage (semi_auto_parallel; auto_parallel's hint sizes)."""
-        return self.dp * self.tp * self.pp
+        data_parallel*context_parallel*model_parallel*pipeline_stage (semi_auto_parallel; auto_parallel's hint
+        sizes)."""
+        return self.dp * self.cp * self.tp * self.pp
 
     def with_layout(self, data_parallel: int, model_parallel: int = 1, pipeline_stage: int = 1,
                     **fields: Any) -> ParallelConfig:
@@ -372,8 +416,10 @@ class ParallelConfig(_Section):
 
     def describe(self) -> str:
         """The layout applied, in one line: ``dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full`` (then the pipeline
-        schedule, sequence and vocabulary parallelism where they apply). Runs print it at start."""
-        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep}"]
+        schedule, sequence and vocabulary parallelism where they apply; ``cp=2 (ring)`` after ``dp`` with context
+        parallelism). Runs print it at start."""
+        cp = f" cp={self.cp} ({self.context_parallel_algo})" if self.cp > 1 else ""
+        parts = [f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} ep={self.ep}"]
         if self.pp > 1:
             chunks = f" x{self.vpp} chunks" if self.vpp > 1 else ""
             parts.append(f"{self.pipeline_schedule}{chunks} over {self.micro_batches} micro-batches")
@@ -397,7 +443,7 @@ class ParallelConfig(_Section):
         """Layout sizes above 1 that this ``parallel_mode`` does not apply (``stand_alone`` runs one process whatever
         ``data_parallel`` says), by field name; a run warns about them rather than pretend they ran."""
         applied = {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                   "expert_parallel": self.ep}
+                   "expert_parallel": self.ep, "context_parallel": self.cp}
         return {name: getattr(self, name) for name, size in applied.items() if getattr(self, name) != size}
 
     def ignored_sizes_warning(self) -> str | None:
@@ -406,7 +452,8 @@ class ParallelConfig(_Section):
         if not ignored:
             return None
         sizes = ", ".join(f"{name}={size}" for name, size in ignored.items())
-        world = math.prod(ignored.get(name, 1) for name in ("data_parallel", "model_parallel", "pipeline_stage"))
+        sized = ("data_parallel", "context_parallel", "model_parallel", "pipeline_stage")
+        world = math.prod(ignored.get(name, 1) for name in sized)
         mode = "data_parallel" if set(ignored) == {"data_parallel"} else "semi_auto_parallel"
         return (f"parallel_mode={self.parallel_mode!r} runs one process, so {sizes} "
                 f"{'is' if len(ignored) == 1 else 'are'} not applied; set parallel_mode={mode!r} to run {world} processes")
@@ -440,6 +487,26 @@ class ParallelConfig(_Section):
         return self.pipeline_stage if self._layout_applies else 1
 
     @property
+    def cp(self) -> int:
+        """Context-parallel size applied (1 in stand_alone and data_parallel modes)."""
+        return self.context_parallel if self._layout_applies else 1
+
+    @property
+    def cp_ulysses(self) -> int:
+        """Ranks of each Ulysses (all-to-all) group of the context parallelism applied: ``cp`` under ``ulysses``,
+        ``ulysses_degree_in_cp`` (or its default) under ``hybrid``, 1 under ``ring``."""
+        if self.cp == 1 or self.context_parallel_algo == "ring":
+            return 1
+        if self.context_parallel_algo == "ulysses":
+            return self.cp
+        return self.ulysses_degree_in_cp or default_ulysses_degree(self.cp)
+
+    @property
+    def cp_ring(self) -> int:
+        """Ranks of each ring of the context parallelism applied (``cp / cp_ulysses``)."""
+        return self.cp // self.cp_ulysses
+
+    @property
     def ep(self) -> int:
         """Expert-parallel size applied (1 in stand_alone and data_parallel modes)."""
         return self.expert_parallel if self._layout_applies else 1
@@ -462,15 +529,16 @@ class ParallelConfig(_Section):
 
     @property
     def zero_stage(self) -> int:
-        """ZeRO stage applied, 0..3 (0 when there is only one data-parallel rank)."""
-        return self.optimizer_shard if self.dp > 1 else 0
+        """ZeRO stage applied, 0..3 (0 when there is only one data-parallel rank and no context parallelism: the
+        ranks that reduce gradients together are data x context parallel, as in torchtitan)."""
+        return self.optimizer_shard if self.dp * self.cp > 1 else 0
 
     @property
     def data_parallel_engine(self) -> str:
         """What serves the data parallelism applied: ``"none"`` (one data-parallel rank), ``"replicate"`` (stage
         0), ``"ddp_zero1"`` (stage 1 without tensor or expert parallelism) or ``"fsdp"`` (stages 2/3, and stage 1
         under tensor or expert parallelism, where ZeroRedundancyOptimizer cannot update DTensor parameters)."""
-        if self.dp == 1:
+        if self.dp * self.cp == 1:
             return NONE
         if self.zero_stage == 0:
             return REPLICATE

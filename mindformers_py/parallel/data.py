@@ -31,6 +31,10 @@ Honest notes on the mapping:
   state is sharded within groups of ``dp_shard`` ranks and replicated across groups (gradients reduce-scattered
   in a group, then all-reduced across groups).
 
+Context-parallel ranks hold the same samples but different tokens: they join the data-parallel ranks in every
+engine above (replicas, ZeRO-1's partition, FSDP2's shard dimension), as torchtitan folds ``cp`` into its FSDP mesh
+(:attr:`~.mesh.ParallelMesh.batch_mesh`, :attr:`~.mesh.ParallelMesh.fsdp_mesh`).
+
 Each transformer layer (the model's ``_no_split_modules`` classes) is its own FSDP unit, then the root takes the
 rest (embeddings, final norm, head: tied weights stay in one unit), as torchtitan does. bf16 training uses
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 master weights and optimizer state,
@@ -114,14 +118,14 @@ def apply_data_parallel(
     units = list(layer_modules(model) if layers is None else layers)
     if engine == REPLICATE:
         for unit in units:
-            fsdp_replicate(unit, mesh=mesh.dp_mesh, mp_policy=policy)
-        fsdp_replicate(model, mesh=mesh.dp_mesh, mp_policy=policy)
+            fsdp_replicate(unit, mesh=mesh.batch_mesh, mp_policy=policy)
+        fsdp_replicate(model, mesh=mesh.batch_mesh, mp_policy=policy)
         return model
     if engine == DDP_ZERO1:
         if param_dtype not in (None, torch.float32):
             logger.info("ZeRO-1 runs on DDP, which keeps parameters in their dtype; use autocast for %s compute",
                         param_dtype)
-        ddp_replicate(model, device_mesh=mesh.dp_mesh)
+        ddp_replicate(model, device_mesh=mesh.batch_mesh)
         return model
     if config.zero_stage == 1:
         logger.info("optimizer_shard=1 with model_parallel=%d runs as ZeRO-2 (FSDP2 reshard_after_forward=False): "
@@ -151,7 +155,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.dp_mesh.get_group(),
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.batch_mesh.get_group(),
                                    **defaults)
 
 

@@ -18,7 +18,7 @@ what happens around that call:
 * **gradients.** Every rank's loss is its share of the global loss, scaled by the data-parallel size for the data
   parallel engines' averaging (see :mod:`mindformers_py.engine.distributed`). An expert's gradient already holds
   the contributions of all ``ep`` ranks it served, so it is reduced over the ``dp / ep`` ranks holding the same
-  expert (``"dp_mod_ep"``) and divided by the whole data-parallel size: each experts module becomes its own FSDP2
+  expert (``"dp_mod_ep"``) and divided by the whole data (x context) parallel size: each experts module becomes its own FSDP2
   unit on that mesh (replicated, or sharded under ZeRO 2/3) with ``set_gradient_divide_factor(dp)``, applied by
   :func:`apply_expert_data_parallel` before the layers' units, which then leave the experts' parameters alone.
 
@@ -77,8 +77,8 @@ def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: Par
             fully_shard(experts, mesh=mesh.expert_dp_mesh, reshard_after_forward=config.zero_stage == 3, mp_policy=policy)
         else:
             fsdp_replicate(experts, mesh=mesh.expert_dp_mesh, mp_policy=policy)
-        experts.set_gradient_divide_factor(float(mesh.dp))
-        if engine == FSDP and mesh.dp > mesh.ep:
+        experts.set_gradient_divide_factor(float(mesh.dp * mesh.cp))
+        if engine == FSDP and mesh.dp * mesh.cp > mesh.ep:
             # Reduce-scatter a plain sum, then divide: the pre-scaled sum FSDP2 uses for a custom factor is not in
             # gloo. (Only here: on a single-rank shard group FSDP2 already divides while copying, and would twice.)
             experts.set_force_sum_reduction_for_comms(True)

@@ -43,7 +43,7 @@ def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any =
     """The layout a pool of generation workers runs: the sizes as given (a ``stand_alone`` config asking for
     ``model_parallel=2`` means two processes), checked against the model. A mapping may leave out ``micro_batch_num``
     (pipeline micro-batches do not apply to generation). Refused in one line: ``auto_parallel`` (the planner plans
-    training), sequence parallelism (a decode step has one token), data parallelism other than the ranks that hold an
+    training), sequence and context parallelism (a decode step has one token), data parallelism other than the ranks that hold an
     MoE model's experts, and pipeline stages of an encoder-decoder."""
     if isinstance(parallel_config, Mapping) and "micro_batch_num" not in parallel_config:
         parallel_config = {**parallel_config, "micro_batch_num": parallel_config.get("pipeline_stage", 1)}
@@ -54,6 +54,10 @@ def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any =
     if config.use_seq_parallel:
         raise ConfigError("parallel_config.use_seq_parallel=True does not apply to generation (a decode step has one "
                           "token to split); set it to False")
+    if config.context_parallel > 1:
+        raise ConfigError(f"parallel_config.context_parallel={config.context_parallel} does not apply to generation (it "
+                          "splits training sequences; a decode step has one token to split); set it to 1 and use "
+                          "model_parallel or pipeline_stage")
     if config.data_parallel != config.expert_parallel:
         raise ConfigError(
             f"parallel_config.data_parallel={config.data_parallel} is not valid for generation: every rank of a pool "

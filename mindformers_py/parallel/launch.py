@@ -1,12 +1,13 @@
-"""Process launch with torchrun's own machinery (``torch.distributed.launcher.api.elastic_launch``).
+"""Process launch with torchrun's own machinery (torchelastic's local agent and c10d rendezvous).
 
-A distributed layout needs ``data_parallel * model_parallel * pipeline_stage`` processes. Started by ``torchrun``
-(which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
+A distributed layout needs ``data_parallel * context_parallel * model_parallel * pipeline_stage`` processes. Started
+by ``torchrun`` (which sets ``LOCAL_RANK``/``WORLD_SIZE``), a process simply joins the world it was given. Started by hand
 (``mindformers-py run recipe.yaml --parallel_mode semi_auto_parallel``), it has no world yet, so
 :func:`launch` starts the processes on this node, exactly as ``torchrun --standalone --nproc_per_node N`` would:
-a local c10d rendezvous, no restarts, and an elastic agent that watches the workers. When one worker dies (an
-exception, a kill, an out-of-memory), the agent stops the others and :func:`launch` raises :class:`LaunchError`
-naming the rank, so a job never hangs in a collective waiting for a peer that is gone.
+a local c10d rendezvous and an elastic agent that watches the workers. When one worker dies (an exception, a kill,
+an out-of-memory), the agent stops the others and :func:`launch` raises :class:`LaunchError` naming the rank, so a
+job never hangs in a collective waiting for a peer that is gone; with ``max_restarts`` it first restarts the whole
+group that many times, recording each cause for the restarted workers (:func:`restart_info`).
 
 Several nodes: run one torchrun agent per node with the same rendezvous endpoint (see :func:`multinode_command`)::
 
@@ -24,20 +25,32 @@ and an interrupt turned into ``KeyboardInterrupt`` once every worker stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import logging
 import os
 import shlex
 import signal
 import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed.elastic.rendezvous.registry as rdzv_registry
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.launcher.api import LaunchConfig
 
 from ..errors import ConfigError, MindFormersError
+from .restarts import RESTART_LOG_ENV, RestartInfo, restart_info  # noqa: F401 - re-exported for launch's users
+
+logger = logging.getLogger(__name__)
 
 # Variables torchrun sets in every worker; their presence means "already launched".
 TORCHRUN_ENV = ("LOCAL_RANK", "WORLD_SIZE")
@@ -104,8 +117,18 @@ def check_world_size(required: int) -> int:
     return env.world_size
 
 
-def _describe_failure(err: ChildFailedError) -> str:
-    rank, failure = err.get_first_failure()
+def _failure_summary(err: ChildFailedError) -> str:
+    """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``.
+
+    The rank named is the cause: one killed by a signal before those that raised (a peer's death makes the others'
+    collectives fail with connection errors, sometimes before the agent sees the kill), then the earliest. SIGTERM
+    comes last among signals: it is what the agent sends the ranks it stops, so a rank that got it while it was
+    failing because of its peer would otherwise be named for the peer's SIGKILL."""
+    def order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+        rank, failure = item
+        return failure.exitcode >= 0, failure.exitcode == -signal.SIGTERM, failure.timestamp, rank
+
+    rank, failure = min(err.failures.items(), key=order)
     code = failure.exitcode
     how = f"exit code {code}"
     if code < 0:
@@ -120,11 +143,122 @@ def _describe_failure(err: ChildFailedError) -> str:
     detail = f": {str(message).splitlines()[0]}" if message and code >= 0 else ""
     others = len(err.failures) - 1
     tail = f" ({others} more rank(s) failed)" if others > 0 else ""
-    return f"rank {rank} of the job failed with {how}{detail}{tail}; the other ranks were stopped"
+    return f"rank {rank} of the job failed with {how}{detail}{tail}"
 
 
-def _launch_error(err: ChildFailedError) -> LaunchError:
-    error = LaunchError(_describe_failure(err))
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away (torch's ``DistError`` family, or
+    gloo's "connection reset/closed by peer"): a consequence of another rank's failure, which the launcher names."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "by peer" in str(exc))
+
+
+def _describe_failure(err: ChildFailedError) -> str:
+    return f"{_failure_summary(err)}; the other ranks were stopped"
+
+
+# -- restarts: the agent records why it restarted the workers, the restarted workers read it -------------------------
+
+class _RestartRecordingAgent(LocalElasticAgent):
+    """torchelastic's local agent that, before restarting the worker group, appends the failure that caused it to
+    the restart log (:data:`RESTART_LOG_ENV`), so the restarted workers can log it."""
+
+    def __init__(self, *args: Any, restart_log: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._restart_log = restart_log
+        self._failure: tuple[str, float] | None = None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and result.failures:
+            summary = _failure_summary(ChildFailedError("workers", result.failures))
+            self._failure = (summary, time.time())
+        return result
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # A stopped (SIGSTOP) worker cannot take SIGTERM: continue it first, so it ends now rather than after the
+        # shutdown timeout (which torch's agent does not apply here: it waits 30 s).
+        for worker in worker_group.workers:
+            if isinstance(worker.id, int):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.id, signal.SIGCONT)
+        self._shutdown(timeout=self._shutdown_timeout)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        cause, failed_at = self._failure or ("the worker group changed (a node joined or left)", time.time())
+        self._failure = None
+        with open(self._restart_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"cause": cause, "failed_at": failed_at}) + "\n")
+        logger.warning("restarting the workers: %s", cause)
+        super()._restart_workers(worker_group)
+
+
+def _run_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any],
+               restart_log: str) -> dict[int, Any]:
+    """``elastic_launch(config, entrypoint)(*args)`` with :class:`_RestartRecordingAgent`: the same rendezvous, worker
+    spec and failure report (``ChildFailedError``) as torch's ``launch_agent``, from torchelastic's public classes."""
+    rdzv = rdzv_registry.get_rendezvous_handler(RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id, min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs))
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, local_addr=config.local_addr)
+    agent = _RestartRecordingAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                                   shutdown_timeout=config.shutdown_timeout, restart_log=restart_log)
+    try:
+        result = agent.run()
+    finally:
+        rdzv.shutdown()
+    if result.is_failed():
+        raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
+    return result.return_values
+
+
+# torchelastic >= 2.4 lets the workers' process group share the agent's rendezvous store, whose keys outlive a
+# restart: restarted workers then read their predecessors' addresses and fail to connect (pytorch/pytorch#135712,
+# #167288). With restarts the workers get a store of their own per attempt, as before 2.4.
+_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _restartable_store(max_restarts: int) -> contextlib.AbstractContextManager[None]:
+    return _environment(_SHARED_STORE_ENV, "1") if max_restarts > 0 else contextlib.nullcontext()
+
+
+PEER_GRACE_S = 1.0
+"""How long a worker whose collective failed because a peer went away waits before it exits: the agent (polling every
+0.1 s) then sees the peer's failure first and names it, not this consequence (function workers report only the
+first failed process the agent finds). The agent's SIGTERM usually ends the wait early."""
+
+
+def _call_with_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    """``target(*args)`` in a worker, after setting ``environ``; a worker that lost a peer waits
+    :data:`PEER_GRACE_S` before it fails."""
+    os.environ.update(environ)
+    try:
+        return target(*args)
+    except Exception as exc:
+        if lost_a_peer(exc):
+            time.sleep(PEER_GRACE_S)
+        raise
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` while the workers run (they inherit it), restored afterwards."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _launch_error(err: ChildFailedError, suffix: str = "") -> LaunchError:
+    error = LaunchError(_describe_failure(err) + suffix)
     error.rank, failure = err.get_first_failure()
     error.exitcode = failure.exitcode
     return error
@@ -153,6 +287,7 @@ def launch(
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
+    shutdown_timeout: int | None = None,
 ) -> dict[int, Any]:
     """Run ``target`` in ``nproc`` worker processes on this node and wait for all of them.
 
@@ -165,9 +300,13 @@ def launch(
             and ``run_id`` (``torchrun --nnodes`` does the same from the shell).
         rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; default: a free local port (single node).
         run_id: rendezvous id shared by the nodes of one job; default: a fresh one.
-        max_restarts: times the whole group is restarted after a failure (0: fail at once).
+        max_restarts: times the whole group is restarted after a failure (0: fail at once); each restart's cause
+            reaches the restarted workers (:func:`restart_info`), and a Trainer among them resumes from its latest
+            complete checkpoint.
         monitor_interval: seconds between the agent's checks of its workers (how fast a death is noticed).
         start_method: how function workers are started (``spawn`` is safe with threads and CUDA).
+        shutdown_timeout: seconds the agent waits for workers it stops with SIGTERM before it kills them (default:
+            torchelastic's, 30; a frozen worker cannot take SIGTERM and is killed only then).
 
     Returns:
         ``{global_rank: return value}`` for this node's workers (None for command lines).
@@ -189,19 +328,26 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method=start_method,
+        shutdown_timeout=shutdown_timeout,
     )
-    if callable(target):
-        entrypoint: Callable[..., Any] | str = target
-        call_args: tuple[Any, ...] = args
-    else:
-        if args:
-            raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
-        entrypoint, call_args = sys.executable, ("-u", *target)
-    try:
-        with _worker_threads(nproc):
-            return elastic_launch(config, entrypoint)(*call_args)
-    except ChildFailedError as err:
-        raise _launch_error(err) from None
+    with tempfile.TemporaryDirectory(prefix="mindformers-launch-") as scratch:
+        restart_log = os.path.join(scratch, "restarts.jsonl")
+        if callable(target):
+            # Function workers may fork from a server started earlier (forkserver), with that moment's environment:
+            # they are handed the restart log explicitly. Command lines inherit the environment set below.
+            entrypoint: Callable[..., Any] | str = functools.update_wrapper(
+                functools.partial(_call_with_environment, {RESTART_LOG_ENV: restart_log}, target), target)
+            call_args: tuple[Any, ...] = args
+        else:
+            if args:
+                raise ConfigError("launch() takes extra args only with a function target; put them in the command line")
+            entrypoint, call_args = sys.executable, ("-u", *target)
+        try:
+            with _worker_threads(nproc), _environment(RESTART_LOG_ENV, restart_log), _restartable_store(max_restarts):
+                return _run_agent(config, entrypoint, call_args, restart_log)
+        except ChildFailedError as err:
+            restarts = f" (after {max_restarts} restart(s))" if max_restarts else ""
+            raise _launch_error(err, restarts) from None
 
 
 def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_args: Sequence[str],
@@ -219,14 +365,18 @@ def multinode_command(nnodes: int, nproc_per_node: int, endpoint: str, program_a
 
 # -- launching from a Python program or a notebook ----------------------------------------------------------------
 
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "transformers", "mindformers_py")
-"""Modules the fork server imports once, so each launched worker starts without importing them again."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "transformers", "mindformers_py", "mindformers_py.engine.registry",
+                      "mindformers_py.trainer.trainer")
+"""Modules the fork server imports once, so each launched worker starts without importing them again. The package's
+exports are lazy, so the engines' and the Trainer's modules are named (by name only: nothing here imports them):
+without them every worker, and every restarted one, imported them itself (about 10 s each on a loaded 2-core
+machine). Whichever launcher starts the server first fixes its list, so every launcher shares this one."""
 _HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
                          if hasattr(signal, name))
 
 
 def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
-                       preload: Sequence[str] = FORKSERVER_PRELOAD) -> dict[int, Any]:
+                       preload: Sequence[str] = FORKSERVER_PRELOAD, max_restarts: int = 0) -> dict[int, Any]:
     """:func:`launch` of a function from a Python program or a notebook kernel; returns ``{rank: return value}``.
 
     What differs from calling :func:`launch` with a function:
@@ -239,6 +389,8 @@ def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
     * The signal handlers the elastic agent installs are removed again afterwards, and an interrupt (Ctrl-C, the
       notebook's stop button) stops every worker and then raises ``KeyboardInterrupt`` here.
 
+    ``max_restarts`` is :func:`launch`'s: the workers are restarted (forked again) that many times after a failure.
+
     Raises:
         LaunchError: a worker failed or was killed (naming its rank and exit code or signal); the others were
             stopped.
@@ -248,7 +400,7 @@ def launch_from_python(target: Callable[..., Any], nproc: int, *args: Any,
     saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     try:
         with main_module_not_rerun(), quiet_agent():
-            return launch(target, nproc, *args, start_method="forkserver")
+            return launch(target, nproc, *args, start_method="forkserver", max_restarts=max_restarts)
     except SignalException as err:
         if err.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

@@ -1,16 +1,24 @@
 """The device mesh of a run: torch's ``DeviceMesh`` with named dimensions built from a :class:`ParallelConfig`.
 
-One 4-D world mesh ``("pp", "dp_replicate", "dp_shard", "tp")`` (torchtitan's layout, sizes of 1 kept so every
-dimension can always be named) covers every layout. Data parallelism is split in two so that ZeRO and HSDP are
-the same mesh read differently: ``dp_shard`` ranks shard parameters, gradients and optimizer state (FSDP2), and
+One 5-D world mesh ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` (torchtitan's layout, sizes of 1 kept so
+every dimension can always be named) covers every layout. Data parallelism is split in two so that ZeRO and HSDP
+are the same mesh read differently: ``dp_shard`` ranks shard parameters, gradients and optimizer state (FSDP2), and
 ``dp_replicate`` ranks hold replicas that all-reduce their gradients; the flattened ``"dp"`` dimension is the
-whole data-parallel group (it splits the batch and averages metrics).
+whole data-parallel group (it splits the batch and gathers evaluation outputs).
 
-Expert parallelism borrows its ranks from data parallelism (MindFormers' and torchtitan's meaning): with
-``expert_parallel > 1`` a second mesh over the same ranks, ``("pp", "dp_mod_ep", "ep", "tp")``
-(:data:`EXPERT_MESH_DIMS`), splits the data-parallel index ``d`` into ``d // ep`` and ``d % ep``. Experts are
-sharded over ``"ep"`` (and over ``"tp"`` by tensor parallelism), tokens travel by all-to-all within ``"ep"``, and an
-expert's gradients are reduced over ``"dp_mod_ep"``, the data-parallel ranks holding the same experts.
+Context parallelism (``"cp"``) splits every sequence; its ranks hold the same samples but different tokens, so for
+gradients they are data parallel too (torchtitan folds them into FSDP's mesh): gradients are reduced, and ZeRO
+shards, over ``dp_shard x cp`` (:attr:`ParallelMesh.fsdp_mesh`), and losses, item counts and metric sums over
+``dp x cp`` (:attr:`ParallelMesh.batch_mesh`). Under the hybrid algorithm a second mesh over the same ranks,
+``("pp", "dp", "cp_ring", "cp_ulysses", "tp")`` (:data:`CONTEXT_MESH_DIMS`), splits the context-parallel index into
+the ring and the Ulysses group.
+
+Expert parallelism borrows its ranks from data (and context) parallelism (MindFormers' and torchtitan's meaning):
+with ``expert_parallel > 1`` a second mesh over the same ranks, ``("pp", "dp_mod_ep", "ep", "tp")``
+(:data:`EXPERT_MESH_DIMS`), splits the index ``d`` over data x context parallel ranks into ``d // ep`` and
+``d % ep``. Experts are sharded over ``"ep"`` (and over ``"tp"`` by tensor parallelism), tokens travel by
+all-to-all within ``"ep"``, and an expert's gradients are reduced over ``"dp_mod_ep"``, the ranks holding the same
+experts.
 
 The backend is NCCL on CUDA and gloo on CPU; tests run every layout on CPU with gloo.
 """
@@ -29,8 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..errors import ConfigError
 from .config import FSDP, ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
+CONTEXT_MESH_DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
 DEFAULT_TIMEOUT_S = 600
 
 
@@ -81,22 +90,28 @@ class ParallelMesh:
     """The world mesh and its named sub-meshes, for one process.
 
     Attributes:
-        world: the 4-D ``DeviceMesh`` over ``MESH_DIMS``, or None for a single process without a process group.
+        world: the 5-D ``DeviceMesh`` over ``MESH_DIMS``, or None for a single process without a process group.
         pp: pipeline-parallel size.
         dp_replicate: data-parallel replicas (DDP, or the replicate dimension of HSDP).
         dp_shard: data-parallel ranks that shard state (FSDP2); 1 without ZeRO stages 2/3.
+        cp: context-parallel size.
         tp: tensor-parallel size.
-        ep: expert-parallel size (a divisor of the data-parallel size).
+        ep: expert-parallel size (a divisor of the data x context parallel size).
         expert_world: the 4-D mesh over :data:`EXPERT_MESH_DIMS` when ``ep > 1``, else None.
+        cp_ulysses: ranks of each Ulysses group of the context parallelism (1 for the ring alone).
+        context_world: the 5-D mesh over :data:`CONTEXT_MESH_DIMS` under the hybrid algorithm, else None.
     """
 
     world: DeviceMesh | None
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     ep: int = 1
     expert_world: DeviceMesh | None = None
+    cp_ulysses: int = 1
+    context_world: DeviceMesh | None = None
 
     @property
     def dp(self) -> int:
@@ -130,14 +145,48 @@ class ParallelMesh:
         return self.world["dp_replicate", "dp_shard"]._flatten("dp")
 
     @property
-    def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh handed to FSDP2's ``fully_shard``: 1-D ``dp_shard`` (FSDP), or 2-D ``(dp_replicate,
-        dp_shard)`` when both are larger than 1 (HSDP: replicate across the first, shard across the second)."""
+    def batch_mesh(self) -> DeviceMesh | None:
+        """1-D mesh over every rank holding different data, data x context parallel (the data-parallel mesh without
+        context parallelism): gradients are averaged over it, and losses, item counts and metric sums are summed
+        over it. DDP, replicate and ZeRO-1 run on it."""
         if self.world is None:
             return None
+        if self.cp == 1:
+            return self.dp_mesh
+        return self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh handed to FSDP2's ``fully_shard``: 1-D ``dp_shard`` (FSDP; ``dp_shard x cp`` flattened under
+        context parallelism), or 2-D ``(dp_replicate, dp_shard[ x cp])`` when there are replicas too (HSDP:
+        replicate across the first, shard across the second)."""
+        if self.world is None:
+            return None
+        shard = self.world["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else self.world["dp_shard"]
         if self.dp_replicate > 1:
-            return self.world["dp_replicate", "dp_shard"]
-        return self.world["dp_shard"]
+            return self.world["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
+        return shard
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks that split each sequence (None for a single process)."""
+        return self._sub("cp")
+
+    @property
+    def cp_ring_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks passing key/value blocks around a ring (the whole ``cp`` mesh for the ring
+        algorithm, across the Ulysses groups under hybrid); None without a ring."""
+        if self.cp == 1 or self.cp_ulysses == self.cp:
+            return None
+        return self.context_world["cp_ring"] if self.context_world is not None else self.cp_mesh
+
+    @property
+    def cp_ulysses_mesh(self) -> DeviceMesh | None:
+        """1-D mesh of the ranks exchanging heads by all-to-all (the whole ``cp`` mesh for Ulysses, one group
+        under hybrid); None without Ulysses."""
+        if self.cp_ulysses == 1:
+            return None
+        return self.context_world["cp_ulysses"] if self.context_world is not None else self.cp_mesh
 
     @property
     def expert_mesh(self) -> DeviceMesh | None:
@@ -154,8 +203,8 @@ class ParallelMesh:
 
     @property
     def expert_dp_mesh(self) -> DeviceMesh | None:
-        """1-D mesh of the data-parallel ranks that hold the same experts (``dp / ep`` of them), over which the
-        experts' gradients are reduced (None without expert parallelism)."""
+        """1-D mesh of the data (x context) parallel ranks that hold the same experts (``dp * cp / ep`` of them),
+        over which the experts' gradients are reduced (None without expert parallelism)."""
         return self.expert_world["dp_mod_ep"] if self.ep > 1 else None
 
     def local_rank(self, dim: str) -> int:
@@ -181,6 +230,11 @@ class ParallelMesh:
         """Pipeline stage index of this process."""
         return self.local_rank("pp")
 
+    @property
+    def cp_rank(self) -> int:
+        """Index of this process within its context-parallel group: which chunks of each sequence it holds."""
+        return self.local_rank("cp")
+
 
 def mesh_sizes(config: ParallelConfig, shard_size: int | None = None) -> dict[str, int]:
     """Sizes of ``MESH_DIMS`` for ``config``.
@@ -198,7 +252,7 @@ def mesh_sizes(config: ParallelConfig, shard_size: int | None = None) -> dict[st
             raise ConfigError(
                 f"optimizer shard size={shard_size} is not valid with data_parallel={dp}; expected a divisor of {dp}"
             )
-    return {"pp": config.pp, "dp_replicate": dp // shard, "dp_shard": shard, "tp": config.tp}
+    return {"pp": config.pp, "dp_replicate": dp // shard, "dp_shard": shard, "cp": config.cp, "tp": config.tp}
 
 
 def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_type: str | None = None) -> ParallelMesh:
@@ -216,10 +270,20 @@ def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_typ
     device_type = device_type or default_device_type()
     shape = tuple(sizes[d] for d in MESH_DIMS)
     world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    experts = None
+    experts = context = None
     if config.ep > 1:
-        # The same ranks, data parallelism split the other way: rank order (pp, dp, tp) with dp = dp_mod_ep * ep + ep
-        # index equals the world mesh's dp = dp_replicate * dp_shard + shard index, so both meshes agree on dp ranks.
-        experts = init_device_mesh(device_type, (config.pp, config.dp // config.ep, config.ep, config.tp),
+        # The same ranks, data (x context) parallelism split the other way: rank order (pp, dp, cp, tp) with the
+        # index over data x context parallel ranks d * cp + c = dp_mod_ep * ep + ep index, so both meshes agree.
+        experts = init_device_mesh(device_type, (config.pp, config.dp * config.cp // config.ep, config.ep, config.tp),
                                    mesh_dim_names=EXPERT_MESH_DIMS)
-    return ParallelMesh(world=world, ep=config.ep, expert_world=experts, **sizes)
+    if 1 < config.cp_ulysses < config.cp:  # hybrid: the context-parallel index c = ring index * ulysses + its member
+        context = init_device_mesh(device_type, (config.pp, config.dp, config.cp_ring, config.cp_ulysses, config.tp),
+                                   mesh_dim_names=CONTEXT_MESH_DIMS)
+    mesh = ParallelMesh(world=world, ep=config.ep, expert_world=experts, cp_ulysses=config.cp_ulysses,
+                        context_world=context, **sizes)
+    # Every group the run uses is created now (the flattened dimensions too), and every rank finishes before any
+    # goes on: a rank that then stops at once (a refused layout) must not take the rendezvous store down while
+    # another still creates its single-rank groups of the size-1 dimensions.
+    mesh.dp_mesh, mesh.batch_mesh, mesh.fsdp_mesh  # noqa: B018 (each property flattens on first use)
+    dist.barrier()
+    return mesh

@@ -3,9 +3,11 @@
 1. tensor parallelism (and sequence / vocabulary parallelism) from the model's declared plans (:mod:`.tensor`);
 2. expert parallelism: MoE experts sharded over the expert (and tensor) parallel ranks, tokens exchanged by
    all-to-all (:mod:`.expert`);
-3. activation recomputation around whole layers or parts of them (:mod:`.recompute`);
-4. optionally ``torch.compile`` of each transformer layer;
-5. data parallelism: first each experts module over the ranks holding the same experts, then DDP, ZeRO-1, FSDP2
+3. context parallelism: attention over sequences split across ranks (:mod:`.context`);
+4. activation recomputation around whole layers or parts of them (:mod:`.recompute`), which sees the attention
+   context parallelism installed;
+5. optionally ``torch.compile`` of each transformer layer;
+6. data parallelism: first each experts module over the ranks holding the same experts, then DDP, ZeRO-1, FSDP2
    or HSDP over the data-parallel ranks (:mod:`.expert`, :mod:`.data`).
 
 The order matters: FSDP2 must see the final (DTensor, checkpoint-wrapped) parameters so it shards what tensor and
@@ -20,6 +22,8 @@ from torch import nn
 
 from .compile import compile_layers as compile_each_layer
 from .config import ParallelConfig
+from .context import ContextParallel, apply_context_parallel
+from .context_config import check_compile
 from .data import apply_data_parallel
 from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
@@ -37,6 +41,7 @@ def parallelize(
     compile_mode: str | None = None,
     compile_backend: str | None = None,
     stage: int = 0,
+    context: ContextParallel | None = None,
 ) -> nn.Module:
     """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
 
@@ -50,12 +55,22 @@ def parallelize(
         compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
         compile_backend: ``torch.compile`` backend for ``compile_layers`` (None: inductor).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
+        context: the run's :class:`~.context.ContextParallel` when ``context_parallel > 1`` (one for all pipeline
+            stages; the engine cuts batches and turns it on for training steps with it); None makes one, kept on
+            the model as ``model.context_parallel``.
     """
     if mesh.tp > 1:
         apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
                               vocab_parallel=parallel_config.vocab_parallel)
     apply_expert_parallel(model, mesh)
-    apply_recompute(model, parallel_config.recompute, stage)
+    context_fn = None
+    check_compile(mesh.cp, compile_layers)
+    if mesh.cp > 1:
+        context = context or ContextParallel(mesh, parallel_config)
+        apply_context_parallel(model, context)
+        model.context_parallel = context
+        context_fn = context.recompute_context
+    apply_recompute(model, parallel_config.recompute, stage, context_fn=context_fn)
     if compile_layers:
         compile_each_layer(model, compile_mode, compile_backend or "inductor")
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)

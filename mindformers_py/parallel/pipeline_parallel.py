@@ -47,23 +47,26 @@ are the micro-batch's rows of the batch and ``model`` the :class:`LastStageModel
 
 def _task_loss(task: StageTask, config: Any, outputs: Sequence[torch.Tensor], carried: Sequence[torch.Tensor],
                labels: Sequence[torch.Tensor], num_items_in_batch: Any, stage: nn.Module | None,
-               counted: bool = True) -> torch.Tensor:
+               counted: bool = True, labels_shifted: bool = False) -> torch.Tensor:
     """The whole model's loss from the last stage's outputs: the task's loss normalised by ``num_items_in_batch``,
     plus the ``carried_loss`` of the state the stages carried (see
-    :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`)."""
-    loss = task.compute_loss(tuple(outputs), tuple(labels), config, num_items_in_batch)
-    extra = _carried_loss(stage, carried, labels, num_items_in_batch, counted)
+    :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`). ``labels_shifted``: the labels are a
+    causal LM's ``shift_labels`` (a context-parallel rank's chunk of the whole row's shifted labels)."""
+    shifted = {"labels_shifted": True} if labels_shifted else {}
+    loss = task.compute_loss(tuple(outputs), tuple(labels), config, num_items_in_batch, **shifted)
+    extra = _carried_loss(stage, carried, labels, num_items_in_batch, counted, labels_shifted)
     return loss if extra is None else loss + extra
 
 
 def _carried_loss(stage: nn.Module | None, carried: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                  num_items_in_batch: Any, counted: bool = True) -> torch.Tensor | None:
+                  num_items_in_batch: Any, counted: bool = True, labels_shifted: bool = False) -> torch.Tensor | None:
     """The last stage's model's loss from the carried state, or None. State it leaves out of the loss still
     joins the graph (times zero), so every carried tensor gets a gradient to send back."""
     if stage is None or not carried:
         return None
+    shifted = {"labels_shifted": True} if labels_shifted else {}
     extra = stage.carried_loss(dict(zip(carried_names(stage), carried)), tuple(labels), num_items_in_batch,
-                               counted=counted)
+                               counted=counted, **shifted)
     unused = sum(t.sum() * 0.0 for t in carried if t.requires_grad)
     return unused if extra is None else extra + unused
 
@@ -109,8 +112,11 @@ class LastStageModel:
         fields: dict[str, Any] = dict(zip(task.output_fields, self._outputs))
         labels = [kwargs.get(name) for name in task.label_names]
         if all(isinstance(label, torch.Tensor) for label in labels):
-            fields["loss"] = _task_loss(task, self._pipeline.config, self._outputs, self._carried, labels,
-                                        num_items_in_batch, self._pipeline.last_part, self._counted)
+            # Labels already shifted replace a causal LM's labels, as in the whole model (transformers' convention).
+            shifted = isinstance(kwargs.get("shift_labels"), torch.Tensor)
+            fields["loss"] = _task_loss(task, self._pipeline.config, self._outputs, self._carried,
+                                        [kwargs["shift_labels"]] if shifted else labels, num_items_in_batch,
+                                        self._pipeline.last_part, self._counted, labels_shifted=shifted)
         return task.output_class(**fields)
 
     def __getattr__(self, name: str) -> Any:
@@ -294,6 +300,9 @@ class PipelineParallel:
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             kwargs[TOKEN_IDS_KEY] = ids
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor):  # every stage's positions (context parallelism's chunks)
+            kwargs["position_ids"] = positions.expand(inputs.shape[0], -1)
         segments = batch.get("token_type_ids")
         if isinstance(segments, torch.Tensor):
             kwargs["token_type_ids"] = segments

@@ -55,8 +55,10 @@ class StageTask(Protocol):
     def outputs_of(self, output: Any) -> tuple[torch.Tensor, ...]:
         """The :attr:`output_fields` of a model output."""
 
-    def compute_loss(self, outputs: Any, labels: Any, config: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        """The task's loss of ``outputs`` against ``labels``, normalised by ``num_items_in_batch``."""
+    def compute_loss(self, outputs: Any, labels: Any, config: Any, num_items_in_batch: Any = None,
+                     labels_shifted: bool = False) -> torch.Tensor:
+        """The task's loss of ``outputs`` against ``labels``, normalised by ``num_items_in_batch``; ``labels_shifted``:
+        a causal LM's labels come already shifted (``shift_labels``)."""
 
     def count_items(self, batch: Mapping[str, Any]) -> int | None:
         """Items of the task's loss in ``batch``."""
@@ -230,18 +232,21 @@ class PipelineStageMixin:
     """
 
     def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                token_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         spec: StageTask = self.pipeline_task
         names = carried_names(self)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
-        if self.is_first:  # the model numbers the positions itself (RoBERTa's count only real tokens)
+        if position_ids is not None:  # the batch's own (a context-parallel rank's chunks of the sequence)
+            kwargs["position_ids"] = position_ids
+        if self.is_first:  # else the model numbers the positions itself (RoBERTa's count only real tokens)
             kwargs[spec.model_input] = inputs
             if token_type_ids is not None:
                 kwargs["token_type_ids"] = token_type_ids
         else:
             length = inputs.shape[1] * self.sequence_shards
-            kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
+            if position_ids is None:
+                kwargs["position_ids"] = torch.arange(length, device=inputs.device)[None]
             kwargs["inputs_embeds"] = inputs
             kwargs.update(zip(names, carried))
             if token_ids is not None:

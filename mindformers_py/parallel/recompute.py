@@ -15,6 +15,9 @@ checkpoints do not depend on recompute.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
@@ -30,8 +33,13 @@ def _checkpointed_attention_core(*args, **kwargs):
     return checkpoint(attention_core, *args, use_reentrant=False, **kwargs)
 
 
-def _wrap_child(parent: nn.Module, name: str) -> None:
-    setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
+def _checkpointed(core: Callable, context_fn: Callable | None, *args, **kwargs):
+    return checkpoint(core, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _wrap_child(parent: nn.Module, name: str, context_fn: Callable | None = None) -> None:
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    setattr(parent, name, checkpoint_wrapper(getattr(parent, name), **extra))
 
 
 def _parents(model: nn.Module, targets: list[nn.Module]) -> list[tuple[nn.Module, str]]:
@@ -43,11 +51,15 @@ def _parents(model: nn.Module, targets: list[nn.Module]) -> list[tuple[nn.Module
     return [where[id(t)] for t in targets]
 
 
-def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0) -> nn.Module:
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0,
+                    context_fn: Callable | None = None) -> nn.Module:
     """Apply ``recompute`` to ``model``'s transformer layers in place; returns ``model``.
 
     ``model`` may be a whole model or one pipeline stage (``stage`` its index, for per-stage layer counts);
-    layers are counted from 0 within it. Apply after tensor parallelism and before data parallelism.
+    layers are counted from 0 within it. Apply after tensor (and context) parallelism and before data parallelism.
+    ``context_fn`` is torch checkpointing's (two context managers, for the forward and its recomputation): context
+    parallelism passes one so a recomputed attention sees the sequence of the forward pass it repeats. An attention
+    core that context parallelism replaced is the one recomputed.
     """
     if not recompute.enabled:
         return model
@@ -55,7 +67,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0
     chosen = [layer for i, layer in enumerate(layers) if recompute.recomputes_layer(i, stage)]
     if recompute.recompute == "full":
         for parent, name in _parents(model, chosen):
-            _wrap_child(parent, name)
+            _wrap_child(parent, name, context_fn)
         return model
     for layer in chosen:
         for part in recompute.select_recompute:
@@ -68,9 +80,11 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0
                         f"{', '.join(repr(n) for n, c in layer.named_children() if n in SELECT_RECOMPUTE_CHOICES)}"
                         " or recompute='full'")
                 for module in attentions:
-                    module.core = _checkpointed_attention_core
+                    replaced = module.__dict__.get("core")  # context parallelism's, else the layer's own
+                    module.core = _checkpointed_attention_core if replaced is None and context_fn is None \
+                        else functools.partial(_checkpointed, replaced or attention_core, context_fn)
             elif isinstance(getattr(layer, part, None), nn.Module):
-                _wrap_child(layer, part)
+                _wrap_child(layer, part, context_fn)
             else:
                 raise ConfigError(f"recompute.select_recompute={part!r} is not valid for {type(layer).__name__}: it has "
                                   f"no submodule {part!r}; its submodules: {', '.join(n for n, _ in layer.named_children())}")

@@ -18,8 +18,9 @@ from typing import Any
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
 from ..auto import auto_class_for
-from ..errors import CheckpointError, MindFormersError, invalid_choice
+from ..errors import MindFormersError, invalid_choice
 from ..models import registry
+from ..utils.damaged_files import loading_from
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +142,5 @@ def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model
             f"pipeline({task.name!r}) needs {task.preprocessor}=... when the model is a preset name or a model object "
             "without a checkpoint folder"
         )
-    try:
+    with loading_from(source, task.preprocessor, f"save one there or pass {task.preprocessor}=..."):
         return loader.from_pretrained(os.fspath(source))
-    except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(
-            f"no {task.preprocessor} could be loaded from {source} ({str(err).splitlines()[0]}); "
-            f"save one there or pass {task.preprocessor}=..."
-        ) from None

@@ -378,7 +378,8 @@ def start_pooled_model(pipeline_class: type, task_name: str, auto_model: type, t
     from ..parallel.inference import inference_layout
 
     sizes = parallel_config if isinstance(parallel_config, Mapping) else vars(parallel_config)
-    if math.prod(int(sizes.get(k, 1)) for k in ("data_parallel", "model_parallel", "pipeline_stage")) == 1:
+    if math.prod(int(sizes.get(k, 1)) for k in ("data_parallel", "context_parallel", "model_parallel",
+                                                "pipeline_stage")) == 1:
         return None
     if not getattr(pipeline_class, "_pipeline_calls_generate", False):
         raise MindFormersError(f"parallel_config applies to the generating pipelines (text-generation, "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..parallel.config import ParallelConfig
+from .context_cost import context_buffer_bytes
 from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, as_shape, recomputed_share
 from .step_time import Runtime, TimeEstimate, estimate_step_time
 
@@ -46,11 +47,13 @@ class MemoryEstimate:
     """Activations saved for backward by the forward passes in flight (what ``saved_tensors_hooks`` see)."""
     recompute: int = 0
     """Activations re-materialised for one layer at a time during backward under full recompute."""
+    context: int = 0
+    """Key/value blocks a context-parallel attention holds in flight for one layer at a time."""
 
     @property
     def total(self) -> int:
         """Sum of all kinds."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.context
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
@@ -127,7 +130,8 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 
 
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
-                    act_bytes: int = FP32_BYTES, attention_scores: bool = False) -> MemoryEstimate:
+                    act_bytes: int = FP32_BYTES, attention_scores: bool = False,
+                    kv_exchange: str = "ring") -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -135,15 +139,19 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     the activation element size (2 under bf16 autocast); ``attention_scores`` counts SDPA's kept softmax (see
     :func:`layer_activation_bytes`). Heterogeneous stacks (MoE every few layers, encoder-decoders) are counted
     with their mean layer; expert parameters and their state are split over ``expert_parallel`` ranks and sharded
-    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks.
+    by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks. Under context parallelism a rank keeps
+    the activations of ``seq_length / context_parallel`` tokens, ZeRO shards over data x context parallel ranks, and
+    one layer's key/value blocks in flight are added (``kv_exchange`` as :attr:`Runtime.context_kv`; see
+    :mod:`.context_cost`).
     """
     shape = as_shape(model_config)
     pc = parallel_config
-    tp, pp, dp, vpp, micro, ep = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches, pc.ep
+    tp, pp, vpp, micro, ep = pc.tp, pc.pp, pc.vpp, pc.micro_batches, pc.ep
+    dp = pc.dp * pc.cp  # ZeRO shards over data x context parallel ranks (FSDP's mesh folds cp in)
     vocab_tp = tp if pc.vocab_parallel else 1
     chunks = pp * vpp
     layers_per_chunk = math.ceil(shape.total_layers / chunks)
-    tokens = per_device_batch // micro * seq_length
+    tokens = per_device_batch // micro * seq_length // pc.cp  # a context-parallel rank's share of each sequence
     recompute = pc.recompute
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
     layer_params = shape.layer_params(tp, ep)
@@ -174,6 +182,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
                                 accumulating=micro > 1, compute_bytes=act_bytes)
         estimate.recompute = rematerialised
+        estimate.context = context_buffer_bytes(shape, pc, per_device_batch // micro, seq_length, act_bytes,
+                                                kv_exchange)
         if best is None or estimate.total > best.total:
             best = estimate
     assert best is not None

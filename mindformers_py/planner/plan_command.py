@@ -226,13 +226,15 @@ def _candidate_json(est: LayoutEstimate, device: DeviceSpec) -> dict[str, Any]:
     mem = est.memory
     return {
         "layout": est.describe(),
-        "data_parallel": pc.dp, "model_parallel": pc.tp, "pipeline_stage": pc.pp, "expert_parallel": pc.ep,
+        "data_parallel": pc.dp, "context_parallel": pc.cp, "context_parallel_algo": pc.context_parallel_algo,
+        "model_parallel": pc.tp, "pipeline_stage": pc.pp, "expert_parallel": pc.ep,
         "micro_batches": pc.micro_batches, "pipeline_schedule": pc.pipeline_schedule,
         "virtual_pipeline_stages": pc.vpp, "zero_stage": pc.zero_stage, "recompute": pc.recompute.recompute,
         "sequence_parallel": pc.sequence_parallel, "vocab_parallel": pc.vocab_parallel,
         "per_device_batch": est.per_device_batch,
         "memory_bytes": {"parameters": mem.parameters, "gradients": mem.gradients, "optimizer": mem.optimizer,
-                         "activations": mem.activations, "recompute": mem.recompute, "total": mem.total},
+                         "activations": mem.activations, "recompute": mem.recompute, "context": mem.context,
+                         "total": mem.total},
         "fits": est.fits,
         "step_seconds": est.time.as_dict(),
         "tokens_per_second": est.tokens_per_second,
@@ -246,6 +248,8 @@ def _parallel_flags(pc: ParallelConfig) -> str:
     """The layout as a recipe's ``parallel`` section in YAML flow style (default fields left out)."""
     fields = {"parallel_mode": pc.parallel_mode, "data_parallel": pc.dp, "model_parallel": pc.tp,
               "pipeline_stage": pc.pp}
+    if pc.cp > 1:
+        fields.update(context_parallel=pc.cp, context_parallel_algo=pc.context_parallel_algo)
     if pc.ep > 1:
         fields["expert_parallel"] = pc.ep
     if pc.pp > 1:

@@ -1,10 +1,12 @@
 """Choose a layout from the model, the world, the device and the batch: the in-run ``auto_parallel`` mode and the
 ``mindformers-py plan`` command share this search.
 
-The planner enumerates every layout ``data_parallel x model_parallel x pipeline_stage = world size`` (with
-``expert_parallel`` ranks borrowed from data parallelism for MoE models) that :meth:`ParallelConfig.validate_for`
+The planner enumerates every layout ``data_parallel x context_parallel x model_parallel x pipeline_stage = world
+size`` (with ``expert_parallel`` ranks borrowed from data and context parallelism for MoE models) that
+:meth:`ParallelConfig.validate_for`
 accepts (heads, KV heads, FFN and vocabulary divisible by the tensor-parallel size, at least one layer per
-pipeline chunk, micro-batches dividing the per-rank batch, experts divisible by the expert-parallel size), with
+pipeline chunk, micro-batches dividing the per-rank batch, experts divisible by the expert-parallel size, the
+sequence and heads divisible as context parallelism needs), with
 the micro-batch count, the ZeRO stage and the recompute mode as further choices; with ``full_search`` also the
 pipeline schedule and its virtual stages, and sequence and vocabulary parallelism. For each it estimates
 
@@ -21,7 +23,11 @@ pipeline schedule and its virtual stages, and sequence and vocabulary parallelis
   bubble of the schedule (``(p-1)`` micro-batch times, ``(p-1)/v`` interleaved);
 
 and picks the fastest layout per sample that fits the memory budget (ties: the one closest to what the config
-asked for). The choice and its competitors are logged as a table (:meth:`AutoParallelPlan.table`).
+asked for). Context parallelism (:mod:`.context_cost`) splits each sequence instead of the batch: it is searched when
+the config asks for it (``context_parallel > 1``), when the sequence is long for the model (attention's FLOPs per
+token reach the matrix products') or when no layout without it fits; otherwise splitting the batch does the same
+work per rank without key/value traffic. The choice and its competitors are logged as a table
+(:meth:`AutoParallelPlan.table`).
 
 ``per_device_batch`` keeps HF's meaning (the batch of one data-parallel rank), so layouts with more data-parallel
 ranks also process more samples per step; they are compared by time per sample. Give ``global_batch`` instead
@@ -107,7 +113,7 @@ class LayoutEstimate:
         """Model FLOPs utilisation: model FLOPs per second over the peak of every rank (None without a peak)."""
         if not device.peak_flops or not self.model_flops_per_token:
             return None
-        world = self.config.dp * self.config.tp * self.config.pp
+        world = self.config.required_world_size()
         return self.tokens_per_second * self.model_flops_per_token / (device.peak_flops * world)
 
     @property
@@ -116,9 +122,12 @@ class LayoutEstimate:
         return self.config.dp, self.config.tp, self.config.pp
 
     def describe(self) -> str:
-        """The layout in words: ``dp=2 tp=2 pp=2 (1f1b, 4 micro-batches) ZeRO-1 recompute=full``."""
+        """The layout in words: ``dp=2 cp=2(ring) tp=2 pp=2 (1f1b, 4 micro-batches) ZeRO-1 recompute=full``."""
         pc = self.config
-        text = f"dp={pc.dp} tp={pc.tp} pp={pc.pp}"
+        text = f"dp={pc.dp}"
+        if pc.cp > 1:
+            text += f" cp={pc.cp}({pc.context_parallel_algo})"
+        text += f" tp={pc.tp} pp={pc.pp}"
         if pc.ep > 1:
             text += f" ep={pc.ep}"
         if pc.pp > 1:
@@ -293,29 +302,13 @@ def plan(
 
     candidates: list[LayoutEstimate] = []
     excluded: list[tuple[str, str]] = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            name = f"dp={dp} tp={tp} pp={pp}"
-            if tp > device.devices_per_node:
-                excluded.append((name, f"model_parallel={tp} spans nodes (devices_per_node="
-                                       f"{device.devices_per_node}); tensor parallelism stays within a node"))
-                continue
-            if global_batch is not None and global_batch % dp:
-                excluded.append((name, f"global_batch={global_batch} is not divisible by data_parallel={dp}"))
-                continue
-            batch = per_device_batch if per_device_batch is not None else global_batch // dp
-            experts = _expert_parallel_choices(base, shape, dp, full_search)
-            if not experts:
-                excluded.append((name, f"expert_parallel={base.expert_parallel} does not divide data_parallel={dp} "
-                                       f"and the model's {shape.experts} experts"))
-                continue
-            for ep in experts:
-                variants, reason = search.variants(dp, tp, pp, ep, batch)
-                if not variants:
-                    excluded.append((name + (f" ep={ep}" if ep > 1 else ""), reason))
-                    continue
-                candidates.append(min(variants, key=_variant_key_full if full_search else _variant_key))
+    # Context parallelism is searched for long sequences: when the config asks for it, when the sequence is long
+    # for the model (see _long_sequence), or when no layout without it fits. For shorter sequences splitting the
+    # batch gives the same work per rank without the key/value traffic.
+    with_context = base.context_parallel > 1
+    search.layouts(global_batch, per_device_batch, candidates, excluded, sizes="all" if with_context else "one")
+    if not with_context and (_long_sequence(shape, seq_length) or not any(c.fits for c in candidates)):
+        search.layouts(global_batch, per_device_batch, candidates, excluded, sizes="above_one")
     if not candidates:
         reasons = "; ".join(f"{layout}: {why}" for layout, why in excluded[:3])
         raise ConfigError(f"auto_parallel found no valid layout for world_size={world_size} ({reasons})")
@@ -344,6 +337,14 @@ def _variant_key_full(est: LayoutEstimate) -> tuple[Any, ...]:
     return (1, est.memory.total, est.time.total, est.changes)
 
 
+def _long_sequence(shape: ModelShape, seq: int) -> bool:
+    """Whether ``seq`` tokens are a long sequence for the model: attention's FLOPs per token (``12·L·q_width·s``)
+    reach the matrix products' (``6·N``), i.e. ``s >= N / (2·L·q_width)``: about 19K tokens for Llama 3.2 1B, 29K for
+    Llama 3.1 8B, 98K for Llama 3 405B. There a sequence's activations dominate and the ring's key/value transfers hide behind
+    attention, as in the published long-context runs (Llama 3's CP16 at 128K, not at 8K)."""
+    return shape.flops_per_token(seq) >= 2 * shape.flops_per_token(0)
+
+
 @dataclass
 class _Search:
     """What every layout of one planning run shares."""
@@ -364,11 +365,56 @@ class _Search:
         self.model_view = self.model_config if not isinstance(self.model_config, (dict, ModelShape)) \
             else _ShapeView(self.shape)
 
-    def variants(self, dp: int, tp: int, pp: int, ep: int, batch: int) -> tuple[list[LayoutEstimate], str]:
+    def layouts(self, global_batch: int | None, per_device_batch: int | None, candidates: list[LayoutEstimate],
+                excluded: list[tuple[str, str]], sizes: str) -> None:
+        """Estimate every (dp, cp, tp, pp, ep) layout of the world into ``candidates`` (the refused ones into
+        ``excluded``) whose context-parallel size is ``"one"``, ``"above_one"`` or ``"all"``."""
+        world, device, base = self.world, self.device, self.base
+        for tp in _divisors(world):
+            for pp in _divisors(world // tp):
+                for cp in _divisors(world // (tp * pp)):
+                    if (sizes == "one" and cp > 1) or (sizes == "above_one" and cp == 1):
+                        continue
+                    dp = world // (tp * pp * cp)
+                    name = f"dp={dp}" + (f" cp={cp}" if cp > 1 else "") + f" tp={tp} pp={pp}"
+                    if tp > device.devices_per_node:
+                        excluded.append((name, f"model_parallel={tp} spans nodes (devices_per_node="
+                                               f"{device.devices_per_node}); tensor parallelism stays within a node"))
+                        continue
+                    if global_batch is not None and global_batch % dp:
+                        excluded.append((name, f"global_batch={global_batch} is not divisible by data_parallel={dp}"))
+                        continue
+                    batch = per_device_batch if per_device_batch is not None else global_batch // dp
+                    experts = _expert_parallel_choices(base, self.shape, dp * cp, self.full_search)
+                    if not experts:
+                        excluded.append((name, f"expert_parallel={base.expert_parallel} does not divide the "
+                                               f"{dp * cp} data (x context) parallel ranks and the model's "
+                                               f"{self.shape.experts} experts"))
+                        continue
+                    for ep in experts:
+                        for algo in self.context_algos(cp):
+                            variants, reason = self.variants(dp, tp, pp, ep, batch, cp, algo)
+                            label = name + (f"({algo})" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+                            if not variants:
+                                excluded.append((label, reason))
+                                continue
+                            candidates.append(min(variants, key=_variant_key_full if self.full_search else _variant_key))
+
+    def context_algos(self, cp: int) -> list[str]:
+        """Context-parallel algorithms to try with ``cp`` ranks: the base config's; with ``full_search`` every one
+        (those a model cannot run are refused by validation)."""
+        if cp == 1:
+            return [self.base.context_parallel_algo]
+        if self.full_search:
+            return ["ring", "ulysses", "hybrid"]
+        return [self.base.context_parallel_algo]
+
+    def variants(self, dp: int, tp: int, pp: int, ep: int, batch: int, cp: int = 1,
+                 algo: str = "ring") -> tuple[list[LayoutEstimate], str]:
         """Every (micro-batches, schedule, ZeRO stage, recompute) variant of one layout, estimated; or the reason
         none is valid."""
         base = self.base
-        zero_levels = _escalations(base.optimizer_shard, (0, 1, 2, 3)) if dp > 1 else [base.optimizer_shard]
+        zero_levels = _escalations(base.optimizer_shard, (0, 1, 2, 3)) if dp * cp > 1 else [base.optimizer_shard]
         recomputes = self.recompute_choices()
         micro_choices = _micro_batch_choices(pp, batch)
         if not micro_choices:
@@ -383,11 +429,14 @@ class _Search:
         for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):
             for micro in micro_choices:
                 fields: dict[str, Any] = {"micro_batch_num": micro, "pipeline_schedule": schedule,
-                                          "virtual_pipeline_stages": vpp, "expert_parallel": ep, **extra}
+                                          "virtual_pipeline_stages": vpp, "expert_parallel": ep,
+                                          "context_parallel": cp, "context_parallel_algo": algo,
+                                          "ulysses_degree_in_cp": None, **extra}
                 try:
                     layout = base.with_layout(dp, tp, pp, **fields)
                     layout.validate()
-                    layout.validate_for(self.world, self.model_view, per_device_batch=batch)
+                    layout.validate_for(self.world, self.model_view, per_device_batch=batch,
+                                        sequence_length=self.seq if cp > 1 else None)
                 except ConfigError as err:
                     reason = str(err)
                     continue
@@ -412,7 +461,8 @@ class _Search:
         """Memory and time of one fully specified layout."""
         # A runtime that writes the attention scores to memory also keeps them for backward.
         memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
-                                 attention_scores=self.runtime.attention == "materialized")
+                                 attention_scores=self.runtime.attention == "materialized",
+                                 kv_exchange=self.runtime.context_kv)
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)
@@ -447,6 +497,22 @@ class _ShapeView:
     @property
     def num_experts(self) -> int | None:
         return self.shape.experts if self.shape.is_moe else None
+
+    @property
+    def attention_dropout(self) -> float:
+        return 0.1 if self.shape.dropout else 0.0
+
+    @property
+    def fixed_sequence_length(self) -> int | None:
+        return self.shape.max_positions if self.shape.patch_inputs else None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.shape.encoder_layers)
+
+    @property
+    def model_type(self) -> str:
+        return self.shape.model_type
 
 
 def auto_parallel(

@@ -21,6 +21,9 @@ Every term is a volume divided by a rate, so the model says why a layout is slow
   parameter broadcast follows the optimizer step; ZeRO-2 gathers the parameters once per step, ZeRO-3 every
   layer in forward and backward (once per micro-batch under a pipeline schedule, which keeps what backward
   gathered), prefetched behind the compute.
+* **context parallelism** (:mod:`.context_cost`): every per-token term over ``seq / cp`` tokens, attention over
+  the whole sequence for the rank's queries, and the ring's key/value transfers where they outlast the attention
+  they overlap, or Ulysses' all-to-alls.
 * **pipeline parallelism**: each micro-batch sends its activation forward and its gradient back at every stage
   boundary (``v`` times per stage when interleaved), and the schedule leaves a bubble of ``(p-1)`` micro-batch
   times (``(p-1)/v`` interleaved, Narayanan et al. 2021) on the critical path.
@@ -38,10 +41,13 @@ from typing import Any
 
 from ..errors import check_choice
 from ..parallel.config import ParallelConfig
+from .collectives import all_to_all_seconds, ring_seconds  # noqa: F401 (re-exported)
+from .context_cost import attention_geometry, context_forward_backward_seconds, cross_attention_gather_seconds
 from .device_spec import DeviceSpec
 from .model_shape import ModelShape, as_shape, recomputed_share
 
 ATTENTION_KERNELS = ("flash", "materialized")
+CONTEXT_KV_EXCHANGES = ("ring", "allgather")
 KERNEL_STYLES = ("eager", "fused")
 # Passes over memory, in activation-sized elements (forward, backward) per element of the tensor each op touches.
 # "eager" counts the PyTorch ops of our layers (and of HF/torchtitan-style code): RMSNorm is a cast to fp32, a
@@ -104,10 +110,14 @@ class Runtime:
     zero1_overlapped: bool = False
     """ZeRO-1's parameter all-gather overlaps the next forward pass (Megatron-Core's distributed optimizer with
     ``--overlap-param-gather``)."""
+    context_kv: str = "ring"
+    """How a context-parallel ring exchanges keys and values: ``"ring"`` (ours: point-to-point sends overlapping
+    each block's attention) or ``"allgather"`` (one all-gather before attention: Llama 3, torchtitan's default)."""
 
     def __post_init__(self) -> None:
         check_choice("attention", self.attention, ATTENTION_KERNELS)
         check_choice("kernels", self.kernels, KERNEL_STYLES)
+        check_choice("context_kv", self.context_kv, CONTEXT_KV_EXCHANGES)
 
 
 @dataclass
@@ -133,11 +143,14 @@ class TimeEstimate:
     """Memory-bound kernels: norms, activations, residual adds, rotary, dropout, softmax, the loss."""
     optimizer: float = 0.0
     """The optimizer step (memory-bound over this rank's share of the state)."""
+    context_parallel: float = 0.0
+    """Context-parallel key/value transfers and all-to-alls, the part not hidden behind attention."""
 
     @property
     def communication(self) -> float:
         """Exposed communication of every kind."""
-        return self.tensor_parallel + self.data_parallel + self.pipeline_comm + self.expert_parallel
+        return (self.tensor_parallel + self.data_parallel + self.pipeline_comm + self.expert_parallel
+                + self.context_parallel)
 
     @property
     def total(self) -> float:
@@ -147,8 +160,8 @@ class TimeEstimate:
 
     def as_dict(self) -> dict[str, float]:
         """Every term and the total, in seconds."""
-        names = ("compute", "memory_bound", "tensor_parallel", "expert_parallel", "data_parallel", "pipeline_comm",
-                 "bubble", "optimizer", "overhead")
+        names = ("compute", "memory_bound", "tensor_parallel", "expert_parallel", "context_parallel", "data_parallel",
+                 "pipeline_comm", "bubble", "optimizer", "overhead")
         return {**{name: getattr(self, name) for name in names}, "total": self.total}
 
 
@@ -214,10 +227,11 @@ def _gemms(shapes: list[tuple[float, float, float, float]], device: DeviceSpec, 
 
 def _attention_core(shape: ModelShape, batch_heads: float, q_len: int, kv_len: int, causal: bool,
                     device: DeviceSpec, runtime: Runtime, element_bytes: int) -> _Block:
-    """softmax(q kᵀ) v for ``batch_heads`` (micro-batch x local heads) independent heads."""
+    """softmax(q kᵀ) v for ``batch_heads`` (micro-batch x local heads) independent heads; ``causal`` skips half of
+    the work (a context-parallel rank's queries are a load-balanced share of the sequence's)."""
     d = shape.head_dim
     if runtime.attention == "flash":
-        work = 4.0 * batch_heads * q_len * kv_len * d * (0.5 if causal and q_len == kv_len else 1.0)
+        work = 4.0 * batch_heads * q_len * kv_len * d * (0.5 if causal else 1.0)
         rate = device.peak_flops * device.attention_efficiency if device.peak_flops and device.attention_efficiency \
             else device.flops
         return _Block(_Pass(matmul=work / rate), _Pass(matmul=FLASH_BACKWARD_WORK * work / rate))
@@ -245,6 +259,7 @@ class _LayerTime:
     mlp: _Block
     tp_collectives: int  # per forward pass, each over tokens x hidden
     all_to_alls: int  # per forward pass, each over tokens x top_k x hidden
+    context: tuple[float, float] = (0.0, 0.0)  # exposed context-parallel seconds (forward, backward)
 
     @property
     def total(self) -> _Block:
@@ -254,7 +269,7 @@ class _LayerTime:
 def _layer_time(shape: ModelShape, kind: str, batch: int, seq: int, pc: ParallelConfig, device: DeviceSpec,
                 runtime: Runtime, element_bytes: int) -> _LayerTime:
     tp, ep = pc.tp, pc.ep
-    tokens = batch * seq
+    tokens = batch * seq // pc.cp  # a context-parallel rank's share of the sequence
     h = shape.hidden
     # Without sequence parallelism every tensor-parallel rank runs the hidden-size elementwise ops whole.
     h_tokens = tokens / tp if pc.sequence_parallel else tokens
@@ -264,7 +279,11 @@ def _layer_time(shape: ModelShape, kind: str, batch: int, seq: int, pc: Parallel
         return _elementwise(op, elements, runtime, device, element_bytes)
 
     causal = shape.causal and kind != "encoder"
-    core = _attention_core(shape, batch * shape.heads / tp, seq, seq, causal, device, runtime, element_bytes)
+    geometry = attention_geometry(shape, pc, batch, seq, causal)
+    core = _attention_core(shape, geometry.batch_heads, geometry.q_len, geometry.kv_len, geometry.causal_half, device,
+                           runtime, element_bytes)
+    context = context_forward_backward_seconds(shape, pc, batch, seq, device, element_bytes,
+                                               core.forward.matmul, core.backward.matmul, runtime.context_kv)
     attention = _gemms([(tokens, (shape.q_width + 2 * shape.kv_width) / tp, h, 1),
                         (tokens, h, shape.q_width / tp, 1)], device, element_bytes)
     attention += elementwise(norm, h_tokens * h) + elementwise("residual", h_tokens * h)
@@ -274,7 +293,10 @@ def _layer_time(shape: ModelShape, kind: str, batch: int, seq: int, pc: Parallel
         attention += elementwise("dropout", 2 * h_tokens * h)
     collectives = 2
     if kind == "cross":  # queries from the decoder, keys and values from as many encoder tokens
-        core += _attention_core(shape, batch * shape.heads / tp, seq, seq, False, device, runtime, element_bytes)
+        core += _attention_core(shape, batch * shape.heads / tp, seq // pc.cp, seq, False, device, runtime,
+                                element_bytes)
+        gathered = cross_attention_gather_seconds(shape, pc, batch, seq, device, element_bytes)
+        context = (context[0] + gathered[0], context[1] + gathered[1])
         attention += _gemms([(tokens, shape.q_width / tp, h, 1), (tokens, 2 * shape.kv_width / tp, h, 1),
                              (tokens, h, shape.q_width / tp, 1)], device, element_bytes)
         attention += elementwise(norm, h_tokens * h) + elementwise("residual", h_tokens * h)
@@ -300,7 +322,7 @@ def _layer_time(shape: ModelShape, kind: str, batch: int, seq: int, pc: Parallel
         ffn = shape.ffn / tp
         mlp += _gemms([(tokens, ffn, h, mats_in), (tokens, h, ffn, 1)], device, element_bytes)
         mlp += elementwise(act, tokens * ffn)
-    return _LayerTime(core, attention, mlp, collectives if tp > 1 else 0, all_to_alls)
+    return _LayerTime(core, attention, mlp, collectives if tp > 1 else 0, all_to_alls, context)
 
 
 def _recomputed(layer: _LayerTime, pc: ParallelConfig) -> tuple[_Pass, int, int]:
@@ -319,45 +341,6 @@ def _recomputed(layer: _LayerTime, pc: ParallelConfig) -> tuple[_Pass, int, int]
     if "mlp" in parts:
         work = work + layer.mlp.forward
     return work, 0, 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Collectives
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _group_bandwidth(size: int, stride: int, device: DeviceSpec) -> float:
-    """Bytes/s a ring collective over ``size`` ranks ``stride`` apart reaches: NVLink inside one node; across
-    nodes, the NICs of the group's ranks on each node together (one NIC per GPU), at most NVLink's."""
-    per_node = max(device.devices_per_node, 1)
-    if size * stride <= per_node:
-        bandwidth = device.intra_node_bandwidth
-    else:
-        on_one_node = max(1, min(size, per_node // stride))
-        bandwidth = min(device.intra_node_bandwidth, device.inter_node_bandwidth * on_one_node)
-    return bandwidth * device.bandwidth_efficiency
-
-
-def ring_seconds(nbytes: float, size: int, stride: int, device: DeviceSpec, all_reduce: bool = True) -> float:
-    """A ring all-reduce (or, with ``all_reduce=False``, an all-gather or reduce-scatter) of ``nbytes`` over
-    ``size`` ranks ``stride`` apart."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    volume = (2.0 if all_reduce else 1.0) * (size - 1) / size * nbytes
-    steps = 2 * math.ceil(math.log2(size))
-    return volume / _group_bandwidth(size, stride, device) + steps * device.link_latency_s
-
-
-def all_to_all_seconds(nbytes: float, size: int, stride: int, device: DeviceSpec) -> float:
-    """An all-to-all in which each of ``size`` ranks ``stride`` apart sends ``nbytes`` spread evenly over the
-    group: peers on the same node over NVLink, the others over the rank's NIC, both at once."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    per_node = max(device.devices_per_node, 1)
-    on_node = max(1, min(size, per_node // stride))
-    near = nbytes * (on_node - 1) / size / (device.intra_node_bandwidth * device.bandwidth_efficiency)
-    far = nbytes * (size - on_node) / size / (device.inter_node_bandwidth * device.bandwidth_efficiency)
-    return max(near, far) + device.link_latency_s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,7 +372,7 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     pc = parallel_config
     tp, pp, dp, vpp, micro, ep = pc.tp, pc.pp, pc.dp, pc.vpp, pc.micro_batches, pc.ep
     batch = max(per_device_batch // micro, 1)
-    tokens = batch * seq_length
+    tokens = batch * seq_length // pc.cp  # per rank: context parallelism splits every sequence
     hidden_bytes = tokens * shape.hidden * act_bytes
 
     # One micro-batch through the busiest rank: its share of the layers (the mean layer for mixed stacks), plus
@@ -400,6 +383,7 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     work = _Pass()
     tp_collectives = 0.0
     all_to_alls = 0.0
+    context_seconds = 0.0
     bwd_work = _Pass()
     for kind, count in shape.layer_kinds():
         layer = _layer_time(shape, kind, batch, seq_length, pc, device, runtime, act_bytes)
@@ -410,6 +394,11 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
         bwd_work = bwd_work + total.backward.scaled(weight)
         tp_collectives += weight * (2 * layer.tp_collectives + share * redo_tp)
         all_to_alls += weight * (2 * layer.all_to_alls + share * redo_a2a)
+        # Recompute repeats the forward exchange of the attention it re-runs.
+        parts = pc.recompute.select_recompute if pc.recompute.recompute == "selective" else ()
+        redo = pc.recompute.recompute == "full" or bool({"attention_core", "self_attn"} & set(parts))
+        redo_context = share * layer.context[0] if redo else 0.0
+        context_seconds += weight * (layer.context[0] + layer.context[1] + redo_context)
     vocab_tp = tp if pc.vocab_parallel else 1
     head = _head_time(shape, tokens, vocab_tp, device, runtime, act_bytes)
     embedding = _elementwise("embedding", tokens * shape.hidden, runtime, device, act_bytes)
@@ -422,14 +411,14 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
     if pc.vocab_parallel:  # the vocabulary-parallel embedding sums its shards
         tp_seconds += ring_seconds(hidden_bytes, tp, 1, device)
     ep_seconds = all_to_alls * all_to_all_seconds(hidden_bytes * shape.top_k, ep, tp, device)
-    per_micro = work.matmul + work.memory + tp_seconds + ep_seconds
+    per_micro = work.matmul + work.memory + tp_seconds + ep_seconds + context_seconds
 
     # The pipeline: micro-batches back to back, the fill/drain bubble, the stage-boundary transfers.
     bubble = pipeline_comm = 0.0
     if pp > 1:
         bubble = (pp - 1) / (vpp if pc.pipeline_schedule == "interleaved_1f1b" else 1) * per_micro
         # Every micro-batch passes every stage boundary, so one boundary between nodes paces them all.
-        cross_node = dp * tp * pp > device.devices_per_node
+        cross_node = dp * pc.cp * tp * pp > device.devices_per_node
         if cross_node and runtime.pipeline_scatter_gather and tp > 1:
             hop = hidden_bytes / tp / (device.inter_node_bandwidth * device.bandwidth_efficiency) \
                 + ring_seconds(hidden_bytes, tp, 1, device, all_reduce=False)
@@ -445,20 +434,21 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
                                            bwd_work.matmul + bwd_work.memory, per_micro)
     state_params = (stage_layers * shape.layer_params(tp, ep)
                     + (shape.embedding_params(vocab_tp) if pp == 1 else 0) + shape.head_params(vocab_tp))
-    sharded_over = dp if pc.zero_stage else 1
+    sharded_over = dp * pc.cp if pc.zero_stage else 1
     optimizer = _memory_seconds(state_params / sharded_over * ADAM_BYTES_PER_PARAM, device, 1)
     overhead = device.micro_batch_overhead_s * micro * vpp
     return TimeEstimate(
         compute=micro * work.matmul, tensor_parallel=micro * tp_seconds, data_parallel=data_parallel,
         pipeline_comm=pipeline_comm, bubble=bubble, overhead=overhead, expert_parallel=micro * ep_seconds,
-        memory_bound=micro * work.memory, optimizer=optimizer,
+        memory_bound=micro * work.memory, optimizer=optimizer, context_parallel=micro * context_seconds,
     )
 
 
 def _data_parallel_seconds(shape: ModelShape, pc: ParallelConfig, stage_layers: int, device: DeviceSpec,
                            runtime: Runtime, act_bytes: int, backward_seconds: float, per_micro: float) -> float:
     """Exposed time of the gradient reduction and ZeRO's parameter traffic on one rank."""
-    tp, dp, ep, zero, micro = pc.tp, pc.dp, pc.ep, pc.zero_stage, pc.micro_batches
+    tp, ep, zero, micro = pc.tp, pc.ep, pc.zero_stage, pc.micro_batches
+    dp = pc.dp * pc.cp  # context-parallel ranks reduce gradients with the data-parallel ones
     if dp == 1:
         return 0.0
     vocab_tp = tp if pc.vocab_parallel else 1

@@ -18,8 +18,10 @@ from typing import Any
 from ..errors import ConfigError, check_choice
 from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
+from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
+from ..utils.damaged_files import loading_from
 from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
@@ -114,11 +116,12 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
                                   f"remove model.{key}")
             model_s[key] = value
     config, _, _ = resolve_config(name_or_path, **model_s)
-    parallel.validate_for(world, config, per_device_batch=per_device_batch)
+    parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
+    check_compile(parallel.cp, bool(args.torch_compile))
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
         return _predict_in_pool(task, name_or_path, model_s, tokenizer, gen_s, args.output_dir, parallel, args.seed)
     if world > 1 and not under_torchrun():
-        return _relaunch(recipe, args.output_dir, world)
+        return _relaunch(recipe, args.output_dir, world, args.max_restarts)
 
     from transformers import set_seed
 
@@ -151,7 +154,8 @@ def _load_processing_class(task: TaskSpec, tok_s: TokenizerSection, data_s: Data
     from ..data.images import default_image_processor
 
     if Path(name_or_path, "preprocessor_config.json").is_file():
-        return AutoImageProcessor.from_pretrained(name_or_path)
+        with loading_from(name_or_path, "image processor"):
+            return AutoImageProcessor.from_pretrained(name_or_path)
     return default_image_processor(config)
 
 
@@ -164,9 +168,12 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
-        return AutoTokenizer.from_pretrained(str(resolve_checkpoint_name(tok_s.name_or_path)))
+        folder = str(resolve_checkpoint_name(tok_s.name_or_path))
+        with loading_from(folder, "tokenizer"):
+            return AutoTokenizer.from_pretrained(folder)
     if Path(name_or_path, "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(name_or_path)
+        with loading_from(name_or_path, "tokenizer"):
+            return AutoTokenizer.from_pretrained(name_or_path)
     cached, trained = {"bpe": (default_tokenizer, train_bpe_tokenizer),
                        "wordpiece": (default_wordpiece_tokenizer, train_wordpiece_tokenizer),
                        "t5": (default_t5_tokenizer, train_t5_tokenizer)}[tok_s.type]
@@ -287,12 +294,13 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
     return samples
 
 
-def _relaunch(recipe: dict[str, Any], output_dir: str, world: int) -> dict[str, Any]:
-    """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them."""
+def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts: int = 0) -> dict[str, Any]:
+    """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them; after a failure the
+    ranks are restarted up to ``max_restarts`` times (each resumes from the latest checkpoint in ``output_dir``)."""
     from ..parallel.launch import launch
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     resolved = Path(output_dir) / RESOLVED_NAME
     dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
-    launch(["-m", "mindformers_py", "run", str(resolved)], world)
+    launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
     return {}

@@ -148,8 +148,24 @@ class TrainingArguments:
     greater_is_better: bool | None = None
     """Whether a larger ``metric_for_best_model`` is better; None = False for names ending in "loss", else True."""
     resume_from_checkpoint: str | bool | None = None
-    """Checkpoint folder to resume from, or True for the latest ``checkpoint-*`` in ``output_dir``; used when
-    ``Trainer.train`` is called without one."""
+    """Checkpoint folder to resume from, or True for the latest ``checkpoint-*`` in ``output_dir`` that passes its
+    manifest check; used when ``Trainer.train`` is called without one. A run restarted by the launcher
+    (``max_restarts``) resumes from the latest complete checkpoint in ``output_dir`` whatever this says."""
+    save_async: bool = False
+    """Write checkpoints in a background thread: the step waits only while the state is copied to host memory, not
+    while it is written (torchtitan's ``async_mode``, Megatron's ``--async-save``). At most one save is in flight (the
+    next waits for it); the run waits for it before it ends; the folder appears under its final name only when
+    complete, as with a synchronous save."""
+    max_restarts: int = 0
+    """Times the launcher restarts all processes of a distributed run after one fails (torchrun's
+    ``--max-restarts``); each restart resumes from the latest complete checkpoint in ``output_dir`` and is logged
+    (``restart`` entries in ``log.jsonl`` and ``trainer_state.json``, with the cause). Applies where this package
+    starts the processes (the CLI, a Trainer that launches its own workers); under your own torchrun pass
+    ``--max-restarts`` to it."""
+    ddp_timeout: int = 1800
+    """Seconds a distributed run may go without progress (transformers' name and default): a rank that stops (a
+    SIGSTOP, a deadlocked collective, a host that hangs) ends the job after this long with one line naming the rank
+    the others wait for, instead of hanging; the process group's collective timeout is slightly longer."""
 
     seed: int = 42
     """Seed of Python, NumPy and torch at the start of a fresh run (dropout, initialisation)."""
@@ -288,8 +304,9 @@ class TrainingArguments:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "eval_steps", "save_steps"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("dataloader_num_workers", "seed"):
+        for name in ("dataloader_num_workers", "seed", "max_restarts"):
             _at_least(name, getattr(self, name), 0)
+        _at_least("ddp_timeout", self.ddp_timeout, 1)
         if self.data_seed is not None:
             _at_least("data_seed", self.data_seed, 0)
         if self.save_total_limit is not None:

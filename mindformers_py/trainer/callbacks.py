@@ -32,6 +32,8 @@ class ProgressCallback(TrainerCallback):
         self.bar: tqdm | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.bar is not None:  # the bar of an attempt that died (workers restarted): the new one replaces it
+            self.bar.close()
         if state.is_world_process_zero and not args.disable_tqdm:
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
 

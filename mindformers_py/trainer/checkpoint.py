@@ -3,7 +3,9 @@
 A checkpoint is ``<output_dir>/checkpoint-<step>/``: the engine writes weights, optimizer, scheduler and RNG
 states (:meth:`Engine.save_checkpoint`), the Trainer adds ``trainer_state.json`` (HF's ``TrainerState``),
 ``data_state.json`` (the data position, :class:`DataPosition`) and ``training_args.json``. The folder is written
-under a temporary name and renamed when complete, so a ``checkpoint-<step>`` folder is never half written.
+under a temporary name and renamed when complete, so a ``checkpoint-<step>`` folder is never half written, and
+carries a manifest (every file's size and checksum) that resuming checks, so one damaged since is refused or, when
+resuming from the latest, passed over for the one before.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import TrainerState
 
 from ..errors import CheckpointError, MindFormersError
+from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import has_weights
 
 CHECKPOINT_PREFIX = "checkpoint"
@@ -73,21 +76,36 @@ def checkpoint_folders(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(resume: str | bool | None, output_dir: str | Path) -> Path | None:
-    """The checkpoint folder to resume from: None (fresh run), the latest in ``output_dir`` for True, or the
-    given path; a missing one raises a CheckpointError naming the path."""
-    if resume is None or resume is False:
-        return None
-    if resume is True:
-        folders = checkpoint_folders(output_dir)
-        if not folders:
+def resolve_resume(resume: str | bool | None, output_dir: str | Path, check: Callable[[Path], str | None] | None = None,
+                   restarted: bool = False) -> tuple[Path | None, list[str]]:
+    """The checkpoint folder to resume from, and what was wrong with newer ones that were passed over.
+
+    ``resume``: None/False (a fresh run), True (the latest checkpoint in ``output_dir`` that passes ``check``) or a
+    folder (which must pass). ``restarted`` (the launcher restarted this run): the latest passing checkpoint in
+    ``output_dir``, else ``resume``. ``check(folder)`` says in one line what is wrong with a folder (default: its
+    manifest, :func:`~mindformers_py.utils.manifest.manifest_problem`), or None. Damaged checkpoints are reported,
+    never deleted; a damaged or missing folder that was asked for by name is refused in one line."""
+    check = check or manifest_problem
+    skipped: list[str] = []
+    if restarted or resume is True:
+        for folder in reversed(checkpoint_folders(output_dir)):
+            problem = check(folder)
+            if problem is None:
+                return folder, skipped
+            skipped.append(problem)
+        if resume is True:
+            why = f" that passes its check ({'; '.join(skipped)})" if skipped else ""
             raise CheckpointError(f"resume_from_checkpoint=True but {output_dir} holds no {CHECKPOINT_PREFIX}-<step> "
-                                  "folder to resume from")
-        return folders[-1]
+                                  f"folder to resume from{why}")
+    if resume is None or resume is False or resume is True:
+        return None, skipped
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={str(resume)!r}: no such checkpoint folder")
-    return path
+    problem = check(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return path, skipped
 
 
 def check_checkpoint(folder: Path, engine_files: list[str]) -> None:
@@ -132,6 +150,25 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, keep: list[Pat
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Clean up after a process killed while it saved a checkpoint: remove the temporary folders of saves that never
+    finished (``.checkpoint-<step>.tmp-*``: nothing of them is under a final name), and put back a checkpoint that was
+    being replaced (``.checkpoint-<step>.old-*``) when its new version never took its name. Returns what was removed."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    for backup in root.glob(f".{CHECKPOINT_PREFIX}-*.old-*"):
+        final = root / backup.name[1:].split(".old-")[0]
+        if final.exists():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(backup, final)
+    partial = [p for p in root.glob(f".{CHECKPOINT_PREFIX}-*.tmp-*") if p.is_dir()]
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def prepare_output_dir(output_dir: str | Path, overwrite: bool | None, logging_dir: str | Path | None) -> None:

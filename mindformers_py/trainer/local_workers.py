@@ -44,7 +44,6 @@ import queue
 import shutil
 import tempfile
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,8 @@ from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
-from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, \
+from ..parallel.context_config import check_compile
+from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
@@ -70,7 +70,6 @@ from .callbacks import ProgressCallback
 ERRORS_DIR = "worker_errors"
 """Folder of ``output_dir`` where a failed worker leaves its traceback (``rank<N>.txt``)."""
 _JOB_NAME, _WEIGHTS_DIR = "job.pkl", "weights"
-_PEER_GRACE_S = 1.0  # how long a rank whose peer vanished waits before exiting (the agent polls every 0.1 s)
 # The callback events a progress display reacts to; rank 0 relays them to the parent.
 _RELAYED_EVENTS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_predict", "on_prediction_step",
                    "on_train_end")
@@ -103,14 +102,16 @@ class LocalWorkers:
     """The fixed layout the workers run (the planner's answer for ``auto_parallel``)."""
 
     @classmethod
-    def plan(cls, args: Any, model: Any, seq_length: int | None) -> LocalWorkers | None:
+    def plan(cls, args: Any, model: Any, seq_length: int | None, task: str | None = None) -> LocalWorkers | None:
         """The workers a Trainer with ``args`` and ``model`` needs, or None when it runs in this process. The layout
-        is checked against the model and the batch here, before anything starts."""
+        is checked against the model, the batch and the ``task`` here, before anything starts."""
         world, layout = planned_layout(args.parallel_config, getattr(model, "config", None),
                                        args.per_device_train_batch_size, seq_length)
         if world <= 1:
             return None
-        layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size)
+        layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size,
+                            task=task)
+        check_compile(layout.cp, bool(args.torch_compile))
         return cls(world, layout)
 
     def host_engine(self, args: Any) -> Engine:
@@ -140,7 +141,8 @@ class LocalWorkers:
                 relay.start()
             try:
                 results = launch_from_python(_worker_main, self.world_size, str(folder / _JOB_NAME),
-                                             relay.queue if relay is not None else None)
+                                             relay.queue if relay is not None else None,
+                                             max_restarts=trainer.args.max_restarts)
             except LaunchError as err:
                 raise _worker_failure(err, folder, trainer.args.output_dir, self.world_size) from None
             finally:
@@ -268,15 +270,7 @@ def _worker_main(job_path: str, events: Any) -> bytes | None:
         raise SystemExit(130) from None  # an exit code, so the agent stops the job (torch would exit 0)
     except BaseException as exc:
         _record_failure(exc, rank, trainer.args.output_dir, Path(job.folder))
-        if lost_a_peer(exc):  # a consequence: let the agent see first the rank that failed (or was killed)
-            time.sleep(_PEER_GRACE_S)
-        raise
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because another rank went away (torch's ``DistError`` family, or
-    gloo's "connection reset/closed by peer")."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "by peer" in str(exc))
+        raise  # one that lost a peer waits first in launch's wrapper, so the agent names the peer
 
 
 def _start_trainer(trainer: Any, events: Any) -> None:

@@ -7,6 +7,7 @@ check stay on the device in between. Everything that depends on the parallel lay
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -30,14 +31,15 @@ from ..engine import Engine, TrainingLoss, build_engine
 from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
+from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
     forward_columns, is_stream
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, resolve_resume, rotate_checkpoints, \
-    save_trainer_state
+    prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
+    rotate_checkpoints, save_trainer_state
 from .fused_loss import FusedCausalLMLoss
 from .local_workers import LocalWorkers
 from .scheduler import create_scheduler, steps_on_metric
@@ -113,7 +115,7 @@ class Trainer:
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model))
+        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model), self.task)
         if self._workers is None:
             self._setup_engine(_sequence_length(train_dataset, model))
         else:
@@ -195,8 +197,10 @@ class Trainer:
         """Run the training loop; returns ``TrainOutput(global_step, training_loss, metrics)``.
 
         ``resume_from_checkpoint`` (default ``args.resume_from_checkpoint``) is a ``checkpoint-<step>`` folder
-        or True for the latest in ``output_dir``: weights, optimizer, scheduler, RNG and data position are
-        restored, so the run continues exactly as if it had not stopped.
+        or True for the latest in ``output_dir`` that passes its manifest check: weights, optimizer, scheduler, RNG
+        and data position are restored, so the run continues exactly as if it had not stopped. A run the launcher
+        restarted (``max_restarts``) resumes from the latest complete checkpoint in ``output_dir`` by itself and
+        logs the restart and its cause.
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
@@ -204,11 +208,19 @@ class Trainer:
             return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
         args, engine = self.args, self.engine
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        checkpoint = resolve_resume(resume, args.output_dir)
+        restart = restart_info()
+        engine.wait_for_checkpoint()
+        if engine.is_main_process:
+            remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
+        checkpoint, skipped = resolve_resume(resume, args.output_dir, engine.checkpoint_problem,
+                                             restarted=restart is not None)
+        for problem in skipped if engine.is_main_process else ():
+            logger.warning("%s; resuming from an earlier checkpoint (the damaged one is left in place)", problem)
         if checkpoint is None:
             if engine.is_main_process:
                 default_tb = None if args.logging_dir else args.tensorboard_dir
-                prepare_output_dir(args.output_dir, args.overwrite_output_dir, default_tb)
+                # A restarted run with nothing to resume starts again: the failed attempt's logs go.
+                prepare_output_dir(args.output_dir, True if restart else args.overwrite_output_dir, default_tb)
             engine.barrier()
             set_seed(args.seed)
         else:
@@ -269,7 +281,24 @@ class Trainer:
             self.evaluate()
         if checkpoint is not None:
             engine.load_rng_state(checkpoint)  # last, so nothing above shifts the random streams
-        return self._train_loop(source, position, num_epochs)
+        if restart is not None:
+            self._log_restart(restart, checkpoint, skipped)
+        with engine.watch_progress():
+            return self._train_loop(source, position, num_epochs)
+
+    def _log_restart(self, restart: RestartInfo, checkpoint: Path | None, skipped: list[str]) -> None:
+        """Record a restart by the launcher (its count and cause, where training resumed, the seconds from the
+        failure to resuming) in the logs and ``trainer_state.json``'s history."""
+        entry: dict[str, Any] = {"restart": restart.count, "restart_cause": restart.cause,
+                                 "resumed_from": checkpoint.name if checkpoint is not None else None}
+        if restart.failed_at is not None:
+            entry["restart_seconds"] = round(time.time() - restart.failed_at, 2)
+        if skipped:
+            entry["damaged_checkpoints"] = skipped
+        if self.engine.is_main_process:
+            logger.warning("restart %d after %s: resuming from %s", restart.count, restart.cause,
+                           checkpoint or "the start (no complete checkpoint)")
+        self.log(entry)
 
     def _train_loop(self, source: Any, position: DataPosition, num_epochs: float) -> TrainOutput:
         args, engine, state = self.args, self.engine, self.state
@@ -298,10 +327,12 @@ class Trainer:
             batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
-                micro_batches = list(itertools.islice(batches, accum))
+                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those.
+                micro_batches = [engine.shard_batch(b) for b in itertools.islice(batches, accum)]
                 if not micro_batches:
                     break
                 consumed += len(micro_batches)
+                engine.beat(state.global_step + 1)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 tokens = sum(self._count_throughput(b) for b in micro_batches)
                 self._measure_loss_mode(micro_batches)
@@ -321,7 +352,7 @@ class Trainer:
                 state.global_step += 1
                 state.epoch = epoch + consumed / batches_per_epoch  # a stream counts whole passes
                 state.num_input_tokens_seen += tokens
-                state.total_flos += float(self._flops_per_token * tokens * engine.dp_size)
+                state.total_flos += float(self._flops_per_token * tokens * self._throughput_shards())
                 self._tokens_since_log += tokens
                 tokens_run += tokens
                 self._tr_loss += loss
@@ -329,7 +360,9 @@ class Trainer:
                 self._position.samples_consumed = consumed * source.global_batch_size
                 if first_step_seconds is None:  # includes torch.compile's compilation and the allocator's warm-up
                     first_step_seconds = time.time() - start_time
+                engine.raise_checkpoint_error()  # a background save that failed stops the run here
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
+                engine.beat(state.global_step)
                 self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
@@ -338,6 +371,7 @@ class Trainer:
             epoch, skip = epoch + 1, 0
 
         self._check_finite()
+        engine.wait_for_checkpoint()  # the run ends only once its last checkpoint is written
         if args.load_best_model_at_end and state.best_model_checkpoint and Path(state.best_model_checkpoint).is_dir():
             logger.info("loading the best model (%s=%s) from %s", args.metric_for_best_model, state.best_metric,
                         state.best_model_checkpoint)
@@ -346,7 +380,7 @@ class Trainer:
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
         # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
-        tokens = tokens_run * engine.dp_size if self._throughput_unit() == "tokens" else None
+        tokens = tokens_run * self._throughput_shards() if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
                                 num_steps=steps_run, num_tokens=tokens)
@@ -391,6 +425,12 @@ class Trainer:
     def _throughput_unit(self) -> str:
         """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
         return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
+
+    def _throughput_shards(self) -> int:
+        """Ranks whose throughput counts add up to the step's: the data-parallel ranks, times the context-parallel
+        ones when tokens are counted (each holds its chunks of every sequence; images are not split)."""
+        engine = self.engine
+        return engine.dp_size * (engine.cp_size if self._throughput_unit() == "tokens" else 1)
 
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
@@ -503,8 +543,10 @@ class Trainer:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
             unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
-            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self.engine.dp_size
-            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self._throughput_shards()
+            # Context-parallel ranks each count the images of their replica (only token sequences are split).
+            per_rank = tokens if unit == "tokens" else tokens / self.engine.cp_size
+            logs[f"{unit}_per_second"] = round(per_rank / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
@@ -552,7 +594,8 @@ class Trainer:
 
     def _save_checkpoint(self) -> Path:
         self._check_finite()
-        args = self.args
+        args, engine = self.args, self.engine
+        engine.wait_for_checkpoint()  # the previous (background) save is in place before it is named best or rotated
         folder = Path(args.output_dir) / f"checkpoint-{self.state.global_step}"
         best = Path(args.output_dir) / f"checkpoint-{self.state.best_global_step}" \
             if self.state.best_global_step else None
@@ -563,19 +606,26 @@ class Trainer:
             DATA_STATE_NAME: self._position.to_json(),
             ARGS_NAME: args.to_json_string(),
         }
-        self.engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files,
-                                    self.processing_class)
-        if self.engine.is_main_process:
-            keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
-            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
-            save_trainer_state(self.state, args.output_dir)
-        self.engine.barrier()
+        keep = [folder] + ([Path(self.state.best_model_checkpoint)] if self.state.best_model_checkpoint else [])
+        state = copy.deepcopy(self.state) if args.save_async else self.state  # as of this step, written later
+
+        def on_saved() -> None:  # once the folder is in place: older ones may go
+            if engine.is_main_process:
+                rotate_checkpoints(args.output_dir, args.save_total_limit, keep=keep)
+                save_trainer_state(state, args.output_dir)
+
+        engine.beat(self.state.global_step)
+        engine.save_checkpoint(folder, self.model, self.optimizer, self.lr_scheduler, files, self.processing_class,
+                               asynchronous=args.save_async, on_saved=on_saved)
+        engine.barrier()
+        engine.beat(self.state.global_step)
         return folder
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Save the model (``save_pretrained``: config + safetensors), the tokenizer and ``training_args.json``
         into ``output_dir`` (default ``args.output_dir``)."""
         folder = Path(output_dir or self.args.output_dir)
+        self.engine.wait_for_checkpoint()
         self.engine.save_pretrained(self.model, folder, self.processing_class)
         if self.engine.is_main_process:
             (folder / ARGS_NAME).write_text(self.args.to_json_string(), encoding="utf-8")
@@ -671,6 +721,7 @@ class Trainer:
         try:
             with torch.no_grad():
                 for batch in loader:
+                    engine.beat(self.state.global_step)
                     n_items = self._count_items(batch)
                     inputs = engine.to_device(batch)
                     with engine.autocast():

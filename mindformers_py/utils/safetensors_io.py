@@ -19,6 +19,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
+from .damaged_files import unreadable_safetensors
+from .disk_space import is_out_of_space, out_of_space_error
+from .manifest import write_manifest
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,7 +57,7 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+            raise CheckpointError(unreadable_safetensors(path, e)) from None
     return state
 
 
@@ -84,13 +87,20 @@ def save_state_dict(state: dict[str, torch.Tensor], folder: str | os.PathLike, m
 
 
 @contextlib.contextmanager
-def atomic_folder(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder beside ``final``; on success it replaces ``final``, on error it is removed."""
+def atomic_folder(final: str | os.PathLike, overwrite: bool = True, manifest: bool = False,
+                  needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary folder beside ``final``; on success it replaces ``final``, on error it is removed.
+
+    ``manifest`` writes ``manifest.json`` (every file's size and SHA-256, :mod:`.manifest`) last, before the rename.
+    A write that runs out of disk space is reported as one CheckpointError naming ``final`` and ``needed_bytes`` (the
+    temporary folder is removed first, so what is free is what the filesystem had before the save)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        if manifest:
+            write_manifest(tmp)
         if final.exists():
             if not overwrite:
                 raise CheckpointError(f"{final} already exists; choose another destination or remove it")
@@ -100,6 +110,8 @@ def atomic_folder(final: str | os.PathLike, overwrite: bool = True) -> Iterator[
             shutil.rmtree(backup, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, CheckpointError) and is_out_of_space(err):
+            raise out_of_space_error(final, needed_bytes) from None
         raise

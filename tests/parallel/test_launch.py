@@ -106,3 +106,45 @@ def test_two_torchrun_agents_on_loopback(tmp_path):
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     joined = "\n".join(outputs)
     assert "rank=0 world=2 local_world=1 sum=3" in joined and "rank=1 world=2 local_world=1 sum=3" in joined
+
+
+def test_the_failure_named_is_the_cause_not_the_ranks_the_agent_stopped():
+    """A rank SIGKILLed after its peer (by the timestamps) is still the cause when the peer ended on the agent's
+    SIGTERM; among exceptions the earliest is named."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from mindformers_py.parallel.launch import _failure_summary
+
+    def failure(rank, exitcode, timestamp):
+        out = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="/nonexistent")
+        out.timestamp = timestamp
+        return out
+
+    stopped_first = {0: failure(0, -15, 1.0), 1: failure(1, -9, 2.0)}
+    assert _failure_summary(ChildFailedError("w", stopped_first)).startswith("rank 1 of the job failed with exit code -9 (SIGKILL)")
+    alone = {1: failure(1, -15, 1.0)}
+    assert _failure_summary(ChildFailedError("w", alone)) == "rank 1 of the job failed with exit code -15 (SIGTERM)"
+    raised = {0: failure(0, 1, 2.0), 1: failure(1, 1, 1.0)}
+    assert _failure_summary(ChildFailedError("w", raised)) == "rank 1 of the job failed with exit code 1 (1 more rank(s) failed)"
+
+
+def test_a_cli_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
+    """Under a launcher, a rank whose collective fails because another rank died prints one line (the launcher names
+    the rank that died), not a traceback; any other exception keeps its traceback."""
+    import torch.distributed  # noqa: F401 - a worker has it loaded
+
+    from mindformers_py import cli
+
+    def lose_peer(args):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:9649. This is typically caused by ...")
+
+    monkeypatch.setattr(cli, "_cmd_show", lose_peer)
+    monkeypatch.setattr("mindformers_py.parallel.launch.PEER_GRACE_S", 0.0)
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["show"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1 stopped: [pair.cc:553] Connection closed by peer") and err.count("\n") == 1
+    assert "another rank failed or was stopped" in err
+    monkeypatch.setattr(cli, "_cmd_show", lambda args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["show"])

@@ -138,6 +138,7 @@ def test_layouts_that_do_not_apply_to_generation_are_refused_in_one_line(gpt):
     folder, _ = gpt
     cases = {"data_parallel=2 is not valid for generation": {"data_parallel": 2},
              "use_seq_parallel=True does not apply": {"model_parallel": 2, "use_seq_parallel": True},
+             "context_parallel=2 does not apply to generation": {"context_parallel": 2},
              "applies to the generating pipelines": None}
     for message, layout in cases.items():
         with pytest.raises(mf.MindFormersError, match=message):

@@ -142,16 +142,23 @@ def _losses(outdir: Path) -> list[float]:
 
 
 def test_one_flag_switches_to_distributed_with_the_same_losses(recipe, tmp_path, capsys, monkeypatch):
-    """The same recipe, stand_alone vs --parallel_mode semi_auto_parallel (dp2 x tp2, 4 processes launched by the CLI)."""
+    """The same recipe, stand_alone vs --parallel_mode semi_auto_parallel (dp2 x tp2, 4 processes launched by the CLI);
+    the distributed run's checkpoint resumes stand-alone through the CLI on the same curve."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     base = [recipe, "--generate.prompts", "[]", "--max_steps", "3", "--bf16", "false"]  # fp32: compared to 1e-4
     assert run_cli(*base, "--output_dir", tmp_path / "sa", capsys=capsys)[0] == 0
     code, out = run_cli(*base, "--output_dir", tmp_path / "dist", "--parallel_mode", "semi_auto_parallel",
-                        "--data_parallel", "2", "--model_parallel", "2", "--per_device_train_batch_size", "2", capsys=capsys)
+                        "--data_parallel", "2", "--model_parallel", "2", "--per_device_train_batch_size", "2",
+                        "--save_strategy", "steps", "--save_steps", "2", "--max_restarts", "1", capsys=capsys)
     assert code == 0, out.err
     single, dist = _losses(tmp_path / "sa"), _losses(tmp_path / "dist")
     assert len(single) == len(dist) == 3
     assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, dist)), (single, dist)
+    code, out = run_cli(*base, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint",
+                        tmp_path / "dist" / "checkpoint-2", capsys=capsys)
+    assert code == 0, out.err
+    resumed = _losses(tmp_path / "resumed")
+    assert len(resumed) == 3 and abs(resumed[2] - single[2]) <= 1e-4 * abs(single[2]), (single, resumed)
 
 
 def test_yaml_and_flags_read_values_by_the_fields_type(recipe, tmp_path, capsys):

@@ -124,6 +124,7 @@ LAYOUTS = {
     "tp2_sp_vocab_recompute": (semi(model_parallel=2, use_seq_parallel=True, vocab_emb_dp=False,
                                     recompute="selective"), False),
     "pp2_1f1b": (semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"), False),
+    "cp2_ring": (semi(context_parallel=2), False),
     "auto_parallel": (ParallelConfig(parallel_mode="auto_parallel", data_parallel=2), False),
     "moe_dp2_ep2_zero2": (semi(data_parallel=2, expert_parallel=2, optimizer_shard=2), True),
 }

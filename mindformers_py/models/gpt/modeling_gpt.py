@@ -36,8 +36,9 @@ from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
-from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, shift_labels, \
+from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, \
     token_cross_entropy
+from ...layers.loss import shift_labels as shift_labels_of
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -73,8 +74,9 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
     def pipeline_carry(self) -> tuple[str, ...]:
         """Outputs of the base model that travel from pipeline stage to stage beside the hidden states (and come
         back in as keyword arguments): an MoE model's router statistics, from which the last stage computes the
-        router losses."""
-        return ("router_stats",) if self.config.moe is not None else ()
+        router losses (only when ``output_router_logits`` puts them in the loss: statistics no loss reads would
+        come back from the last stage without a gradient, which torch's schedules cannot send)."""
+        return ("router_stats",) if self.config.moe is not None and self.config.output_router_logits else ()
 
 
 class GPTModel(GPTPreTrainedModel):
@@ -233,7 +235,9 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
         An MoE model with ``output_router_logits`` (argument or config) also returns the load-balancing ``aux_loss``
         and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
-        (:meth:`router_loss`), as transformers' Mixtral does."""
+        (:meth:`router_loss`), as transformers' Mixtral does. ``shift_labels`` (a keyword argument, transformers'
+        convention) are labels already shifted: position t is scored against ``shift_labels[t]``."""
+        shift_labels = kwargs.pop("shift_labels", None)  # labels already shifted (transformers' convention)
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
@@ -243,14 +247,15 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         elif isinstance(logits_to_keep, torch.Tensor):
             hidden = hidden[:, logits_to_keep]
         logits = self.lm_head(hidden)  # (B, T, V)
-        loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = causal_lm_loss(logits, labels, num_items_in_batch, shift_labels) if labels is not None else None
         if self.config.moe is None:
             return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         aux_loss = None
         requested = kwargs.get("output_router_logits")
         if self.config.output_router_logits if requested is None else requested:
-            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch)
+            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch,
+                                                     shift_labels=shift_labels)
             if loss is not None:
                 loss = loss + router_loss
         return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
@@ -259,7 +264,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
     def router_loss(self, router_stats: torch.Tensor, labels: torch.Tensor | None = None,
                     num_items_in_batch: int | torch.Tensor | None = None,
-                    counted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    counted: bool = True, shift_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(aux_loss, loss)``: this forward's load-balancing loss (transformers' ``aux_loss``) and the router
         losses to add to the language-model loss, ``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss.
 
@@ -271,20 +276,24 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         aux, z = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope)
         if labels is None:
             return aux, moe.aux_loss_factor * aux + moe.z_loss_factor * z
-        items = (shift_labels(labels) != IGNORE_INDEX).sum(-1).to(router_stats.device)
+        targets = shift_labels if shift_labels is not None else shift_labels_of(labels)
+        items = (targets != IGNORE_INDEX).sum(-1).to(router_stats.device)
         aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
         if counted and self.training and self.training_metrics is not None:
             self.training_metrics.add(router_stats, aux_share, z_share)
         return aux, moe.aux_loss_factor * aux_share + moe.z_loss_factor * z_share
 
     def carried_loss(self, carried: dict[str, torch.Tensor], labels: tuple[torch.Tensor, ...],
-                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True) -> torch.Tensor | None:
+                     num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True,
+                     labels_shifted: bool = False) -> torch.Tensor | None:
         """On the last pipeline stage: the router losses computed from the ``router_stats`` the stages carried
         (see :attr:`pipeline_carry`), or None when they are not part of the loss. ``counted=False``: a call on
-        placeholder tensors, kept out of the logged metrics."""
+        placeholder tensors, kept out of the logged metrics; ``labels_shifted``: the labels are ``shift_labels``."""
         stats = carried.get("router_stats")
         if stats is None or not self.config.output_router_logits:
             return None
+        if labels_shifted:
+            return self.router_loss(stats, labels[0], num_items_in_batch, counted, shift_labels=labels[0])[1]
         return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
 
 
