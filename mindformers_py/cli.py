@@ -28,7 +28,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert_checkpoint
 
-    out = convert_checkpoint(args.src, args.dst, to=args.to)
+    out = convert_checkpoint(args.src, args.dst, to=args.to, merge=args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="source checkpoint folder (ours or HF)")
     conv.add_argument("dst", help="destination folder (written atomically)")
     conv.add_argument("--to", choices=["hf", "mindformers"], default="hf", help="target format")
+    conv.add_argument("--merge", action="store_true", help="a peft adapter folder: merge it into its base model and "
+                      "write the whole model (without it, the adapter alone is written under transformers' names)")
     conv.set_defaults(func=_cmd_convert)
     show = sub.add_parser("show", help="list model families, presets and loadable HF architectures")
     show.set_defaults(func=_cmd_show)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+from .adapters.files import adapter_base, is_adapter_folder
 from .auto import _read_config_json, auto_class_for, resolve_config
 from .errors import CheckpointError, check_choice
 from .models.registry import BASE, Family
@@ -28,11 +30,14 @@ def checkpoint_task(architectures: list[str] | None, family: Family) -> str:
     return BASE
 
 
-def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "hf") -> Path:
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "hf", merge: bool = False) -> Path:
     """Convert the checkpoint folder ``src`` into ``dst``.
 
     ``to="hf"`` writes what transformers loads as the matching HF class (``GPT2LMHeadModel``,
     ``LlamaForCausalLM``, ...); ``to="mindformers"`` writes our format (from an HF or our own checkpoint).
+    A peft adapter folder (``adapter_config.json``) is written under transformers' module names (``to="hf"``), for
+    ``PeftModel.from_pretrained`` on transformers' model; with ``merge`` it is merged into its base model (peft's
+    ``merge_and_unload``) and the whole model is written instead.
     The destination is written under a temporary name and appears only when complete.
     """
     check_choice("to", to, DIRECTIONS)
@@ -41,6 +46,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         raise CheckpointError(f"source checkpoint {src} does not exist or is not a folder")
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"destination {dst} is the source folder; choose another destination")
+    if is_adapter_folder(src):
+        return _convert_adapter(src, dst, to, merge)
     family = resolve_config(src)[1]
     task = checkpoint_task(_read_config_json(src).get("architectures"), family)
     model = auto_class_for(task).from_pretrained(src)
@@ -70,3 +77,24 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
             if item.name not in _REWRITTEN and not item.name.endswith(".safetensors") and item.is_file():
                 shutil.copy2(item, tmp / item.name)
     return dst
+
+
+def _convert_adapter(src: Path, dst: Path, to: str, merge: bool) -> Path:
+    """A saved peft adapter under transformers' names, or (``merge``) its base model with it merged in."""
+    from .adapters.export import adapter_task, export_adapter, merged_model
+
+    base = adapter_base(src)
+    task = adapter_task(src) or checkpoint_task(_read_config_json(Path(base)).get("architectures"),
+                                                resolve_config(base)[1])
+    if not merge:
+        if to != "hf":
+            raise CheckpointError(f"{src} is an adapter in our format already; convert it with to='hf', or merge=True "
+                                  "to write its base model with the adapter merged in")
+        return export_adapter(src, dst, task, base)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".merged-", dir=dst.parent) as tmp:
+        merged_model(src, task, base).save_pretrained(tmp)
+        for item in src.iterdir():  # the tokenizer saved with the adapter
+            if item.is_file() and not item.name.startswith("adapter_") and item.name != "README.md":
+                shutil.copy2(item, Path(tmp) / item.name)
+        return convert_checkpoint(tmp, dst, to=to)

@@ -44,7 +44,14 @@ def _cap(validation: datasets.Dataset | None, data: Any) -> datasets.Dataset | N
 
 def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     """Text packed into ``block_size``-token blocks: the standard library's source (``source: stdlib``, split by
-    file) or the recipe's files."""
+    file) or the recipe's files; with ``objective: instructions``, prompt / response pairs scored on the response
+    (:mod:`~mindformers_py.data.instructions`): the stdlib's docstring -> function pairs, or the recipe's files'
+    ``text_column`` (prompt) -> ``target_column`` (response)."""
+    if data.objective == "instructions":
+        return _instruction_data(data, tokenizer)
+    if data.objective is not None:
+        raise ConfigError(f"data.objective={data.objective!r} is not valid for causal language modelling; choose one "
+                          "of: 'instructions', or leave it out for packed text")
     if data.source == "stdlib":
         train, validation = default_pretraining_data(tokenizer, data.block_size, max_files=data.max_files)
     else:
@@ -55,6 +62,24 @@ def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
         train = packed(data.train_files)
         validation = packed(data.validation_files) if data.validation_files else None
     return RecipeData(train, _cap(validation, data), {})
+
+
+def _instruction_data(data: Any, tokenizer: Any) -> RecipeData:
+    from .instructions import docstring_instructions, tokenize_instructions
+
+    if data.source == "stdlib":
+        raw = {split: docstring_instructions(split, data.max_files) for split in ("train", "validation")}
+        columns = ("prompt", "response")
+    elif data.source == "files":
+        raw = {"train": load_text_files(data.train_files, format=data.format)}
+        if data.validation_files:
+            raw["validation"] = load_text_files(data.validation_files, format=data.format)
+        columns = (data.text_column, data.target_column)
+    else:
+        raise ConfigError(f"data.source={data.source!r} is not valid for data.objective='instructions'; choose one of: "
+                          "'stdlib' (docstring -> function pairs), 'files' (data.text_column -> data.target_column)")
+    encoded = {name: tokenize_instructions(split, tokenizer, data.block_size, *columns) for name, split in raw.items()}
+    return RecipeData(encoded["train"], _cap(encoded.get("validation"), data), {})
 
 
 def masked_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
@@ -192,9 +217,9 @@ def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     from .t5_tokenizer import sentinel_ids
 
     objective = data.objective
-    if objective is None:
-        raise ConfigError("data.objective is required for a seq2seq recipe; choose one of: 'span_corruption', "
-                          "'docstrings', 'pairs'")
+    if objective in (None, "instructions"):
+        raise ConfigError(f"data.objective={objective!r} is not valid for a seq2seq recipe; choose one of: "
+                          "'span_corruption', 'docstrings', 'pairs'")
     if objective == "span_corruption":
         sentinels = sentinel_ids(tokenizer)
         if not sentinels:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model, load_adapter_weights, write_adapter
 from ..errors import ConfigError
 from ..parallel.compile import compile_layers
 from ..parallel.config import ParallelConfig
@@ -257,7 +258,9 @@ class Engine:
             return
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        if hasattr(model, "save_pretrained"):
+        if is_peft_model(model):  # the adapter alone, in peft's format
+            write_adapter(model, folder)
+        elif hasattr(model, "save_pretrained"):
             with _quiet_progress_bars():
                 model.save_pretrained(folder)
         else:
@@ -268,6 +271,10 @@ class Engine:
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Copy the safetensors weights of ``folder`` (or an already converted ``state``) into ``model`` in place;
         tied parameters may be absent from the file. Mismatches raise a CheckpointError naming ``folder``."""
+        if is_peft_model(model):  # only the adapter is trained and saved; the base model is loaded already
+            check_adapter_source(folder, state)
+            load_adapter_weights(model, folder)
+            return
         state = load_state_dict(folder) if state is None else state
         copy_weights(model, state, folder)
 
@@ -308,7 +315,9 @@ class Engine:
     def _write_checkpoint(self, folder: Path, model: nn.Module, state: dict[str, Any], files: Mapping[str, str],
                           processing_class: Any, needed: int, on_saved: Callable[[], None] | None) -> None:
         with atomic_folder(folder, manifest=True, needed_bytes=needed) as tmp:
-            if hasattr(model, "save_pretrained"):
+            if is_peft_model(model):  # the adapter alone, in peft's format, from the state taken at the step
+                write_adapter(model, tmp, adapter_state(model, state["model"]))
+            elif hasattr(model, "save_pretrained"):
                 with _quiet_progress_bars():
                     model.save_pretrained(tmp, state_dict=state["model"])
             else:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
 from ..errors import CheckpointError, ConfigError, MindFormersError
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
@@ -55,6 +56,7 @@ from ..task_registry import task_of_model
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
+from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
 from .base import Engine, _quiet_progress_bars
 from .step_loss import LossFn, TrainingLoss
@@ -147,6 +149,7 @@ class DistributedEngine(Engine):
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size,
                                           task=_task_name(model, task))
+        refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
         if self.context is not None:
             self.context.task = task
         model.to(self.device)
@@ -295,12 +298,19 @@ class DistributedEngine(Engine):
 
     def save_pretrained(self, model: nn.Module, folder: str | Path, processing_class: Any = None) -> None:
         """Whole weights and config in ``save_pretrained`` format (consolidated from every rank's shards by rank
-        0), and the tokenizer/processor; collective."""
+        0), and the tokenizer/processor; collective. A peft model writes its adapter alone, in peft's format."""
+        if is_peft_model(model):
+            save_adapter(model, folder, processing_class)
+            return
         dcp_checkpoint.save_consolidated(model, folder, processing_class)
 
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Load whole safetensors weights (every rank reads them; each keeps its shards). Tied parameters may be
-        absent from the file."""
+        absent from the file. A peft model loads its adapter (saved under any layout)."""
+        if is_peft_model(model):
+            check_adapter_source(folder, state)
+            load_adapter(model, folder)
+            return
         state = load_state_dict(folder) if state is None else state
         result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         tied = _tied_names(model)
@@ -311,8 +321,13 @@ class DistributedEngine(Engine):
                                   f"{'missing' if missing else 'unexpected'} {first}")
 
     def _checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> dict[str, Any]:
-        return {"dcp": dcp_checkpoint.training_state(model, optimizer), "scheduler": lr_scheduler.state_dict(),
-                "rng": capture_rng_state()}
+        state = {"dcp": dcp_checkpoint.training_state(model, optimizer), "scheduler": lr_scheduler.state_dict(),
+                 "rng": capture_rng_state()}
+        if self.portable_checkpoints and is_peft_model(model):
+            # The adapter, gathered here on the training thread (a collective; rank 0 holds it, None elsewhere): a
+            # peft model's portable part is its adapter alone, in peft's format.
+            state["adapter"] = gathered_adapter(model)
+        return state
 
     def _write_checkpoint(self, folder: Path, model: nn.Module, state: dict[str, Any], files: Mapping[str, str],
                           processing_class: Any, needed: int, on_saved: Callable[[], None] | None) -> None:
@@ -325,7 +340,9 @@ class DistributedEngine(Engine):
             dcp_checkpoint.write_training_state(tmp / DCP_DIR, state["dcp"], model, process_group=group)
             torch.save(state["rng"], tmp / RANK_RNG_NAME.format(rank=self.rank))
             if self.is_main_process:
-                if self.portable_checkpoints:
+                if "adapter" in state:
+                    write_adapter(model, tmp, state["adapter"])
+                elif self.portable_checkpoints:
                     with _quiet_progress_bars():
                         dcp_checkpoint.write_consolidated(tmp / DCP_DIR, tmp, dcp_checkpoint.same_class_factory(model))
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):

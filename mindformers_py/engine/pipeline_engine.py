@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..adapters.apply import adapted_model, is_peft_model, refuse_prompt_learning
 from ..errors import ConfigError
 from ..parallel.config import DDP_ZERO1, ParallelConfig
 from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
@@ -70,8 +71,10 @@ class PipelineEngine(DistributedEngine):
                 f"optimizer_shard=1 is not supported with pipeline_stage={config.pp} (ZeRO-1 runs on composable DDP, "
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
+        refuse_prompt_learning(model, f"pipeline_stage={config.pp}")
         self._model_name = type(model).__name__
-        self.pipeline = build_pipeline(model, config, self.mesh, self.device,
+        # A peft model's adapters live in its base model, which is what the stages are cut from.
+        self.pipeline = build_pipeline(adapted_model(model), config, self.mesh, self.device,
                                        parallelize=lambda part: self.parallelize(part, stage=part.pp_rank), task=task)
         if self.context is not None:
             self.context.prepare(model)
@@ -116,7 +119,10 @@ class PipelineEngine(DistributedEngine):
 
     def load_weights(self, model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """Load this rank's stages from whole safetensors weights: the other stages' tensors are skipped, and a
-        tied head absent from the file (as ``save_pretrained`` writes it) takes the embedding it is tied to."""
+        tied head absent from the file (as ``save_pretrained`` writes it) takes the embedding it is tied to. A peft
+        model loads its adapter (each rank its stages' tensors)."""
+        if is_peft_model(model):
+            return super().load_weights(model, folder, state)
         state = load_state_dict(folder) if state is None else dict(state)
         own = set(model.state_dict())
         tied = getattr(model, "_tied_weights_keys", None) or {}
@@ -125,3 +131,4 @@ class PipelineEngine(DistributedEngine):
                 if alias in own and alias not in state and source in state:
                     state[alias] = state[source]
         super().load_weights(model, folder, {k: v for k, v in state.items() if k in own})
+

@@ -56,16 +56,19 @@ def current_world_size() -> int:
 
 
 def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: int, per_device_batch: int,
-                seq_length: int | None = None, summary: list[str] | None = None) -> ParallelConfig:
+                seq_length: int | None = None, summary: list[str] | None = None,
+                trainable_params: int | None = None) -> ParallelConfig:
     """The layout an ``auto_parallel`` config runs with on ``world_size`` processes for ``model_config``
     (:func:`~mindformers_py.planner.search.auto_parallel`: the fastest that fits, logged as a table; under a
     running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
-    ``summary``); other modes are returned unchanged."""
+    ``summary``); other modes are returned unchanged. ``trainable_params`` is a peft adapter's count (gradients and
+    optimizer state for those alone)."""
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
     from ..planner.search import auto_parallel
 
-    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary)
+    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary,
+                         trainable_params=trainable_params)
 
 
 def local_world_size(parallel_config: ParallelConfig) -> int:

@@ -53,6 +53,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
 from ..utils.safetensors_io import atomic_folder
+from .adapter_layers import is_peft_model
 
 ModelFactory = Callable[[Path], nn.Module]
 """``factory(folder) -> model``: a fresh single-process model for the checkpoint ``folder`` (which holds the model's
@@ -61,6 +62,13 @@ ModelFactory = Callable[[Path], nn.Module]
 MODEL_KEY, OPTIM_KEY = "model", "optimizer"
 CONFIG_NAME, EXTRA_NAME, METADATA_NAME = "config.json", "extra_state.json", ".metadata"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A peft model's frozen base is not training state: it is rebuilt from its own checkpoint, so only the adapter is kept
+# (and set back without the frozen tensors: DCP's load already requires every adapter tensor to be in the checkpoint).
+_ADAPTER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+def _options(part: nn.Module) -> StateDictOptions:
+    return _ADAPTER_OPTIONS if is_peft_model(part) else _OPTIONS
 
 
 def _is_rank0() -> bool:
@@ -111,10 +119,10 @@ def training_state(
         state[OPTIM_KEY] = {}
     for i, part in enumerate(parts):
         if optims:
-            model_sd, optim_sd = get_state_dict(part, _local_optimizer(optims[i]), options=_OPTIONS)
+            model_sd, optim_sd = get_state_dict(part, _local_optimizer(optims[i]), options=_options(part))
             state[OPTIM_KEY].update(optim_sd)
         else:
-            model_sd = get_model_state_dict(part, options=_OPTIONS)
+            model_sd = get_model_state_dict(part, options=_options(part))
         state[MODEL_KEY].update(model_sd)
     return state
 
@@ -219,13 +227,13 @@ def load_checkpoint(
     for i, part in enumerate(parts):
         if optims:
             set_state_dict(part, _local_optimizer(optims[i]), model_state_dict=state[MODEL_KEY],
-                           optim_state_dict=state[OPTIM_KEY], options=_OPTIONS)
+                           optim_state_dict=state[OPTIM_KEY], options=_options(part))
             if isinstance(optims[i], ZeroRedundancyOptimizer):
                 # ZeRO-1 copies its own param groups (lr, ...) into the inner optimizer at every step: give them the
                 # loaded hyper-parameters, or the next step would run with the ones it was built with.
                 _copy_hyper_parameters(optims[i].optim.param_groups, optims[i].param_groups)
         else:
-            set_model_state_dict(part, state[MODEL_KEY], options=_OPTIONS)
+            set_model_state_dict(part, state[MODEL_KEY], options=_options(part))
     extra_path = folder / EXTRA_NAME
     return json.loads(extra_path.read_text()) if extra_path.is_file() else {}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapter_layers import adapted_model
 from .compile import compile_layers as compile_each_layer
 from .config import ParallelConfig
 from .context import ContextParallel, apply_context_parallel
@@ -59,20 +60,23 @@ def parallelize(
             stages; the engine cuts batches and turns it on for training steps with it); None makes one, kept on
             the model as ``model.context_parallel``.
     """
+    # A peft model's adapters live inside its base model, under the base model's module names (which the plans
+    # name); data parallelism wraps the peft model itself, so adapters outside the base (prompts) are reduced too.
+    inner = adapted_model(model)
     if mesh.tp > 1:
-        apply_tensor_parallel(model, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
+        apply_tensor_parallel(inner, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
                               vocab_parallel=parallel_config.vocab_parallel)
-    apply_expert_parallel(model, mesh)
+    apply_expert_parallel(inner, mesh)
     context_fn = None
     check_compile(mesh.cp, compile_layers)
     if mesh.cp > 1:
         context = context or ContextParallel(mesh, parallel_config)
-        apply_context_parallel(model, context)
+        apply_context_parallel(inner, context)
         model.context_parallel = context
         context_fn = context.recompute_context
-    apply_recompute(model, parallel_config.recompute, stage, context_fn=context_fn)
+    apply_recompute(inner, parallel_config.recompute, stage, context_fn=context_fn)
     if compile_layers:
-        compile_each_layer(model, compile_mode, compile_backend or "inductor")
+        compile_each_layer(inner, compile_mode, compile_backend or "inductor")
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model

@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import ConfigError, invalid_choice
 from ..layers import RMSNorm
+from .adapter_layers import adapter_styles
 
 PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
 # Where the residual stream is cut into sequence shards: the base model's embedding dropout, which runs after
@@ -211,11 +212,16 @@ def apply_tensor_parallel(
         raise ConfigError(f"model_parallel > 1 is not supported for {type(model).__name__}: it declares no tp_plan")
     styles = _styles(model, plan, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                      gather_logits=gather_logits)
+    styles = adapter_styles(model, styles, tp=tp_mesh.size())  # peft layers: base layer and LoRA sharded alike
     if sequence_parallel and not any(isinstance(s, SequenceParallel) for s in styles.values()):
         raise ConfigError(f"use_seq_parallel=True is not supported for {type(model).__name__}: it has no norm layers")
     tied = _tied_pairs(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, styles)
     _retie(model, tied)
+    for name, param in model.named_parameters():  # SequenceParallel re-creates parameters as trainable
+        if name in frozen:
+            param.requires_grad_(False)
     if vocab_parallel:
         for key, kind in plan.items():
             for name in _matching(model, key):

@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
+from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
+from ..adapters.files import is_adapter_folder
 from ..auto import auto_class_for
 from ..errors import MindFormersError, invalid_choice
 from ..models import registry
@@ -109,12 +111,15 @@ def task_name(name: str, entry: PipelineTask) -> str:
 
 
 def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreTrainedModel, Path | None]:
-    """The task's model from a model object, a checkpoint folder (ours or HF) or a preset name, and the folder
-    it came from (None for objects and presets)."""
-    if isinstance(model, PreTrainedModel):
+    """The task's model from a model object (a peft model too), a checkpoint folder (ours or HF, or a saved peft
+    adapter: its base model with the adapter) or a preset name, and the folder it came from (None for objects and
+    presets)."""
+    if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model, None
     if isinstance(model, (str, os.PathLike)):
         folder = Path(model)
+        if is_adapter_folder(model):  # a saved peft adapter: its base model, then the adapter on it
+            return from_pretrained_with_adapter(task.auto_model, model, **load_kwargs), folder
         loaded, info = task.auto_model.from_pretrained(model, output_loading_info=True, **load_kwargs)
         if info["missing_keys"] and task.task != "base":
             # e.g. fill-mask on all-MiniLM-L6-v2, a checkpoint of embeddings without its masked-LM head

@@ -131,7 +131,7 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
                     act_bytes: int = FP32_BYTES, attention_scores: bool = False,
-                    kv_exchange: str = "ring") -> MemoryEstimate:
+                    kv_exchange: str = "ring", trainable_params: int | None = None) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -142,7 +142,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     by ZeRO over the remaining ``data_parallel / expert_parallel`` ranks. Under context parallelism a rank keeps
     the activations of ``seq_length / context_parallel`` tokens, ZeRO shards over data x context parallel ranks, and
     one layer's key/value blocks in flight are added (``kv_exchange`` as :attr:`Runtime.context_kv`; see
-    :mod:`.context_cost`).
+    :mod:`.context_cost`). ``trainable_params`` (a peft adapter's trainable parameters) keeps gradients and AdamW
+    state for those alone, spread over the ranks like the model's own (the frozen base is held and sharded as
+    before).
     """
     shape = as_shape(model_config)
     pc = parallel_config
@@ -182,6 +184,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
                                 accumulating=micro > 1, compute_bytes=act_bytes)
         estimate.recompute = rematerialised
+        if trainable_params is not None:  # an adapter: only its parameters have gradients and optimizer state
+            share = min(1.0, trainable_params / max(shape.total_params(), 1))
+            estimate.gradients, estimate.optimizer = int(estimate.gradients * share), int(estimate.optimizer * share)
         estimate.context = context_buffer_bytes(shape, pc, per_device_batch // micro, seq_length, act_bytes,
                                                 kv_exchange)
         if best is None or estimate.total > best.total:

@@ -51,6 +51,9 @@ class ModelSource:
     """Tokens per sequence, from a recipe."""
     base: ParallelConfig | None = None
     """The recipe's parallel settings (its ZeRO stage and recompute are the least the planner uses)."""
+    trainable_params: int | None = None
+    """The parameters a recipe's peft adapter trains (gradients and optimizer state are counted for those alone);
+    None trains the whole model."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -93,7 +96,20 @@ def _from_recipe(path: Path) -> ModelSource:
     origin = f"the recipe's: {per_device} per rank" + (f" x {accumulation} accumulated" if accumulation > 1 else "") \
         + f" x {dp} data-parallel rank{'s' if dp > 1 else ''}"
     return ModelSource(shape_from_config(config), f"{path} ({name})", global_batch=per_device * accumulation * dp,
-                       batch_origin=origin, seq_length=int(seq) if seq else None, base=base)
+                       batch_origin=origin, seq_length=int(seq) if seq else None, base=base,
+                       trainable_params=_adapter_parameters(recipe, config))
+
+
+def _adapter_parameters(recipe: dict[str, Any], config: Any) -> int | None:
+    """Parameters the recipe's ``peft:`` (or ``pet_config:``) adapter trains, counted by peft on the recipe's model
+    built without memory; None without an adapter."""
+    from ..adapters.config import recipe_peft_config  # noqa: PLC0415  (imports peft; only adapter recipes need it)
+    from ..adapters.counting import adapter_parameter_count  # noqa: PLC0415
+    from ..task_registry import get_task  # noqa: PLC0415
+
+    task = get_task(recipe.get("task") or "causal_lm").name
+    peft_config = recipe_peft_config(recipe, task)
+    return adapter_parameter_count(peft_config, config, task) if peft_config is not None else None
 
 
 def resolve_model(source: str) -> ModelSource:
@@ -173,6 +189,10 @@ class PlanReport:
             f"{_gib(device.usable_bytes)} usable per rank); {self.describe_batch()} of {self.seq_length} tokens; "
             "bf16 activations, fp32 weights and AdamW",
         ]
+        if self.model.trainable_params is not None:
+            lines.append(f"peft adapter: {self.model.trainable_params:,} trainable parameters "
+                         f"({self.model.trainable_params / shape.total_params():.3%} of the model); gradients and "
+                         "AdamW state for those alone, the frozen base held as usual")
         cols = ["", "layout", "mem/rank", "compute", "mem-bound", "TP", "EP", "DP", "PP", "bubble", "step",
                 "tokens/s", "MFU"]
         rows = []
@@ -325,7 +345,8 @@ def run_plan(source: str, devices: int, device: str = DEFAULT_DEVICE, devices_pe
     else:
         global_batch, origin = devices, "one per device; --global_batch to change"
     result = plan(shape, devices, None, seq, global_batch=global_batch, device=spec,
-                  base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True)
+                  base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True,
+                  trainable_params=model.trainable_params)
     return PlanReport(result, model, spec, devices, seq, global_batch, origin)
 
 

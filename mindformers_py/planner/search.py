@@ -263,6 +263,7 @@ def plan(
     require_fit: bool = True,
     runtime: Runtime | None = None,
     full_search: bool = False,
+    trainable_params: int | None = None,
 ) -> AutoParallelPlan:
     """Choose a layout for ``world_size`` ranks (see the module docstring).
 
@@ -283,6 +284,8 @@ def plan(
         runtime: the training software's behaviour for the time model (default: ours).
         full_search: also choose the pipeline schedule and virtual stages, expert parallelism, and turn on
             sequence and vocabulary parallelism with tensor parallelism (the ``plan`` command's search).
+        trainable_params: a peft adapter's trainable parameters: gradients and optimizer state are counted for
+            those alone (the frozen base model is held as usual).
 
     Raises:
         ConfigError: no layout is valid for this world, model and batch, or none fits (with ``require_fit``).
@@ -298,7 +301,7 @@ def plan(
     if not seq_length:
         raise ConfigError("seq_length is required: the model config has no max_position_embeddings")
     search = _Search(base, shape, model_config, world_size, seq_length, device, act_bytes, runtime or Runtime(),
-                     full_search)
+                     full_search, trainable_params)
 
     candidates: list[LayoutEstimate] = []
     excluded: list[tuple[str, str]] = []
@@ -358,6 +361,7 @@ class _Search:
     act_bytes: int
     runtime: Runtime
     full_search: bool
+    trainable_params: int | None = None
 
     def __post_init__(self) -> None:
         self.flops_per_token = self.shape.flops_per_token(self.seq)
@@ -462,7 +466,7 @@ class _Search:
         # A runtime that writes the attention scores to memory also keeps them for backward.
         memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
                                  attention_scores=self.runtime.attention == "materialized",
-                                 kv_exchange=self.runtime.context_kv)
+                                 kv_exchange=self.runtime.context_kv, trainable_params=self.trainable_params)
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)
@@ -527,6 +531,7 @@ def auto_parallel(
     act_bytes: int = FP32_BYTES,
     log: logging.Logger | None = None,
     summary: list[str] | None = None,
+    trainable_params: int | None = None,
 ) -> ParallelConfig:
     """The layout to run an ``auto_parallel`` config with: :func:`plan`, logged as a table; other modes are
     returned unchanged.
@@ -535,6 +540,7 @@ def auto_parallel(
     device assumptions. When a process group is already running, rank 0 plans (free memory differs a little
     between devices, and every rank must run the same layout) and the others receive its answer. The rank that
     planned appends the plan's one-line reason (:meth:`AutoParallelPlan.summary`) to ``summary`` when given.
+    ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those alone).
     """
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
@@ -547,7 +553,7 @@ def auto_parallel(
             device = dataclasses.replace(device, memory_bytes=parse_bytes(memory_budget))
         try:
             result = plan(model_config, world_size, per_device_batch, seq_length, device=device, base=parallel_config,
-                          act_bytes=act_bytes)
+                          act_bytes=act_bytes, trainable_params=trainable_params)
             (log or logger).info("%s", result.table())
             answer = [result.config.to_dict()]
             if summary is not None:

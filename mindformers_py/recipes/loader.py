@@ -1,7 +1,8 @@
 """Reading a task recipe (YAML) and applying command-line overrides to it.
 
 A recipe has the sections ``model``, ``tokenizer``, ``data``, ``training`` (TrainingArguments fields),
-``parallel`` (ParallelConfig fields) and ``generate``, plus top-level ``run_mode``. Overrides name a field by
+``parallel`` (ParallelConfig fields), ``generate`` and optionally ``peft`` (a peft adapter: peft's type and that
+config's fields; MindFormers' ``pet_config`` is its alias), plus top-level ``run_mode``. Overrides name a field by
 its bare name when that name is unique across ``training``/``parallel``/top level (``--max_steps 8``,
 ``--parallel_mode semi_auto_parallel``) or by a dotted path (``--model.num_layers 4``,
 ``--parallel.recompute.recompute full``).
@@ -23,7 +24,9 @@ from ..parallel.config import ParallelConfig
 from .sections import DataSection, GenerateSection, TokenizerSection
 
 TOP_LEVEL_KEYS = ("run_mode", "task")
-SECTIONS = ("model", "tokenizer", "data", "training", "parallel", "generate")
+SECTIONS = ("model", "tokenizer", "data", "training", "parallel", "generate", "peft", "pet_config")
+# Sections a flag may remove whole (``--peft null``: train the whole model).
+REMOVABLE_SECTIONS = ("peft", "pet_config")
 _SECTION_CLASSES = {"tokenizer": TokenizerSection, "data": DataSection, "generate": GenerateSection}
 
 
@@ -141,7 +144,7 @@ def resolve_key(key: str) -> tuple[str, ...]:
             hint = difflib.get_close_matches(head, valid, n=1)
             raise ConfigError(f"--{key}: {section} has no field {head!r}" + (f" (did you mean {section}.{hint[0]}?)" if hint else f"; valid: {', '.join(valid)}"))
         return (section, *rest.split("."))
-    if key in TOP_LEVEL_KEYS:
+    if key in TOP_LEVEL_KEYS + REMOVABLE_SECTIONS:
         return (key,)
     owners = [s for s in ("training", "parallel") if key in (section_keys(s) or [])]
     if len(owners) > 1:
@@ -161,6 +164,11 @@ def apply_overrides(recipe: dict[str, Any], overrides: list[tuple[str, Any]]) ->
     recipe = copy.deepcopy(recipe)
     for key, value in overrides:
         path = resolve_key(key)
+        if path[0] in REMOVABLE_SECTIONS and len(path) == 1:
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"--{key} takes null (no adapter) or a mapping; set one field with --{key}.<field>")
+            recipe[key] = value
+            continue
         node = recipe
         for part in path[:-1]:
             if not isinstance(node.get(part), dict):

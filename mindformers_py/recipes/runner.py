@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..adapters.config import recipe_peft_config
+from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
 from ..models.packaged import resolve_checkpoint_name
 from ..parallel.config import ParallelConfig
@@ -58,6 +60,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if name_or_path is None:
         raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
     name_or_path = str(resolve_checkpoint_name(name_or_path))  # a packaged checkpoint's hub name -> its folder
+    # A saved adapter (a LoRA run's output) loads its base model, then the adapter on it.
+    adapter_dir = name_or_path if is_adapter_folder(name_or_path) else None
+    if adapter_dir is not None:
+        name_or_path = adapter_base(adapter_dir)
 
     # Validate everything that needs no weights and no process group first (config, layout, batch).
     from ..auto import auto_class_for, resolve_config
@@ -74,6 +80,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
                           f"recipe's task is {task.name!r}")
     args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
+    peft_config = recipe_peft_config(recipe, task.name)
+    if peft_config is not None and adapter_dir is not None and run_mode in ("train", "finetune"):
+        raise ConfigError(f"model.name_or_path={adapter_dir!r} is a saved adapter and the recipe has a peft section; "
+                          "drop the peft section (--peft null) to continue training that adapter, or start from its "
+                          "base model")
     config, family, _ = resolve_config(name_or_path, **model_s)
     if task.name not in family.model_classes:
         raise ConfigError(f"task={task.name!r} is not one the {family.name} family of model.name_or_path={name_or_path!r} "
@@ -89,9 +100,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
+    from ..adapters.counting import adapter_parameter_count
     from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
 
-    parallel = plan_layout(parallel, config, world, per_device_batch, seq_length)
+    trainable = adapter_parameter_count(peft_config, config, task.name) if peft_config is not None else None
+    parallel = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
     if parallel.ignored_sizes_warning():  # e.g. stand_alone with data_parallel=2: say so, record what runs
         logger.warning("%s", parallel.ignored_sizes_warning())
         parallel = parallel.without_ignored_sizes()
@@ -100,6 +113,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
     # before any worker starts.
     tokenizer = _load_processing_class(task, tok_s, data_s, name_or_path, config)
+    if task.name == "causal_lm" and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # GPT-2's and Llama's tokenizers have no pad token: pad with eos, as trl's SFTTrainer does (the labels of
+        # padding are -100 whatever its id)
+        tokenizer.pad_token = tokenizer.eos_token
     if not Path(name_or_path).is_dir() and task.processor == "tokenizer":  # a preset: size the vocabulary and
         # special tokens to the tokenizer
         model_s.setdefault("vocab_size", len(tokenizer))
@@ -115,6 +132,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
                 raise ConfigError(f"model.{key}={model_s[key]!r} contradicts the data, which gives {key}={value!r}; "
                                   f"remove model.{key}")
             model_s[key] = value
+        # Recorded in run_config.yaml too: a saved adapter holds no config.json, so its base model gets the
+        # classifier's labels from there when the run is evaluated or predicted again.
+        recipe["model"] = {**(recipe.get("model") or {}), **datasets.config_updates}
     config, _, _ = resolve_config(name_or_path, **model_s)
     parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
     check_compile(parallel.cp, bool(args.torch_compile))
@@ -125,22 +145,27 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     from transformers import set_seed
 
+    from ..adapters.apply import from_pretrained_with_adapter, with_saved_adapter
+
     args = dataclasses.replace(args, parallel_config=parallel)
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     model = auto.from_pretrained(name_or_path, **model_s)
+    if adapter_dir is not None:
+        model = with_saved_adapter(model, adapter_dir, trainable=run_mode in ("train", "finetune"))
     if task.processor == "tokenizer" and model.config.vocab_size < len(tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}; set model.vocab_size")
 
     results: dict[str, Any] = {}
     if run_mode != "predict":
-        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task))
+        results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task, peft_config))
     if gen_s.prompts and world == 1:
         results["samples"] = run_pipeline(task, model, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
     elif gen_s.prompts and under_torchrun() and args.process_index == 0 and run_mode != "predict":
         # Ranks hold shards of the model; rank 0 runs the pipeline on the consolidated checkpoint just saved.
-        results["samples"] = run_pipeline(task, auto.from_pretrained(args.output_dir), tokenizer, gen_s, args.output_dir,
-                                          args.seed, run_mode)
+        # (model_s: an adapter's base model gets the classifier's labels, which its folder does not hold)
+        saved = from_pretrained_with_adapter(auto, args.output_dir, **model_s)
+        results["samples"] = run_pipeline(task, saved, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
     return results
 
 
@@ -187,7 +212,8 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     return trained(texts, tok_s.vocab_size, **extra)
 
 
-def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: TaskSpec) -> dict[str, Any]:
+def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: TaskSpec,
+                   peft_config: Any = None) -> dict[str, Any]:
     from ..metrics import AVAILABLE, classification_metrics, score_texts, text_generation_metrics
     from ..trainer import Seq2SeqTrainer, Trainer
 
@@ -201,7 +227,8 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
         compute = text_generation_metrics(tokenizer, [m for m in task.metrics if m in AVAILABLE])
     trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
-                            processing_class=tokenizer, compute_metrics=compute)
+                            processing_class=tokenizer, compute_metrics=compute,
+                            peft_config=peft_config if run_mode in ("train", "finetune") else None)
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)

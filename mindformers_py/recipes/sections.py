@@ -13,7 +13,7 @@ from ..utils.typed_values import coerce_fields
 RUN_MODES = ("train", "finetune", "eval", "predict")
 DATA_SOURCES = ("stdlib", "files", "stdlib_docstrings", "digits", "imagefolder")
 TOKENIZER_TYPES = ("bpe", "wordpiece", "t5")
-SEQ2SEQ_OBJECTIVES = ("span_corruption", "docstrings", "pairs")
+OBJECTIVES = ("span_corruption", "docstrings", "pairs", "instructions")
 
 
 @dataclass
@@ -76,9 +76,12 @@ class DataSection:
     """What a seq2seq recipe learns from its data: ``span_corruption`` (T5's pretraining objective on the text of
     ``source``, ``block_size`` tokens of text per sample), ``docstrings`` (``source: stdlib``: each documented
     function's source -> the first line of its docstring) or ``pairs`` (``source: files``: ``text_column`` ->
-    ``target_column``). None for the other tasks, which have one way each."""
+    ``target_column``). A causal LM recipe: None (packed text) or ``instructions`` (prompt -> response pairs scored
+    on the response: ``source: stdlib`` asks for each documented function from its docstring's summary line,
+    ``source: files`` reads ``text_column`` -> ``target_column``). None for the other tasks, which have one way
+    each."""
     target_column: str = "target"
-    """Column holding each row's target text (``objective: pairs``)."""
+    """Column holding each row's target text (``objective: pairs``) or response (``objective: instructions``)."""
     source_prefix: str = ""
     """Text put before every source of a seq2seq recipe (T5's task prefixes, e.g. ``"summarize: "``); also recorded
     in the model's ``task_specific_params`` so the task's pipeline adds it too."""
@@ -96,7 +99,7 @@ class DataSection:
         if self.source in ("files", "imagefolder") and not self.train_files:
             raise ConfigError(f"data.train_files is required when data.source is {self.source!r}")
         if self.objective is not None:
-            check_choice("data.objective", self.objective, SEQ2SEQ_OBJECTIVES)
+            check_choice("data.objective", self.objective, OBJECTIVES)
             needed = {"docstrings": "stdlib", "pairs": "files"}.get(self.objective)
             if needed is not None and self.source != needed:
                 raise ConfigError(f"data.objective={self.objective!r} needs data.source={needed!r}, got {self.source!r}")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from transformers import TrainerState
 
+from ..adapters.files import is_adapter_folder
 from ..errors import CheckpointError, MindFormersError
 from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import has_weights
@@ -110,7 +111,7 @@ def resolve_resume(resume: str | bool | None, output_dir: str | Path, check: Cal
 
 def check_checkpoint(folder: Path, engine_files: list[str]) -> None:
     """Refuse a checkpoint folder that lacks weights, engine state or the Trainer's files."""
-    if not has_weights(folder):
+    if not has_weights(folder) and not is_adapter_folder(folder):
         raise CheckpointError(f"checkpoint {folder} is incomplete: no model weights (model.safetensors)")
     for name in [TRAINER_STATE_NAME, DATA_STATE_NAME, *engine_files]:
         if not (folder / name).is_file():

@@ -27,6 +27,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
     speed_metrics
 from transformers.utils.generic import find_labels
 
+from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
 from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
@@ -64,6 +65,11 @@ class Trainer:
         preprocess_logits_for_metrics: ``(logits, labels) -> tensor`` applied to each batch's logits before they
             are gathered for ``compute_metrics`` (e.g. argmax, to avoid keeping whole vocabularies).
         task: overrides ``args.task`` (a task registry name or alias); None infers it from the model's class.
+        peft_config: train a peft adapter instead of the whole model, as trl's ``SFTTrainer(peft_config=...)``: a
+            peft config (``peft.LoraConfig(r=8)``, ...) or a recipe's ``peft:`` mapping (``{"type": "lora", "r": 8}``);
+            peft wraps ``model`` (its ``task_type`` defaults to the task's), only the adapter is optimized, saved
+            (peft's ``adapter_config.json`` + ``adapter_model.safetensors``) and checkpointed, under any layout. A
+            model already wrapped by peft trains the same way without it.
         compute_loss_func: ``(outputs, labels, num_items_in_batch) -> loss``, the loss of a batch with ``labels``
             computed from the model's outputs (transformers' Trainer's argument, same meaning): it divides its
             item-summed loss by ``num_items_in_batch``. Under every layout it gives the gradients it gives
@@ -100,9 +106,14 @@ class Trainer:
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         task: str | None = None,
         compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        peft_config: Any = None,
     ) -> None:
         if model is None:
             raise MindFormersError("Trainer needs a model")
+        if peft_config is not None:
+            named = task or (args.task if args is not None else None)
+            spec = get_task(named) if named else task_of_model(model)
+            model = apply_peft(model, peft_config, task=spec.name if spec else None, name="peft_config")
         if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
             raise MindFormersError("Trainer got both processing_class and tokenizer and they differ; pass one of them")
         self.args = args if args is not None else TrainingArguments()
@@ -189,7 +200,8 @@ class Trainer:
         then :meth:`train` with a fresh optimizer. None trains the model as given. A resumed run takes its
         weights from the resumed checkpoint instead."""
         if finetune_checkpoint is not None:
-            state = pretrained_state(self.model, finetune_checkpoint)
+            # A peft model loads an adapter (its base weights were loaded before peft wrapped it).
+            state = None if is_peft_model(self.model) else pretrained_state(self.model, finetune_checkpoint)
             self.engine.load_weights(self.model, finetune_checkpoint, state)
         return self.train(resume_from_checkpoint=resume_from_checkpoint)
 

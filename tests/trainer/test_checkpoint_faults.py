@@ -125,6 +125,11 @@ class FillDisk(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 3:
+            # An asynchronous checkpoint-2 may still be writing: fill the disk only once it is complete (it appears
+            # under its final name then), so the save that runs out of space is checkpoint-4's, every time.
+            deadline = time.monotonic() + 120
+            while not (Path(args.output_dir) / "checkpoint-2").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.02)
             free = shutil.disk_usage(args.output_dir).free
             (Path(args.output_dir).parent / "filler").write_bytes(b"\0" * max(0, free - self.leave))
 

@@ -1,0 +1,231 @@
+"""peft adapters under every layout, against stand-alone, on CPU with gloo.
+
+One 2-process job runs everything multi-process: the adapter gradients of one optimizer step (two accumulated
+micro-batches) under dp2, ZeRO-1, ZeRO-3, tp2 with sequence parallelism, pp2 and recompute through the engines,
+compared with stand-alone's (fp32; the LoRA matrices start random so both A and B get gradients); then the LoRA
+recipe (``tasks/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
+tp2 and pp2 (GPT-2 flavour, biases and a tied head), whose per-step losses must be stand-alone's (run through the CLI); and a ZeRO-3 run's adapter and
+checkpoint, which a stand-alone run loads and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import mindformers_py as mf
+from dist_utils import run_workers
+from mindformers_py.adapters import apply_peft
+from mindformers_py.cli import main
+from mindformers_py.parallel import ParallelConfig
+from mindformers_py.task_registry import get_task
+from mindformers_py.trainer.arguments import TrainingArguments
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "tasks" / "gpt" / "finetune_lora.yaml"
+VOCAB, SEQ, BATCH = 64, 16, 4
+# Every projection: q/k/v/gate/up are column-parallel, o/down row-parallel under tensor parallelism.
+LORA = {"type": "lora", "r": 4, "lora_alpha": 8, "init_lora_weights": False,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def peft_model() -> torch.nn.Module:
+    """A tiny Llama-flavour GPT with random LoRA matrices (the same on every rank)."""
+    torch.manual_seed(0)
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                          max_position_embeddings=SEQ)
+    model = mf.GPTForCausalLM(config)
+    torch.manual_seed(1)
+    return apply_peft(model, LORA, task="causal_lm").train()
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """One global batch; a left-padded row makes the ranks' label counts unequal."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _loss(model, inputs, num_items):
+    return model(**inputs, num_items_in_batch=num_items).loss
+
+
+def adapter_gradients(parallel: ParallelConfig) -> dict[str, torch.Tensor]:
+    """Whole gradients of every trainable tensor after one step of two micro-batches under ``parallel``."""
+    import torch.distributed as dist
+
+    from mindformers_py.engine import build_engine
+
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=BATCH // parallel.dp, use_cpu=True,
+                             parallel_config=parallel, report_to=[], bf16=False)  # fp32: compared with stand-alone
+    engine = build_engine(parallel, args)
+    engine.setup()
+    model = peft_model()
+    wrapped = engine.prepare_model(model)
+    local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
+    micro = [{k: v[i::2] for k, v in local.items()} for i in range(2)]
+    items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(m) for m in micro)))
+    engine.forward_backward(wrapped, micro, items, _loss)
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
+    if dist.is_initialized():  # pipeline ranks hold different stages
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, grads)
+        grads = {k: v for part in parts for k, v in part.items()}
+    return grads
+
+
+def _dp(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="data_parallel", data_parallel=2, **fields)
+
+
+def _semi(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="semi_auto_parallel", **fields)
+
+
+GRADIENT_LAYOUTS = {
+    "dp2": _dp(),
+    "zero1": _dp(optimizer_shard=1),
+    "zero3": _dp(optimizer_shard=3),
+    "tp2_sequence_parallel": _semi(model_parallel=2, use_seq_parallel=True),
+    "pp2": _semi(pipeline_stage=2, micro_batch_num=2),
+    "zero2_recompute": _dp(optimizer_shard=2, recompute="full"),
+}
+RECIPE_LAYOUTS = {
+    "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
+    # Sequence parallelism is left to the gradient check: it needs a sequence length divisible by the tensor-parallel
+    # size, and the recipe pads each batch to its longest row.
+    "tp2": ["--parallel_mode", "semi_auto_parallel", "--model_parallel", "2"],
+    "pp2": ["--parallel_mode", "semi_auto_parallel", "--pipeline_stage", "2", "--micro_batch_num", "2"],
+}
+
+
+# -- the LoRA recipe at test size -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recipe_inputs(tmp_path_factory) -> Path:
+    """A tiny pretrained-model folder (GPT-2 flavour, its BPE tokenizer) and instruction pairs in json files."""
+    from mindformers_py.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("lora_recipe")
+    pairs = [{"prompt": f"# Write the function number {i}:\n", "response": f"def function_{i}(x):\n    return x * {i}\n"}
+             for i in range(64)]
+    for name, rows in (("train.jsonl", pairs[:48]), ("val.jsonl", pairs[48:])):
+        (folder / name).write_text("\n".join(json.dumps(r) for r in rows))
+    tokenizer = train_bpe_tokenizer([p["prompt"] + p["response"] for p in pairs] * 4, 300)
+    torch.manual_seed(0)
+    config = mf.GPTConfig(flavour="gpt2", vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, max_position_embeddings=64, embedding_dropout=0.0,
+                          attention_dropout=0.0, hidden_dropout=0.0, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    mf.GPTForCausalLM(config).save_pretrained(folder / "base")
+    tokenizer.save_pretrained(folder / "base")
+    return folder
+
+
+def recipe_flags(inputs: Path, out: Path, *extra: str) -> list[str]:
+    """The recipe at test size: the tiny base, 32-token pairs, 4 steps of 8, LoRA without dropout."""
+    return [str(RECIPE), "--model.name_or_path", str(inputs / "base"), "--data.source", "files",
+            "--data.train_files", str(inputs / "train.jsonl"), "--data.validation_files", str(inputs / "val.jsonl"),
+            "--data.text_column", "prompt", "--data.target_column", "response", "--data.block_size", "32",
+            "--peft.r", "4", "--peft.lora_dropout", "0.0", "--max_steps", "4", "--per_device_train_batch_size", "8",
+            "--warmup_steps", "0", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps",
+            "--save_steps", "2", "--save_total_limit", "null", "--report_to", "[]", "--disable_tqdm", "true",
+            "--generate.prompts", "[]", "--bf16", "false", "--output_dir", str(out), *extra]
+
+
+def losses(out: Path) -> list[float]:
+    return [h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+
+
+def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
+    from mindformers_py.recipes import load_recipe, run_recipe
+
+    out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()}}
+    for name, flags in RECIPE_LAYOUTS.items():
+        args = recipe_flags(Path(inputs), Path(work) / name, *flags)
+        per_rank = ["--per_device_train_batch_size", "4"] if "--data_parallel" in flags else []
+        run_recipe(load_recipe(args[0]), args[1:] + per_rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(recipe_inputs, tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora_layouts")
+    return work, run_workers(_job, 2, str(recipe_inputs), str(work))[0]
+
+
+@pytest.fixture(scope="module")
+def stand_alone_recipe(recipe_inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_stand_alone") / "run"
+    assert main(["run", *recipe_flags(recipe_inputs, out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_LAYOUTS))
+def test_adapter_gradients_equal_stand_alone(job, name):
+    expected = adapter_gradients(ParallelConfig())
+    got = job[1]["gradients"][name]
+    assert set(got) == set(expected) and len(expected) == 28  # 14 adapted projections, A and B each
+    for key, grad in expected.items():
+        assert grad.abs().max() > 0, key
+        torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_recipe_trains_only_the_adapter_and_saves_it_in_peft_format(stand_alone_recipe, recipe_inputs):
+    out = stand_alone_recipe
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()  # the frozen base is not written again
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "LORA" and saved["r"] == 4 and saved["base_model_name_or_path"] == str(recipe_inputs / "base")
+    first, *_, last = losses(out)
+    assert last < first
+    # The saved run reloads (its base, then the adapter) and evaluates as it ended.
+    from mindformers_py.recipes import load_recipe, run_recipe
+
+    final = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "eval_loss" in line][-1]
+    again = run_recipe(load_recipe(out / "run_config.yaml"), ["--run_mode", "eval", "--model.name_or_path", str(out),
+                                                              "--output_dir", str(out.parent / "eval")])
+    assert again["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", list(RECIPE_LAYOUTS))
+def test_recipe_layouts_give_stand_alone_losses(job, stand_alone_recipe, name):
+    expected, got = losses(stand_alone_recipe), losses(job[0] / name)
+    assert len(got) == len(expected) == 4
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert (job[0] / name / "adapter_model.safetensors").is_file()
+
+
+def test_zero3_checkpoint_resumes_stand_alone_exactly(job, stand_alone_recipe, recipe_inputs, tmp_path):
+    """The ZeRO-3 run's checkpoint (adapter, whole optimizer state) resumes in one process on stand-alone's curve."""
+    out = tmp_path / "resumed"
+    checkpoint = job[0] / "zero3" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    assert main(["run", *recipe_flags(recipe_inputs, out, "--resume_from_checkpoint", str(checkpoint))]) == 0
+    assert losses(out)[2:] == pytest.approx(losses(stand_alone_recipe)[2:], rel=1e-4)
+
+
+def test_recipe_starts_from_a_transformers_checkpoint(stand_alone_recipe, recipe_inputs, tmp_path):
+    """The same base model exported to transformers' GPT-2 (its tokenizer without a pad token, as GPT-2's) trains to
+    the same losses, and its adapter names the transformers folder as its base."""
+    import transformers
+
+    hf = tmp_path / "hf_gpt2"
+    mf.convert_checkpoint(recipe_inputs / "base", hf, to="hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(hf)
+    out = tmp_path / "run"
+    assert main(["run", *recipe_flags(recipe_inputs, out, "--model.name_or_path", str(hf))]) == 0
+    assert losses(out) == pytest.approx(losses(stand_alone_recipe), rel=1e-5)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf)
