@@ -17,12 +17,12 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
+from .errors import CheckpointError, ConfigError, MindFormersError, MismatchedSizesError, check_choice
 from .models import registry
 from .models.packaged import resolve_checkpoint_name
 from .models.registry import BASE, Family
@@ -161,37 +161,60 @@ class _AutoModel:
         Takes transformers' loading arguments (:data:`LOADING_KWARGS`, see :func:`apply_loading_options`) with their
         meanings; every other keyword is a config field overriding the stored value (``num_labels=3``, dropout, ...).
         """
-        if model_args:
-            raise ConfigError(f"{cls.__name__}.from_pretrained takes no positional model arguments after the path "
-                              f"(got {len(model_args)}); pass config fields as keywords")
-        name_or_path = resolve_checkpoint_name(name_or_path)
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
-        folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
-        source = folder if folder.is_dir() else name_or_path
-        if options.get("use_safetensors") is False:
-            raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
-                                  "loaded (unpickling can run code); convert the checkpoint to safetensors")
-        if options.get("config") is not None:
-            config, family, from_hf = _given_config(options["config"], source, kwargs)
-        else:
-            config, family, from_hf = resolve_config(source, **kwargs)
-        config._name_or_path = str(name_or_path)
-        attn = options.get("attn_implementation")
-        if attn is not None:
-            check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
-            config._attn_implementation = attn
-        model_class = cls._model_class(family)  # a head the family lacks is refused before any weight is read
-        state = load_state_dict(folder) if folder.is_dir() else None
-        if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
-            state = family.converter.state_dict_from_hf(state, config)
-        model = model_class(config)
-        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        if state is not None:
-            info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
-            if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-                model.generation_config = _generation_config(folder)
-        model = apply_loading_options(model.eval(), options, folder)
-        return (model, info) if options.get("output_loading_info") else model
+        return load_pretrained(cls._model_class, name_or_path, *model_args, caller=cls.__name__, **kwargs)
+
+
+def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], name_or_path: str | os.PathLike,
+                    *model_args: Any, caller: str = "from_pretrained", **kwargs: Any) -> Any:
+    """The loading behind every ``from_pretrained`` of ours (see :meth:`_AutoModel.from_pretrained`): the config of
+    the preset or checkpoint, the model class ``choose_class`` picks for its family, the weights (converted from an
+    HF checkpoint), transformers' loading options."""
+    if model_args:
+        raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
+                          f"(got {len(model_args)}); pass config fields as keywords")
+    name_or_path = resolve_checkpoint_name(name_or_path)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
+    folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
+    source = folder if folder.is_dir() else name_or_path
+    if options.get("use_safetensors") is False:
+        raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
+                              "loaded (unpickling can run code); convert the checkpoint to safetensors")
+    if options.get("config") is not None:
+        config, family, from_hf = _given_config(options["config"], source, kwargs)
+    else:
+        config, family, from_hf = resolve_config(source, **kwargs)
+    config._name_or_path = str(name_or_path)
+    attn = options.get("attn_implementation")
+    if attn is not None:
+        check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+        config._attn_implementation = attn
+    model_class = choose_class(family)  # a head the family lacks is refused before any weight is read
+    state = load_state_dict(folder) if folder.is_dir() else None
+    if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
+        state = family.converter.state_dict_from_hf(state, config)
+    model = model_class(config)
+    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    if state is not None:
+        info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
+        if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+            model.generation_config = _generation_config(folder)
+    model = apply_loading_options(model.eval(), options, folder)
+    return (model, info) if options.get("output_loading_info") else model
+
+
+def load_model_class(model_class: type[PreTrainedModel], name_or_path: str | os.PathLike, *model_args: Any,
+                     **kwargs: Any) -> Any:
+    """``model_class.from_pretrained`` for a preset or an HF checkpoint of an architecture its family converts
+    (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``, as ``LlamaForCausalLM.from_pretrained`` is written):
+    loaded as the Auto classes load them, into ``model_class``."""
+
+    def choose(family: Family) -> type[PreTrainedModel]:
+        if not issubclass(model_class.config_class, family.config_class):
+            raise ConfigError(f"{name_or_path} holds a {family.name} model; {model_class.__name__} is not one of that "
+                              f"family's classes")
+        return model_class
+
+    return load_pretrained(choose, name_or_path, *model_args, caller=model_class.__name__, **kwargs)
 
 
 def _generation_config(folder: Path) -> GenerationConfig:
@@ -218,7 +241,9 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Family, bool]:
     """``from_pretrained(..., config=...)``: our config object (copied, overrides applied) or a transformers config
-    of an architecture we load (converted); the checkpoint's weights are read as that architecture's."""
+    of an architecture we load (converted). The weights are read as the checkpoint's own ``config.json`` says
+    (ours, or an HF architecture's to convert), else as the given config's architecture; the third value says
+    whether they are converted from HF."""
     if not isinstance(config, PretrainedConfig):
         raise ConfigError(f"config={type(config).__name__} is not valid; expected a transformers PretrainedConfig")
     family = _family_of(getattr(config, "model_type", None), type(config).__name__)
@@ -227,16 +252,26 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
     ours = family.converter.config_from_hf(config.to_dict()) if from_hf else copy.deepcopy(config)
     for key, value in coerce_fields(family.config_class, overrides).items():
         setattr(ours, key, value)
+    if isinstance(source, Path) and (source / "config.json").is_file():  # our checkpoint with an HF config, ...
+        from_hf = _read_config_json(source).get("model_type") != family.config_class.model_type
     return ours, family, from_hf
 
 
 def apply_loading_options(model: PreTrainedModel, options: dict[str, Any], folder: Path) -> PreTrainedModel:
     """Apply transformers' ``dtype``/``torch_dtype`` (a dtype, its name, or ``"auto"``: the checkpoint's) and
     ``device_map`` (a device, ``{"": device}``, a per-module dict, or a strategy such as ``"auto"``, placed with
-    accelerate) to a loaded model."""
+    accelerate) to a loaded model. As transformers does, the modules a model keeps in float32
+    (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16) stay so."""
     dtype = options.get("dtype") or options.get("torch_dtype")
     if dtype is not None:
-        model = model.to(_resolve_dtype(dtype, model, folder))
+        dtype = _resolve_dtype(dtype, model, folder)
+        model = model.to(dtype)
+        keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+        if dtype == torch.float16:
+            keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, module in model.named_modules():
+            if keep and name.rsplit(".", 1)[-1] in keep:
+                module.float()
     device_map = options.get("device_map")
     if device_map is None:
         return model
@@ -303,9 +338,10 @@ def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: P
     mismatched = [k for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
     if mismatched and not ignore_mismatched_sizes:
         k = mismatched[0]
-        raise CheckpointError(f"weights in {folder} do not match the config: {k}: checkpoint {tuple(state[k].shape)} vs "
-                              f"model {tuple(expected[k].shape)} ({len(mismatched)} tensors differ); pass "
-                              "ignore_mismatched_sizes=True to re-initialise them")
+        raise MismatchedSizesError(f"weights in {folder} do not match the config: {k}: checkpoint "
+                                   f"{tuple(state[k].shape)} vs model {tuple(expected[k].shape)} ({len(mismatched)} "
+                                   "tensors differ); pass "
+                                   "ignore_mismatched_sizes=True to re-initialise them")
     state = {k: v for k, v in state.items() if k not in mismatched}
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
@@ -385,31 +421,73 @@ class AutoModelForImageClassification(_AutoModel):
     _task = "image_classification"
 
 
-class AutoModelForTextEncoding(_AutoModel):
-    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
-    name: text embeddings, or a base for classifiers."""
+class AutoModelForMultipleChoice(_AutoModel):
+    """A model scoring the choices of (batch, choices, length) inputs (SWAG-style multiple choice)."""
+
+    _task = "multiple_choice"
+
+
+class _ExtraAutoModel(_AutoModel):
+    """An Auto class for model classes that serve no training task of the registry, by the transformers Auto class
+    of the same name (``Family.extra_model_classes``)."""
 
     _task = BASE
+    _what = "model"
 
     @classmethod
     def _model_class(cls, family: Family) -> type[PreTrainedModel]:
         try:
             return family.extra_model_classes[cls.__name__]
         except KeyError:
-            raise ConfigError(f"the {family.name} family has no text-encoder model; families with one: "
+            raise ConfigError(f"the {family.name} family has no {cls._what}; families with one: "
                               f"{', '.join(f.name for f in registry.FAMILIES if cls.__name__ in f.extra_model_classes)}") from None
+
+
+class AutoModelForTextEncoding(_ExtraAutoModel):
+    """The encoder of an encoder-decoder family alone (``T5EncoderModel``), as transformers' Auto class of that
+    name: text embeddings, or a base for classifiers."""
+
+    _what = "text-encoder model"
+
+
+class AutoModelForPreTraining(_ExtraAutoModel):
+    """A model with its pretraining heads (``BertForPreTraining``: masked LM and next-sentence prediction)."""
+
+    _what = "pretraining model"
+
+
+class AutoModelForNextSentencePrediction(_ExtraAutoModel):
+    """A model with a next-sentence-prediction head (``BertForNextSentencePrediction``)."""
+
+    _what = "next-sentence-prediction model"
+
+
+class AutoModelForMaskedImageModeling(_ExtraAutoModel):
+    """A vision model reconstructing masked patches (``ViTForMaskedImageModeling``, SimMIM)."""
+
+    _what = "masked-image-modelling model"
+
+
+EXTRA_AUTO_CLASSES: dict[str, type[_ExtraAutoModel]] = {
+    cls.__name__: cls for cls in (AutoModelForTextEncoding, AutoModelForPreTraining, AutoModelForNextSentencePrediction,
+                                  AutoModelForMaskedImageModeling)
+}
+"""Our Auto classes of the families' ``extra_model_classes``, by name."""
 
 
 _AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     cls._task: cls for cls in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
                                AutoModelForTokenClassification, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
-                               AutoModelForImageClassification)
+                               AutoModelForImageClassification, AutoModelForMultipleChoice)
 }
 assert set(_AUTO_CLASSES) == {BASE, *TASKS}, "every task of the registry has its Auto class"
 
 
 def auto_class_for(task: str) -> type[_AutoModel]:
-    """The Auto class of ``"base"`` or a task name or alias of the task registry."""
+    """The Auto class of ``"base"``, a task name or alias of the task registry, or an extra model class's Auto class
+    name (``"AutoModelForPreTraining"``)."""
+    if task in EXTRA_AUTO_CLASSES:
+        return EXTRA_AUTO_CLASSES[task]
     return _AUTO_CLASSES[task if task == BASE else get_task(task).name]
 
 
@@ -421,6 +499,7 @@ def auto_class_for_architectures(architectures: Sequence[str] | None) -> type[_A
 
 
 __all__ = ["AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForImageClassification", "AutoModelForMaskedLM",
-           "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+           "AutoModelForMaskedImageModeling", "AutoModelForMultipleChoice", "AutoModelForNextSentencePrediction",
+           "AutoModelForPreTraining", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
            "AutoModelForTextEncoding", "AutoModelForTokenClassification", "auto_class_for", "auto_class_for_architectures", "resolve_config",
            "MindFormersError"]

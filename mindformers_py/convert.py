@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from .adapters.files import adapter_base, is_adapter_folder
-from .auto import _read_config_json, auto_class_for, resolve_config
+from .auto import EXTRA_AUTO_CLASSES, _read_config_json, auto_class_for, load_model_class, resolve_config
 from .errors import CheckpointError, check_choice
 from .models.registry import BASE, Family
 from .task_registry import task_for_architectures
@@ -20,14 +20,36 @@ _REWRITTEN = {"config.json", "generation_config.json", WEIGHTS_NAME, INDEX_NAME}
 
 
 def checkpoint_task(architectures: list[str] | None, family: Family) -> str:
-    """The task (or ``"base"``) of a checkpoint from its ``architectures``; a config without them (written by
-    hand) is taken as the family's language model when it has one."""
+    """The task (or ``"base"``, or the key of one of the family's ``extra_model_classes``) of a checkpoint from its
+    ``architectures``; a config without them (written by hand) is taken as the family's language model when it has
+    one."""
+    extra = _extra_class_key(architectures[0], family) if architectures else None
+    if extra is not None:
+        return extra
     spec = task_for_architectures(architectures)
     if spec is not None:
         return spec.name
     if not architectures:
         return next((t for t in ("causal_lm", "masked_lm", "seq2seq_lm") if t in family.model_classes), BASE)
     return BASE
+
+
+def _extra_class_key(architecture: str, family: Family) -> str | None:
+    """The key of the family's extra model class an HF or our architecture name is (``BertForPreTraining``,
+    ``GPT2DoubleHeadsModel``, ``MT5EncoderModel``, ...): the same name after the family's prefix."""
+    for key, cls in family.extra_model_classes.items():
+        prefix = family.config_class.__name__.removesuffix("Config")
+        kind = cls.__name__.removeprefix(prefix)  # "ForPreTraining", "DoubleHeadsModel", "EncoderModel"
+        if architecture == cls.__name__ or architecture.endswith(kind) and architecture[:-len(kind)].isalnum():
+            return key
+    return None
+
+
+def _load(task: str, src: Path, family: Family):
+    """The model of the checkpoint at ``src`` as the class serving ``task``."""
+    if task in family.extra_model_classes and task not in EXTRA_AUTO_CLASSES:
+        return load_model_class(family.extra_model_classes[task], src)
+    return auto_class_for(task).from_pretrained(src)
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "hf", merge: bool = False) -> Path:
@@ -50,7 +72,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         return _convert_adapter(src, dst, to, merge)
     family = resolve_config(src)[1]
     task = checkpoint_task(_read_config_json(src).get("architectures"), family)
-    model = auto_class_for(task).from_pretrained(src)
+    model = _load(task, src, family)
     with atomic_folder(dst) as tmp:
         if to == "mindformers":
             model.save_pretrained(tmp)

@@ -23,6 +23,11 @@ class CheckpointError(MindFormersError):
     """A checkpoint folder is missing, incomplete, damaged or does not match the model."""
 
 
+class MismatchedSizesError(CheckpointError, RuntimeError):
+    """A checkpoint's tensor has another shape than the model's (and ``ignore_mismatched_sizes`` is off). Also a
+    ``RuntimeError``: transformers raises that there, and code written for it catches that."""
+
+
 def _fmt_choices(choices: Iterable[Any]) -> str:
     return ", ".join(repr(c) if isinstance(c, str) else str(c) for c in choices)
 

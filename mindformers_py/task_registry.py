@@ -16,6 +16,7 @@ task                       aliases              Auto class              items   
 ``sequence_classification``text_classification  AutoModelFor...Classif. sequences   text-classification
 ``token_classification``   (ner)                AutoModelForTokenCl...  tokens      token-classification
 ``question_answering``     (qa)                 AutoModelForQuestion... sequences   question-answering
+``multiple_choice``                             AutoModelForMultipleCh. sequences   (none)
 ``seq2seq_lm``             translation, ...     AutoModelForSeq2SeqLM   tokens      text2text-generation
 ``image_classification``                        AutoModelForImageCl...  images      image-classification
 =========================  ===================  ======================  ==========  ==============================
@@ -38,6 +39,7 @@ from transformers.modeling_outputs import (
     ImageClassifierOutput,
     MaskedLMOutput,
     ModelOutput,
+    MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
     SequenceClassifierOutput,
@@ -45,8 +47,8 @@ from transformers.modeling_outputs import (
 )
 
 from .errors import invalid_choice
-from .layers.loss import IGNORE_INDEX, causal_lm_loss, question_answering_loss, sequence_classification_loss, \
-    token_cross_entropy
+from .layers.loss import IGNORE_INDEX, causal_lm_loss, choice_cross_entropy, question_answering_loss, \
+    sequence_classification_loss, token_cross_entropy
 
 ITEM_KINDS = ("tokens", "sequences", "images")
 
@@ -145,7 +147,7 @@ class TaskSpec:
 
 
 def _causal_lm(outputs, labels, config, num_items):
-    return causal_lm_loss(outputs[0], labels[0], num_items)
+    return causal_lm_loss(outputs[0], labels[0], num_items_in_batch=num_items)
 
 
 def _token_level(outputs, labels, config, num_items):
@@ -154,6 +156,10 @@ def _token_level(outputs, labels, config, num_items):
 
 def _sequence_level(outputs, labels, config, num_items):
     return sequence_classification_loss(outputs[0], labels[0], config, num_items)
+
+
+def _choices(outputs, labels, config, num_items):
+    return choice_cross_entropy(outputs[0], labels[0], num_items)
 
 
 def _spans(outputs, labels, config, num_items):
@@ -186,6 +192,12 @@ def _padding_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
 
 def _token_classification_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
     return DataCollatorForTokenClassification(tokenizer) if _has_pad(tokenizer) else default_data_collator
+
+
+def _multiple_choice_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
+    from transformers import DataCollatorForMultipleChoice
+
+    return DataCollatorForMultipleChoice(tokenizer) if _has_pad(tokenizer) else default_data_collator
 
 
 def _seq2seq_collator(tokenizer: Any) -> Callable[[list[Any]], Any]:
@@ -233,6 +245,9 @@ for _spec in (
              ("start_positions", "end_positions"), ("start_logits", "end_logits"), QuestionAnsweringModelOutput,
              _spans, "sequences", aliases=("question-answering", "qa"), pipeline="question-answering",
              metrics=("squad",), collator=_padding_collator),
+    TaskSpec("multiple_choice", "AutoModelForMultipleChoice", ("ForMultipleChoice",), ("labels",), ("logits",),
+             MultipleChoiceModelOutput, _choices, "sequences", aliases=("multiple-choice",), metrics=("accuracy",),
+             collator=_multiple_choice_collator),
     TaskSpec("seq2seq_lm", "AutoModelForSeq2SeqLM", ("ForConditionalGeneration", "ForSeq2SeqLM"), ("labels",),
              ("logits",), Seq2SeqLMOutput, _token_level, "tokens",
              aliases=("translation", "text2text_generation", "text2text-generation", "summarization"),

@@ -3,7 +3,7 @@
 from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["FastGenerationMixin", "check_context_length"], ".fast_generate"),
+    **dict.fromkeys(["FastGenerationMixin", "check_context_length", "position_limit"], ".fast_generate"),
     **dict.fromkeys(["PreallocatedLayer", "StaticKVCache"], ".static_cache"),
 }
 

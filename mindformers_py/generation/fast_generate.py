@@ -75,6 +75,14 @@ def check_context_length(
         )
 
 
+def position_limit(config: Any) -> int | None:
+    """The longest sequence a model's positions can number: its config's ``position_limit`` (None for rotary or
+    relative positions, which have no end), else ``max_position_embeddings``."""
+    if hasattr(config, "position_limit"):
+        return config.position_limit
+    return getattr(config, "max_position_embeddings", None)
+
+
 class FastGenerationMixin(GenerationMixin):
     """``GenerationMixin`` whose ``generate`` runs a lean static-cache loop when it can, with identical results.
 
@@ -160,7 +168,7 @@ class FastGenerationMixin(GenerationMixin):
             config, has_default_max_length, has_default_min_length, "input_ids", prompt_length, input_ids
         )
         check_context_length(
-            prompt_length, config.max_length, getattr(self.config, "max_position_embeddings", None), config.max_new_tokens
+            prompt_length, config.max_length, position_limit(self.config), config.max_new_tokens
         )
         return config, model_kwargs, has_default_max_length
 
@@ -174,7 +182,7 @@ class FastGenerationMixin(GenerationMixin):
         if config.decoder_start_token_id is None and config.bos_token_id is None:
             raise ConfigError("decoder_start_token_id is None (and there is no bos_token_id): an encoder-decoder cannot "
                               "start decoding; set decoder_start_token_id in the model's config or generation config")
-        limit = getattr(self.config, "max_position_embeddings", None)
+        limit = position_limit(self.config)
         if limit is not None and input_ids.shape[1] > limit:
             raise MindFormersError(f"the source has {input_ids.shape[1]} tokens, more than the model's limit "
                                    f"max_position_embeddings={limit}; truncate it (truncation=True, max_length={limit})")

@@ -41,6 +41,8 @@ class Attention(nn.Module):
             instead of the layer's input. With a transformers ``EncoderDecoderCache`` they are computed at the first
             call, kept in its ``cross_attention_cache`` and reused at the later decoding steps (its ``is_updated``
             flags, as transformers' encoder-decoder models do).
+        upcast: under the eager implementation, compute the scores and their softmax in float32 whatever the
+            inputs' dtype (GPT-2's ``reorder_and_upcast_attn``: stability in mixed precision).
     """
 
     def __init__(
@@ -57,10 +59,12 @@ class Attention(nn.Module):
         scale: float | None = None,
         config=None,
         cross_attention: bool = False,
+        upcast: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         self.cross_attention = cross_attention
+        self.upcast = upcast
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.is_causal = is_causal
@@ -143,7 +147,7 @@ class Attention(nn.Module):
              return_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This layer's softmax(q kᵀ) v, i.e. :func:`attention_core`. Selective recompute replaces it on the
         instance with a checkpointed call, so only this part is re-run in backward."""
-        return attention_core(q, k, v, mask, is_causal, dropout, scale, return_weights)
+        return attention_core(q, k, v, mask, is_causal, dropout, scale, return_weights, self.upcast)
 
 
 def attention_core(
@@ -155,11 +159,13 @@ def attention_core(
     dropout: float = 0.0,
     scale: float | None = None,
     return_weights: bool = False,
+    upcast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads; returns the
     output (B, nh, T, hs) and, with ``return_weights``, the attention probabilities (B, nh, T, S) computed
-    explicitly in fp32 as transformers' eager attention does (else SDPA, and None). ``mask`` is boolean (True where
-    a query may look) or a float term added to the scores (a position bias with the masking folded in).
+    explicitly in fp32 as transformers' eager attention does (else SDPA, and None); ``upcast`` computes those
+    scores in fp32 too (GPT-2's ``reorder_and_upcast_attn``). ``mask`` is boolean (True where a query may look) or
+    a float term added to the scores (a position bias with the masking folded in).
 
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
@@ -172,7 +178,12 @@ def attention_core(
             return _cpu_autocast_sdpa(q, k, v, mask, dropout, is_causal, scale), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                               scale=scale), None
-    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if upcast:
+        with torch.autocast(q.device.type, enabled=False):
+            scores = (q.float() * scale) @ k.float().transpose(-2, -1)
+    else:
+        scores = (q @ k.transpose(-2, -1)) * scale
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
     if mask is not None and mask.is_floating_point():  # additive: a position bias, very negative where hidden

@@ -42,9 +42,12 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = self.rope_parameters.get("rope_type", "default")
         inv_freq, self.attention_scaling = self.compute_inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # the sequence length the frequencies are computed for (dynamic rope), or None: the short factors (longrope)
+        self.frequencies_for = None if self.rope_type == "longrope" else max_positions
 
-    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies for this module's rope type (also used to re-initialise after meta-device init)."""
+    def compute_inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies for this module's rope type (also used to re-initialise after meta-device init);
+        ``seq_len``: the length a dynamic or long rope scales for."""
         if self.rope_type == "default":
             theta = float(self.rope_parameters.get("rope_theta", 10000.0))
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
@@ -55,11 +58,33 @@ class RotaryEmbedding(nn.Module):
         # The HF functions read a config; a one-head Llama config carries exactly the fields they look at.
         cfg = LlamaConfig(hidden_size=self.head_dim, num_attention_heads=1, head_dim=self.head_dim,
                           max_position_embeddings=self.max_positions, rope_parameters=dict(self.rope_parameters))
-        return ROPE_INIT_FUNCTIONS[self.rope_type](cfg, None)
+        return ROPE_INIT_FUNCTIONS[self.rope_type](cfg, None, seq_len=seq_len)
+
+    def _rescale(self, position_ids: torch.Tensor) -> None:
+        """transformers' rules for the rope types whose frequencies depend on the sequence: "dynamic" NTK scaling
+        recomputes them for a sequence longer than any seen so far, and returns to the original ones for a sequence
+        within ``max_positions``; "longrope" takes its long factors past ``original_max_position_embeddings``, its
+        short ones within. (Reads the positions' values: not for ``torch.compile(fullgraph=True)``, as in
+        transformers.)"""
+        seq_len = int(position_ids.max()) + 1
+        if self.rope_type == "longrope":
+            original = int(self.rope_parameters["original_max_position_embeddings"])
+            wanted = original + 1 if seq_len > original else None
+            if wanted != self.frequencies_for:
+                self.inv_freq = self.compute_inv_freq(wanted)[0].to(self.inv_freq.device)
+                self.frequencies_for = wanted
+        elif seq_len > self.frequencies_for:  # growth: scale for this length
+            self.inv_freq = self.compute_inv_freq(seq_len)[0].to(self.inv_freq.device)
+            self.frequencies_for = seq_len
+        elif seq_len < self.max_positions < self.frequencies_for:  # back within the original length: reset
+            self.inv_freq = self.compute_inv_freq()[0].to(self.inv_freq.device)
+            self.frequencies_for = self.max_positions
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids`` (B, T) -> ``cos``, ``sin`` of shape (B, T, head_dim) in ``dtype``."""
+        if "dynamic" in self.rope_type or self.rope_type == "longrope":
+            self._rescale(position_ids)
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

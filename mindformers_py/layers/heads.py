@@ -1,5 +1,5 @@
-"""Heads on top of an encoder: the first-token pooler (BERT, ViT) and the masked-language-modelling head (BERT,
-RoBERTa).
+"""Heads on top of an encoder or decoder: the first-token pooler (BERT, ViT), the masked-language-modelling head
+(BERT, RoBERTa) and the sequence summary of GPT-2's multiple-choice head.
 
 Both are plain single-device modules; how tensor parallelism shards them is declared in the models' plans (the MLM
 decoder is ``colwise_gather_output``: the vocabulary is split across ranks).
@@ -54,3 +54,46 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
         return self.decoder(self.norm(self.act(self.dense(hidden_states))))
+
+
+SUMMARY_TYPES = ("last", "first", "mean", "cls_index")
+
+
+class SequenceSummary(nn.Module):
+    """One vector per sequence, as transformers' GPT-2 ``SequenceSummary``: the last, first or a chosen token
+    (``summary_type="cls_index"``: the token at ``cls_index``, the last one without it), or the mean of all; then
+    dropout, an optional projection ``summary`` (to ``num_outputs``) and activation.
+
+    Args:
+        hidden_size: size of the hidden states.
+        summary_type: ``"last"``, ``"first"``, ``"mean"`` or ``"cls_index"``.
+        num_outputs: size of the ``summary`` projection; None for no projection.
+        activation: a transformers ACT2FN name applied after it, or None.
+        first_dropout: dropout before the projection.
+        last_dropout: dropout after the activation.
+    """
+
+    def __init__(self, hidden_size: int, summary_type: str = "cls_index", num_outputs: int | None = None,
+                 activation: str | None = None, first_dropout: float = 0.0, last_dropout: float = 0.0) -> None:
+        super().__init__()
+        check_choice("summary_type", summary_type, SUMMARY_TYPES)
+        self.summary_type = summary_type
+        self.summary = nn.Linear(hidden_size, num_outputs) if num_outputs else nn.Identity()
+        self.activation = ACT2FN[activation] if activation else nn.Identity()
+        self.first_dropout = nn.Dropout(first_dropout)
+        self.last_dropout = nn.Dropout(last_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, cls_index: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., T, C) -> (..., outputs); ``cls_index`` (...) picks each sequence's token with ``"cls_index"``."""
+        if self.summary_type == "last":
+            output = hidden_states[..., -1, :]
+        elif self.summary_type == "first":
+            output = hidden_states[..., 0, :]
+        elif self.summary_type == "mean":
+            output = hidden_states.mean(dim=-2)
+        else:
+            if cls_index is None:
+                cls_index = hidden_states.new_full(hidden_states.shape[:-2], hidden_states.shape[-2] - 1, dtype=torch.long)
+            index = cls_index[..., None, None].expand(*cls_index.shape, 1, hidden_states.shape[-1])
+            output = hidden_states.gather(-2, index).squeeze(-2)
+        return self.last_dropout(self.activation(self.summary(self.first_dropout(output))))

@@ -21,9 +21,9 @@ IGNORE_INDEX = -100
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Targets of a causal LM: position t predicts ``labels[t + 1]``; the last position predicts nothing."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def _normalise(summed: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, count: torch.Tensor | int) -> torch.Tensor:
@@ -36,24 +36,27 @@ def _normalise(summed: torch.Tensor, num_items_in_batch: int | torch.Tensor | No
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
-                        shift: bool = False) -> torch.Tensor:
-    """Cross-entropy of every position's logits (B, T, V) against ``labels`` (B, T), -100 ignored; ``shift``
-    scores position t against ``labels[t + 1]`` (causal LM). Masked LM, token classification and seq2seq use it
-    unshifted. Logits are upcast to fp32, as transformers does."""
-    targets = (shift_labels(labels) if shift else labels).to(logits.device)
+                        shift: bool = False, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Cross-entropy of every position's logits (B, T, V) against ``labels`` (B, T), ``ignore_index`` (-100)
+    ignored; ``shift`` scores position t against ``labels[t + 1]`` (causal LM). Masked LM, token classification and
+    seq2seq use it unshifted. Logits are upcast to fp32, as transformers does."""
+    targets = (shift_labels(labels, ignore_index) if shift else labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
+    loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
     return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch, 1)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
-                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts ``labels[t + 1]`` (transformers' ``ForCausalLMLoss``); given
-    ``shift_labels`` (labels already shifted, as for a sequence split over context-parallel ranks), position t is
-    scored against ``shift_labels[t]`` and ``labels`` is not read, as transformers does."""
-    if shift_labels is not None:
-        return token_cross_entropy(logits, shift_labels, num_items_in_batch)
-    return token_cross_entropy(logits, labels, num_items_in_batch, shift=True)
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
+                   num_items_in_batch: int | torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+                   shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """Next-token cross-entropy with transformers' ``ForCausalLMLoss`` arguments and meaning (a drop-in for it):
+    position t predicts ``labels[t + 1]``; given ``shift_labels`` (B, T), the targets already aligned with the
+    positions (what sequence- and context-parallel data paths send: a shard cannot shift across its boundary) are
+    used as they are and ``labels`` is not read. ``vocab_size`` is accepted for the signature (the logits' last
+    dimension says it); other keywords are ignored, as in transformers."""
+    if shift_labels is None:
+        return token_cross_entropy(logits, labels, num_items_in_batch, shift=True, ignore_index=ignore_index)
+    return token_cross_entropy(logits, shift_labels, num_items_in_batch, ignore_index=ignore_index)
 
 
 def resolve_problem_type(config: Any, labels: torch.Tensor) -> str:
@@ -94,6 +97,15 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
     from ..errors import invalid_choice
 
     raise invalid_choice("problem_type", problem, PROBLEM_TYPES)
+
+
+def choice_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                         num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of one row of scores (B, choices) against the right choice's index (B,), -100 ignored:
+    multiple choice and next-sentence prediction (transformers' plain ``CrossEntropyLoss``). Items are rows."""
+    targets = labels.reshape(-1).to(logits.device)
+    summed = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _normalise(summed, num_items_in_batch, (targets != IGNORE_INDEX).sum())
 
 
 def question_answering_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positions: torch.Tensor,

@@ -82,6 +82,17 @@ def build_attention_mask(
     return mask
 
 
+def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean (B, 1, 1, S) mask of an encoder's real tokens, for cross-attention to its output, from its padding
+    mask (B, S) (a 4D mask is taken as it is); None when nothing is padded (the value check is skipped under
+    ``torch.compile``)."""
+    if mask is None or mask.dim() == 4:
+        return None if mask is None else mask.bool()
+    if not torch.compiler.is_compiling() and bool(mask.all()):
+        return None
+    return mask.bool()[:, None, None, :]
+
+
 def packed_sequence_ids(position_ids: torch.Tensor, compiling: bool = False) -> torch.Tensor | None:
     """For each token, the index of its sequence within the row, where ``position_ids`` (B, T) restart (a position
     that is not the previous one plus one starts a new sequence); None when no row holds more than one sequence

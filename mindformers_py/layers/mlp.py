@@ -40,4 +40,6 @@ class MLP(nn.Module):
         h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
         if self.dropout is not None and self.training:
             h = self.dropout(h)
+        if h.dtype != self.down_proj.weight.dtype and self.down_proj.weight.is_floating_point():
+            h = h.to(self.down_proj.weight.dtype)  # a projection kept in float32 (T5's _keep_in_fp32_modules)
         return self.down_proj(h)

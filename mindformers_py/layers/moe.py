@@ -163,6 +163,7 @@ class MoE(nn.Module):
         shared = moe.shared_expert_size(intermediate_size)
         self.shared_expert = MLP(hidden_size, shared, act, gated, bias=False) if shared else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.use_shared_expert_gating else None
+        self.jitter_noise = moe.router_jitter_noise
 
     @classmethod
     def from_config(cls, config: Any) -> MoE:
@@ -176,6 +177,9 @@ class MoE(nn.Module):
         """``hidden_states`` (B, T, H) -> (output (B, T, H), router statistics (B, :func:`stat_width`)).
         ``token_mask`` (B, T), 1 for real tokens, keeps padding out of the statistics (not out of the routing)."""
         b, t, h = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative input noise, training only
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, h)  # (N, H)
         logits = self.gate(x)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)

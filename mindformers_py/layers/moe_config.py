@@ -66,6 +66,10 @@ class MoEConfig(_Section):
     The softmax over experts always runs in float32."""
     mlp_only_layers: tuple[int, ...] = ()
     """Indices of layers that keep a dense MLP instead of experts (transformers' ``mlp_only_layers``)."""
+    router_jitter_noise: float = 0.0
+    """In training, multiply the MoE block's input by noise drawn uniformly from ``[1 - j, 1 + j]`` before routing
+    (transformers' Mixtral ``router_jitter_noise``, from Switch Transformer); 0 disables it. Evaluation is never
+    jittered."""
 
     def _convert(self) -> None:
         self.expert_num = _to_int("expert_num", self.expert_num)
@@ -76,6 +80,7 @@ class MoEConfig(_Section):
         self.capacity_factor = _to_float("capacity_factor", self.capacity_factor, 0.0, inclusive=False)
         self.aux_loss_factor = _to_float("aux_loss_factor", self.aux_loss_factor, 0.0, inclusive=True)
         self.z_loss_factor = _to_float("z_loss_factor", self.z_loss_factor, 0.0, inclusive=True)
+        self.router_jitter_noise = _to_float("router_jitter_noise", self.router_jitter_noise, 0.0, inclusive=True)
         self.routing_policy = _to_choice("routing_policy", self.routing_policy, ROUTING_POLICIES,
                                          ROUTING_POLICY_ALIASES)
         self.aux_loss_scope = _to_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
@@ -98,7 +103,8 @@ class MoEConfig(_Section):
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name))
-        for name, inclusive in (("capacity_factor", False), ("aux_loss_factor", True), ("z_loss_factor", True)):
+        for name, inclusive in (("capacity_factor", False), ("aux_loss_factor", True), ("z_loss_factor", True),
+                                ("router_jitter_noise", True)):
             value = getattr(self, name)
             if not isinstance(value, float):  # strings were converted at construction
                 raise ConfigError(f"{name}={value!r} is not valid; expected a number {'>=' if inclusive else '>'} 0")

@@ -33,13 +33,16 @@ class PatchEmbedding(nn.Module):
             three-channel model are repeated over the channels, as converting a grayscale image to RGB does; other
             channel counts are refused.
         hidden_size: size of each patch vector.
+        use_mask_token: learn a ``mask_token`` that replaces the patches ``bool_masked_pos`` marks (masked image
+            modelling, SimMIM).
 
     Parameters (named as transformers' ``ViTEmbeddings``): ``projection`` (the patch convolution), ``cls_token``
-    (1, 1, hidden) and ``position_embeddings`` (1, 1 + patches, hidden).
+    (1, 1, hidden), ``position_embeddings`` (1, 1 + patches, hidden) and, with ``use_mask_token``, ``mask_token``
+    (1, 1, hidden).
     """
 
     def __init__(self, image_size: int | tuple[int, int], patch_size: int | tuple[int, int], num_channels: int,
-                 hidden_size: int) -> None:
+                 hidden_size: int, use_mask_token: bool = False) -> None:
         super().__init__()
         self.image_size = _pair(image_size)
         self.patch_size = _pair(patch_size)
@@ -49,14 +52,23 @@ class PatchEmbedding(nn.Module):
         self.projection = nn.Conv2d(num_channels, hidden_size, kernel_size=self.patch_size, stride=self.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, hidden_size))
         self.position_embeddings = nn.Parameter(torch.zeros(1, self.num_patches + 1, hidden_size))
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, hidden_size)) if use_mask_token else None
 
-    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False,
+                bool_masked_pos: torch.Tensor | None = None) -> torch.Tensor:
         """(B, C, H, W) -> (B, 1 + patches, hidden). Without ``interpolate_pos_encoding`` the images must have the
         size the positions were learned for; with it, any size of at least one patch (a remainder smaller than a
-        patch is dropped, as the strided convolution does)."""
+        patch is dropped, as the strided convolution does). ``bool_masked_pos`` (B, patches) replaces the patches it
+        marks by the ``mask_token``."""
         pixel_values = self._checked(pixel_values, interpolate_pos_encoding)
         height, width = pixel_values.shape[-2:]
         patches = self.projection(pixel_values.to(self.projection.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, C)
+        if bool_masked_pos is not None:
+            if self.mask_token is None:
+                raise MindFormersError("bool_masked_pos needs a mask token: this model has none (use_mask_token=False); "
+                                       "use ViTForMaskedImageModeling")
+            mask = bool_masked_pos.unsqueeze(-1).to(patches.dtype)
+            patches = patches * (1.0 - mask) + self.mask_token * mask
         cls = self.cls_token.expand(patches.shape[0], -1, -1)
         embeddings = torch.cat((cls, patches), dim=1)
         positions = self.interpolated_positions(height, width) if interpolate_pos_encoding else self.position_embeddings

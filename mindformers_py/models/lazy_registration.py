@@ -37,6 +37,12 @@ registers the family. ``tests/models/test_lazy_registration.py`` checks this tab
 
 _CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 
+CHECKPOINT_LOADER: list[Any] = [None]
+"""How a model class of ours loads a preset or an HF checkpoint (converting it), as the Auto classes load it: the
+package root puts ``Deferred("mindformers_py.auto", "load_model_class")`` here (the Auto classes sit above the models
+in the import order, and load with the first such call); read it with
+:func:`~mindformers_py.models.registry.checkpoint_loader`."""
+
 
 def load_builtin_families() -> None:
     """Import every built-in family (each registers itself in :mod:`mindformers_py.models.registry`)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
@@ -10,10 +13,27 @@ from ..layers import Attention, TransformerBlock
 from ..layers.moe import Router
 from ..task_registry import TaskSpec, task_of_model
 from .cache_names import CACHE_NAMES
+from .hf_config import own_config
+from .packaged import PACKAGED_CHECKPOINTS
+from . import registry
 from .registry import register_with_peft
 
 
-class MindFormersPreTrainedModel(PreTrainedModel):
+class _TakesHFConfigs(type(PreTrainedModel)):
+    """Our model classes take transformers' configs of the architectures their family converts
+    (``GPTForCausalLM(LlamaConfig(...))``, ``BertModel(transformers.BertConfig(...))``), as transformers users build
+    random-init models: the config is converted before ``__init__`` runs, so the model and all its submodules share
+    one config of the family's own class."""
+
+    def __call__(cls, *args, **kwargs):
+        if args:
+            args = (own_config(cls.config_class, args[0]), *args[1:])
+        elif "config" in kwargs:
+            kwargs["config"] = own_config(cls.config_class, kwargs["config"])
+        return super().__call__(*args, **kwargs)
+
+
+class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
     """Base of every family's pretrained-model class.
 
     * ``accepts_loss_kwargs``: every head divides its loss by a ``num_items_in_batch`` it is given (the items of the
@@ -23,6 +43,7 @@ class MindFormersPreTrainedModel(PreTrainedModel):
       (computed under ``attn_implementation="eager"``, as in transformers), ``output_router_logits`` each MoE
       router's logits (tokens, experts).
     * models register the family with peft's defaults when they are built (peft may be imported after us).
+    * constructors (and so ``from_config``) take transformers' configs of the architectures the family converts.
     * ``_whole_sequence_modules``: the modules that read the whole sequence (a head that pools or scores positions,
       a pooler), which sequence parallelism gathers the sequence for; declared by each head and base model.
     * ``task_spec``: the training task the model's head serves (task registry), found from its class name as
@@ -37,6 +58,17 @@ class MindFormersPreTrainedModel(PreTrainedModel):
                            "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
     _whole_sequence_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained`` for our own checkpoints; a preset name or an HF checkpoint of an
+        architecture the family converts (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``) loads through the
+        family's converter, as the Auto classes load it."""
+        loader = registry.checkpoint_loader()
+        if loader is None or pretrained_model_name_or_path is None or \
+                _holds_our_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder"), cls):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return loader(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
     def post_init(self) -> None:
         """transformers' ``post_init`` (weights, plans), then our model types into peft's tables if it is loaded."""
@@ -60,3 +92,19 @@ class MindFormersPreTrainedModel(PreTrainedModel):
         if roles is None or module not in roles:
             roles = self.__dict__["_init_roles"] = {m: n.rsplit(".", 1)[-1] for n, m in self.named_modules()}
         return roles.get(module, "")
+
+
+def _holds_our_checkpoint(name_or_path, subfolder: str | None, cls) -> bool:
+    """Whether ``name_or_path`` is a folder saved by one of our models (its ``config.json`` has our model type)
+    or something transformers' own loading handles (not a folder we know: a hub name raises there)."""
+    if registry.is_preset(str(name_or_path)) or str(name_or_path) in PACKAGED_CHECKPOINTS:
+        return False
+    folder = Path(name_or_path) / subfolder if subfolder else Path(name_or_path)
+    config = folder / "config.json"
+    if not config.is_file():
+        return True
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return True  # transformers' loading reports it
+    return model_type == cls.config_class.model_type

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 from ..task_registry import get_task
-from .lazy_registration import Deferred, load_builtin_families, register_deferred_model
+from .lazy_registration import CHECKPOINT_LOADER, Deferred, load_builtin_families, register_deferred_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -65,8 +65,10 @@ class Family:
     """``"base"`` or task name -> function of the HF model_type giving the transformers class name to export as."""
     extra_model_classes: Mapping[str, type[PreTrainedModel]] = field(default_factory=dict)
     """Model classes beyond the tasks', by the name of the transformers Auto class that loads them (T5's encoder
-    alone: ``{"AutoModelForTextEncoding": T5EncoderModel}``); registered with that transformers Auto class and
-    loaded by ours of the same name."""
+    alone: ``{"AutoModelForTextEncoding": T5EncoderModel}``), registered with that transformers Auto class and
+    loaded by ours of the same name; or, for a class transformers has no Auto class for, by its own name
+    (``GPTDoubleHeadsModel``), loaded by its ``from_pretrained``. ``convert_checkpoint`` finds them by the
+    ``architectures`` of a checkpoint."""
     peft_reference: str = "llama"
     """The transformers model type whose peft defaults (LoRA target modules, ...) fit this family's module names
     (our layers use Llama's: ``q_proj``, ``v_proj``, ``down_proj``, ...)."""
@@ -98,6 +100,15 @@ def __getattr__(name: str) -> list[Family]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def checkpoint_loader() -> Callable | None:
+    """How a model class of ours loads a checkpoint it does not hold itself (a preset, an HF checkpoint):
+    :data:`~mindformers_py.models.lazy_registration.CHECKPOINT_LOADER`, imported on first use."""
+    loader = CHECKPOINT_LOADER[0]
+    if isinstance(loader, Deferred):
+        loader = CHECKPOINT_LOADER[0] = loader.load()
+    return loader
+
+
 def register_family(family: Family) -> None:
     """Add ``family`` to the table and register its classes with transformers' Auto classes and class-name tables
     (transformers' Trainer and pipelines decide what a model is from those: label smoothing shifts the labels of
@@ -111,7 +122,10 @@ def register_family(family: Family) -> None:
         auto_name = "AutoModel" if task == BASE else get_task(task).auto_class
         register_model_class(getattr(transformers, auto_name), family.config_class, family.model_classes, task)
     for auto_name in family.extra_model_classes:
-        register_model_class(getattr(transformers, auto_name), family.config_class, family.extra_model_classes, auto_name)
+        auto = getattr(transformers, auto_name, None) if auto_name.startswith("Auto") else None
+        if auto is None:  # a class with no Auto class of transformers (GPT-2's double-heads model)
+            continue
+        register_model_class(auto, family.config_class, family.extra_model_classes, auto_name)
     register_with_peft()
 
 
@@ -158,6 +172,11 @@ def family_for_model_type(model_type: str) -> Family | None:
 def family_for_preset(name: str) -> Family | None:
     """The family that defines the preset ``name``."""
     return next((f for f in families() if name in f.presets), None)
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` is a preset of some family."""
+    return family_for_preset(name) is not None
 
 
 def model_class_named(name: str) -> type[PreTrainedModel] | None:

@@ -15,8 +15,9 @@ committed checkpoint):
 * ``truncation``, ``clean_up_tokenization_spaces``, ``return_text``/``return_tensors``, ``stop_sequence``,
   ``batch_size`` and any ``generate`` argument are accepted as there.
 
-Bad input is refused in one line: a batch without a pad token, ``translation`` without a language pair, a source
-longer than the model's limit (pass ``truncation=True``).
+Bad input is refused in one line: a batch without a pad token, a source longer than the model's positions can
+number (learned absolute positions; pass ``truncation=True``). Plain ``translation`` with no language pair anywhere
+translates the texts as they are, as transformers 4 did.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import transformers
 from transformers import GenerationConfig
 
 from ..errors import MindFormersError
+from ..generation import position_limit
 from .base import AcceptsOurModels
 
 logger = logging.getLogger(__name__)
@@ -161,7 +163,7 @@ class Text2TextGenerationPipeline(AcceptsOurModels, transformers.Pipeline):
         config, rest = self._generation_config_for(dict(generate_kwargs))
         max_length = config.max_length if config.max_length is not None else _GLOBAL_MAX_LENGTH
         self.check_inputs(input_length, _value(config, "min_length"), max_length)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = position_limit(self.model.config)
         if limit is not None and input_length > limit:
             raise MindFormersError(f"the input has {input_length} tokens, more than the model's limit "
                                    f"max_position_embeddings={limit}; pass truncation=True to cut it")
@@ -198,8 +200,8 @@ class SummarizationPipeline(Text2TextGenerationPipeline):
 class TranslationPipeline(Text2TextGenerationPipeline):
     """``pipeline("translation_xx_to_yy")``: records keyed ``translation_text``; the task's entry of
     ``task_specific_params`` (T5's ``"translate English to German: "`` prefix) applies. Plain ``"translation"``
-    takes the first language pair the model's ``task_specific_params`` lists, as transformers 4 did; a model with
-    none and a tokenizer without language codes is refused."""
+    takes the first language pair the model's ``task_specific_params`` lists, as transformers 4 did; with none it
+    translates the texts as they are (no prefix, or ``config.prefix``), as transformers 4 did too."""
 
     return_name = "translation"
 
@@ -208,15 +210,10 @@ class TranslationPipeline(Text2TextGenerationPipeline):
         model = kwargs.get("model")
         if task == "translation" and model is not None:
             pairs = [k for k in (getattr(model.config, "task_specific_params", None) or {}) if k.startswith("translation_")]
-            tokenizer = kwargs.get("tokenizer")
             if pairs:
                 logger.warning("task 'translation' names no language pair; using %r from the model's task_specific_params",
                                pairs[0])
                 kwargs["task"] = pairs[0]
-            elif getattr(tokenizer, "_build_translation_inputs", None) is None:
-                raise MindFormersError("task 'translation' needs a language pair: use 'translation_xx_to_yy' (e.g. "
-                                       "'translation_en_to_de') with a model whose task_specific_params hold its prefix, "
-                                       "or a multilingual tokenizer taking src_lang/tgt_lang")
         super().__init__(*args, **kwargs)
 
     def check_inputs(self, input_length: int, min_length: int, max_length: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import transformers
-from ..generation import check_context_length
+from ..generation import check_context_length, position_limit
 from .base import AcceptsOurModels
 
 
@@ -20,7 +20,7 @@ class TextGenerationPipeline(AcceptsOurModels, transformers.TextGenerationPipeli
     """
 
     def _forward(self, model_inputs: dict[str, Any], **generate_kwargs: Any) -> dict[str, Any]:
-        context = getattr(self.model.config, "max_position_embeddings", None)
+        context = position_limit(self.model.config)
         prompt_length = model_inputs["input_ids"].shape[1]
         if context is not None and prompt_length > 0:
             merged = generate_kwargs if "generation_config" in generate_kwargs else {**self._generate_kwargs, **generate_kwargs}

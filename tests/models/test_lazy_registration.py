@@ -64,6 +64,9 @@ bert = transformers.AutoModelForMaskedLM.from_config(transformers.AutoConfig.for
     "mindformers_bert", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
 report["bert"] = type(bert).__name__
 report["causal_lm_names"] = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get("mindformers_gpt")
+# GPTForCausalLM.from_pretrained(<HF or preset>) converts through the Auto classes' loader, mindformers_py.auto unloaded
+loader = registry.checkpoint_loader()
+report["checkpoint_loader"] = loader and loader.__module__ + "." + loader.__name__
 print(json.dumps(report))
 """
 
@@ -86,4 +89,5 @@ def test_transformers_auto_classes_load_our_folder_in_a_fresh_process(tmp_path):
             "config": "mindformers_py.models.gpt.configuration_gpt.GPTConfig",
             "model": "mindformers_py.models.gpt.modeling_gpt.GPTForCausalLM",
             "bert": "BertForMaskedLM", "causal_lm_names": "GPTForCausalLM",
+            "checkpoint_loader": "mindformers_py.auto.load_model_class",
         }, (transformers_first, report)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError
+from ..cache_names import CACHE_NAMES
 
 
 class BertConfig(PretrainedConfig):
@@ -20,6 +21,7 @@ class BertConfig(PretrainedConfig):
     """
 
     model_type = "mindformers_bert"
+    keys_to_ignore_at_inference = [*CACHE_NAMES]
     attribute_map: ClassVar[dict[str, str]] = {
         "num_layers": "num_hidden_layers",
         "num_heads": "num_attention_heads",
@@ -110,6 +112,14 @@ class BertConfig(PretrainedConfig):
     """Beginning-of-sequence token id (unused by the model; kept for tokenizers that have one)."""
     eos_token_id: int | list[int] | None = None
     """End-of-sequence token id (unused by the model)."""
+    is_decoder: bool = False
+    """Causal self-attention with a key/value cache: BERT as a left-to-right language model
+    (:class:`BertLMHeadModel`) or as the decoder of an encoder-decoder (transformers' ``is_decoder``)."""
+    add_cross_attention: bool = False
+    """A cross-attention sublayer in every layer, attending to an encoder's output (``encoder_hidden_states``): the
+    decoder of transformers' ``EncoderDecoderModel``. Needs ``is_decoder``."""
+    use_cache: bool = True
+    """A decoder returns its key/value cache from forward passes (generation); encoders keep none."""
     hf_architecture: str | None = None
     """The HF ``model_type`` this config was converted from (``bert`` or ``roberta``); export goes back to it. None
     means ``roberta`` when ``padded_positions`` is set, else ``bert``."""

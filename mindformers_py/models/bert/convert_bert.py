@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, MindFormersError
+from ..hf_config import carry_general_fields
 from .configuration_bert import BertConfig
 
 SUPPORTED_HF_TYPES = ("bert", "roberta")
@@ -21,8 +22,6 @@ SUPPORTED_HF_TYPES = ("bert", "roberta")
 _SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "hidden_act", "max_position_embeddings", "type_vocab_size", "initializer_range", "pad_token_id",
                   "bos_token_id", "eos_token_id", "classifier_dropout", "tie_word_embeddings")
-# Task-head fields every PretrainedConfig has (classifier labels).
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 _HF_PREFIX = {"bert": "bert", "roberta": "roberta"}
 
 # (HF name inside the base model, ours inside the base model); {i} is the layer index, {p} weight or bias.
@@ -39,6 +38,11 @@ _LAYER_RENAMES = [
     ("encoder.layer.{i}.intermediate.dense.{p}", "layers.{i}.mlp.up_proj.{p}"),
     ("encoder.layer.{i}.output.dense.{p}", "layers.{i}.mlp.down_proj.{p}"),
     ("encoder.layer.{i}.output.LayerNorm.{p}", "layers.{i}.post_feedforward_layernorm.{p}"),
+    ("encoder.layer.{i}.crossattention.self.query.{p}", "layers.{i}.cross_attn.q_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.self.key.{p}", "layers.{i}.cross_attn.k_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.self.value.{p}", "layers.{i}.cross_attn.v_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.output.dense.{p}", "layers.{i}.cross_attn.o_proj.{p}"),
+    ("encoder.layer.{i}.crossattention.output.LayerNorm.{p}", "layers.{i}.cross_attn_layernorm.{p}"),
     ("pooler.dense.{p}", "pooler.dense.{p}"),
 ]
 # (HF head name, ours), per architecture. The MLM output bias is stored by HF as ``<head>.bias`` (tied to
@@ -103,9 +107,6 @@ def config_from_hf(hf: dict[str, Any]) -> BertConfig:
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise ConfigError(f"{kind} checkpoints with position_embedding_type={hf['position_embedding_type']!r} are not "
                           "supported; supported: 'absolute'")
-    if hf.get("is_decoder") or hf.get("add_cross_attention"):
-        raise ConfigError(f"{kind} checkpoints used as decoders (is_decoder or add_cross_attention) are not supported; "
-                          "the BERT family is an encoder")
     kwargs = {k: hf[k] for k in _SHARED_FIELDS if k in hf}
     kwargs["hidden_dropout"] = hf.get("hidden_dropout_prob", 0.1)
     kwargs["attention_dropout"] = hf.get("attention_probs_dropout_prob", 0.1)
@@ -115,11 +116,7 @@ def config_from_hf(hf: dict[str, Any]) -> BertConfig:
         kwargs.update(padded_positions=True, mlm_head_act="gelu",
                       pooler_dropout=kwargs["hidden_dropout"] if classifier is None else classifier)
         kwargs.setdefault("pad_token_id", 1)
-    config = BertConfig(hf_architecture=kind, **kwargs)
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, BertConfig(hf_architecture=kind, **kwargs))
 
 
 def hf_type_for(config: BertConfig) -> str:
@@ -135,11 +132,11 @@ def config_to_hf(config: BertConfig):
 
     kind = hf_type_for(config)
     _check_exportable(config, kind)
-    kwargs = {k: getattr(config, k) for k in _SHARED_FIELDS + _TASK_FIELDS}
+    kwargs = {k: getattr(config, k) for k in _SHARED_FIELDS}
     kwargs.update(hidden_dropout_prob=config.hidden_dropout, attention_probs_dropout_prob=config.attention_dropout,
                   layer_norm_eps=config.norm_eps, position_embedding_type="absolute")
     cls = transformers.RobertaConfig if kind == "roberta" else transformers.BertConfig
-    return cls(**kwargs)
+    return carry_general_fields(config, cls(**kwargs))
 
 
 def _check_exportable(config: BertConfig, kind: str) -> None:

@@ -10,11 +10,14 @@ from .presets import GPT_PRESETS
 _MODELS = _registry.ModelClasses(__name__ + ".modeling_gpt", {
     "base": "GPTModel", "causal_lm": "GPTForCausalLM", "sequence_classification": "GPTForSequenceClassification",
     "token_classification": "GPTForTokenClassification", "question_answering": "GPTForQuestionAnswering"})
+# GPT-2's double-heads model serves no training task of the registry (two losses) and transformers has no Auto
+# class for it: loaded as GPTDoubleHeadsModel.from_pretrained, converted by convert_checkpoint.
+_EXTRA_MODELS = _registry.ModelClasses(__name__ + ".modeling_gpt", {"GPTDoubleHeadsModel": "GPTDoubleHeadsModel"})
 
-__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTForSequenceClassification", "GPTForTokenClassification",
-           "GPTForQuestionAnswering", "GPTPreTrainedModel", "GPT_PRESETS"]
-__getattr__, __dir__ = _lazy_exports(__name__, dict.fromkeys([*_MODELS.names.values(), "GPTPreTrainedModel"],
-                                                             ".modeling_gpt"), globals())
+__all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTDoubleHeadsModel", "GPTForSequenceClassification",
+           "GPTForTokenClassification", "GPTForQuestionAnswering", "GPTPreTrainedModel", "GPT_PRESETS"]
+__getattr__, __dir__ = _lazy_exports(__name__, dict.fromkeys(
+    [*_MODELS.names.values(), *_EXTRA_MODELS.names.values(), "GPTPreTrainedModel"], ".modeling_gpt"), globals())
 
 _HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -37,5 +40,7 @@ _registry.register_family(_registry.Family(
     presets=GPT_PRESETS,
     converter=_convert,
     hf_model_classes={"base": _HF_BASE.get, "causal_lm": _HF_CAUSAL_LM.get, "sequence_classification": _HF_SEQ_CLS.get,
-                      "token_classification": _HF_TOKEN_CLS.get, "question_answering": _HF_QA.get},
+                      "token_classification": _HF_TOKEN_CLS.get, "question_answering": _HF_QA.get,
+                      "GPTDoubleHeadsModel": {"gpt2": "GPT2DoubleHeadsModel"}.get},
+    extra_model_classes=_EXTRA_MODELS,
 ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
+import torch
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError, check_choice
@@ -24,6 +25,69 @@ FLAVOURS: dict[str, dict[str, Any]] = {
     ),
 }
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_MINDFORMERS_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                      "n_kv_heads": "num_key_value_heads", "seq_length": "max_position_embeddings",
+                      "ffn_hidden_size": "intermediate_size"}
+_FLAVOUR_NAMES = {
+    "gpt2": {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "norm_eps", "activation_function": "hidden_act", "resid_pdrop": "hidden_dropout",
+             "embd_pdrop": "embedding_dropout", "attn_pdrop": "attention_dropout"},
+    "llama": {"rms_norm_eps": "norm_eps"},
+}
+_TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    # MoE layers: the shared expert shards like an MLP; routed experts are split by expert parallelism instead.
+    "layers.*.mlp.shared_expert.gate_proj": "colwise",
+    "layers.*.mlp.shared_expert.up_proj": "colwise",
+    "layers.*.mlp.shared_expert.down_proj": "rowwise",
+}
+
+
+def _tp_plan_of(config: "GPTConfig") -> dict[str, str]:
+    """The entries of the plan whose modules this config's model has: the dense MLP (its gate only when gated)
+    when some layer is dense, the shared expert only in MoE layers that have one."""
+    moe = config.moe
+    dense = moe is None or bool(moe.mlp_only_layers)
+    shared = moe is not None and moe.shared_expert_num > 0
+
+    def exists(name: str) -> bool:
+        if ".mlp.shared_expert." in name:
+            return shared
+        if ".mlp." in name:
+            return dense and (config.gated_mlp or not name.endswith("gate_proj"))
+        return True
+
+    return {name: style for name, style in _TP_PLAN.items() if exists(name)}
+
+
+class _ByFlavour:
+    """A class attribute whose value depends on the config it is read from: read from the class, ``default``; read
+    from a config, ``of(config)`` (a function), or the ``default`` combined with ``of[config.flavour]`` (a table of
+    dicts, with ``combine``). Never stored in the instance, so never saved in ``config.json``."""
+
+    def __init__(self, default: dict, of, combine: bool = False) -> None:
+        self.default, self.of, self.combine = default, of, combine
+        self.tables = {key: {**default, **extra} for key, extra in of.items()} if combine else {}
+        self.every = {k: v for table in self.tables.values() for k, v in table.items()}
+
+    def __get__(self, config, owner=None):
+        if config is None:
+            return self.default
+        if self.combine:  # read on every attribute access (transformers' alias lookup): no recursion, no copies
+            if torch.compiler.is_compiling():  # inside a compiled graph: every flavour's names (no __dict__ peek)
+                return self.every
+            return self.tables.get(object.__getattribute__(config, "__dict__").get("flavour"), self.default)
+        return self.of(config)
 
 
 class GPTConfig(PretrainedConfig):
@@ -41,28 +105,12 @@ class GPTConfig(PretrainedConfig):
     # Not remote code: our classes are registered with transformers' Auto classes on import. Tools that resolve a
     # non-transformers architecture through ``config.auto_map`` (trl) then fall back to those Auto classes.
     auto_map: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    attribute_map: ClassVar[dict[str, str]] = {
-        "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads",
-        "n_kv_heads": "num_key_value_heads",
-        "seq_length": "max_position_embeddings",
-        "ffn_hidden_size": "intermediate_size",
-    }
-    # How tensor parallelism shards each layer (HF's plan vocabulary, applied by mindformers_py.parallel).
-    base_model_tp_plan: ClassVar[dict[str, str]] = {
-        "embed_tokens": "embedding_rowwise",
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-        # MoE layers: the shared expert shards like an MLP; routed experts are split by expert parallelism instead.
-        "layers.*.mlp.shared_expert.gate_proj": "colwise",
-        "layers.*.mlp.shared_expert.up_proj": "colwise",
-        "layers.*.mlp.shared_expert.down_proj": "rowwise",
-    }
+    # Other names of the fields: MindFormers' for every flavour, and each flavour's transformers names (a GPT-2
+    # flavoured config answers ``n_layer``, ``n_embd``, ... as transformers' ``GPT2Config`` does).
+    attribute_map = _ByFlavour(_MINDFORMERS_NAMES, _FLAVOUR_NAMES, combine=True)
+    # How tensor parallelism shards each layer (HF's plan vocabulary, applied by mindformers_py.parallel). Read from
+    # a config, it names only the modules that model has (see _tp_plan_of); read from the class, every entry.
+    base_model_tp_plan = _ByFlavour(_TP_PLAN, _tp_plan_of)
     # How pipeline parallelism cuts the base model: module name -> (inputs, outputs).
     base_model_pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -88,7 +136,8 @@ class GPTConfig(PretrainedConfig):
     intermediate_size: int | None = None
     """MLP hidden size; None means 4·hidden (gpt2) or Llama's rounded 8/3·hidden (llama)."""
     max_position_embeddings: int = 1024
-    """Longest sequence (context length) the model accepts."""
+    """Positions the model was built for: the size of the learned position table (GPT-2: the longest input), or
+    the rotary context length that rope scaling refers to (Llama: longer inputs run, as in transformers)."""
     position_embedding_type: str | None = None
     """``"learned"`` absolute positions or ``"rope"`` rotary positions."""
     rope_parameters: dict | None = None
@@ -113,6 +162,21 @@ class GPTConfig(PretrainedConfig):
     """Share the LM head weight with the token embedding."""
     sliding_window: int | None = None
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
+    layer_types: list[str] | None = None
+    """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (transformers' field: Qwen2 and
+    Qwen2-MoE mix them); None (the default) becomes every layer sliding when ``sliding_window`` is set, else every
+    layer full, when the config is made."""
+    add_cross_attention: bool = False
+    """Every layer of a GPT-2-flavoured model attends, after its self-attention, to an encoder's output: the decoder
+    of transformers' ``EncoderDecoderModel`` (BERT-to-GPT-2). A Llama-flavoured model ignores it, as transformers'
+    Llama does."""
+    scale_attn_weights: bool = True
+    """Scale the attention scores by ``head_dim ** -0.5``; False leaves them unscaled (GPT-2's option)."""
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Also divide layer i's attention scores by i + 1 (GPT-2's option, for stable deep models)."""
+    reorder_and_upcast_attn: bool = False
+    """Under the eager attention implementation, compute the scores and their softmax in float32 whatever the
+    activations' dtype (GPT-2's option, for mixed precision; the SDPA path is unchanged, as in transformers)."""
     embedding_dropout: float = 0.0
     """Dropout after the embeddings."""
     attention_dropout: float = 0.0
@@ -121,6 +185,18 @@ class GPTConfig(PretrainedConfig):
     """Dropout on each residual branch."""
     classifier_dropout: float | None = None
     """Dropout before the token-classification head; None means ``hidden_dropout``."""
+    summary_type: str = "cls_index"
+    """How :class:`GPTDoubleHeadsModel`'s multiple-choice head summarises a choice: ``"cls_index"`` (the token at
+    ``mc_token_ids``, else the last), ``"last"``, ``"first"`` or ``"mean"`` (transformers' GPT-2 names, all the
+    ``summary_*`` fields)."""
+    summary_use_proj: bool = True
+    """The multiple-choice head projects the summary (to one score, with ``summary_proj_to_labels``)."""
+    summary_proj_to_labels: bool = True
+    """The projection has ``num_labels`` outputs (one score per choice) instead of ``hidden_size``."""
+    summary_activation: str | None = None
+    """Activation after the projection (a transformers ACT2FN name), or None."""
+    summary_first_dropout: float = 0.1
+    """Dropout on the summary before the projection."""
     initializer_range: float = 0.02
     """Std of the normal weight init (output projections are scaled by 1/sqrt(2·layers), as GPT-2/Megatron)."""
     use_cache: bool = True
@@ -177,6 +253,7 @@ class GPTConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        self._check_layer_types()
         moe = moe_config_of(self)
         if moe is not None:
             outside = [i for i in moe.mlp_only_layers if i >= self.num_hidden_layers]
@@ -187,6 +264,47 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            # Always a list, as in transformers' configs that have the field: its generation code reads
+            # ``config.layer_types`` (one mask per kind) whenever the attribute exists.
+            self.layer_types = self.attention_kinds()
+            return
+        self.layer_types = list(self.layer_types)
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types holds {bad[0]!r}; each entry must be one of: {', '.join(LAYER_TYPES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types names {len(self.layer_types)} layers but num_hidden_layers="
+                              f"{self.num_hidden_layers}; give one entry per layer")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set; set "
+                              "sliding_window (the window) or make every layer full_attention")
+
+    def attention_kinds(self) -> list[str]:
+        """Each layer's attention kind: :attr:`layer_types`, else every layer ``"sliding_attention"`` with a
+        ``sliding_window`` and ``"full_attention"`` without."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_hidden_layers
+
+    @property
+    def cross_attends(self) -> bool:
+        """Whether the layers have a cross-attention sublayer (``add_cross_attention`` on a GPT-2 flavour)."""
+        return bool(self.add_cross_attention) and self.flavour == "gpt2"
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax scale the attention layers use: None (``head_dim ** -0.5``) or 1.0 without
+        ``scale_attn_weights``."""
+        return None if self.scale_attn_weights else 1.0
+
+    @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the positions can number: ``max_position_embeddings`` for learned positions, None
+        (no limit) for rotary ones, which transformers computes for any length (rope scaling relies on it)."""
+        return self.max_position_embeddings if self.position_embedding_type == "learned" else None
 
     @property
     def moe(self) -> MoEConfig | None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, MindFormersError
+from ..hf_config import carry_general_fields
 from .configuration_gpt import GPTConfig
 
 SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
@@ -28,8 +29,12 @@ _LLAMA_LIKE_FIELDS = (
     "tie_word_embeddings", "rope_parameters", "attention_dropout",
 )
 _SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Task-head fields every PretrainedConfig has (classifier labels).
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
+# GPT-2's attention options (same names on both sides) and their defaults; the other architectures have none.
+_GPT2_ATTENTION_OPTIONS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                           "reorder_and_upcast_attn": False}
+# GPT-2's multiple-choice head (GPT2DoubleHeadsModel) settings, same names on both sides, and their defaults.
+_GPT2_SUMMARY = {"summary_type": "cls_index", "summary_use_proj": True, "summary_proj_to_labels": True,
+                 "summary_activation": None, "summary_first_dropout": 0.1}
 
 
 # --------------------------------------------------------------------------- configs
@@ -38,17 +43,11 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     kind = hf.get("model_type")
     if kind not in SUPPORTED_HF_TYPES:
         raise ConfigError(f"model_type={kind!r} is not a supported HF architecture for the GPT family; supported: {', '.join(SUPPORTED_HF_TYPES)}")
-    config = _config_from_hf(hf, kind)
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, _config_from_hf(hf, kind))
 
 
 def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
     if kind == "gpt2":
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or hf.get("add_cross_attention"):
-            raise ConfigError("gpt2 checkpoints with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or add_cross_attention are not supported")
         n_embd = hf.get("n_embd", 768)
         return GPTConfig(
             flavour="gpt2", hf_architecture="gpt2", vocab_size=hf.get("vocab_size", 50257), hidden_size=n_embd,
@@ -57,7 +56,8 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
             hidden_act=hf.get("activation_function", "gelu_new"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             embedding_dropout=hf.get("embd_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
             hidden_dropout=hf.get("resid_pdrop", 0.1), initializer_range=hf.get("initializer_range", 0.02),
-            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True), add_cross_attention=bool(hf.get("add_cross_attention")),
+            **{k: hf.get(k, default) for k, default in {**_GPT2_ATTENTION_OPTIONS, **_GPT2_SUMMARY}.items()},
             **{k: hf.get(k) for k in _SPECIAL_TOKEN_FIELDS},
         )
     kwargs = {k: hf[k] for k in _LLAMA_LIKE_FIELDS if hf.get(k) is not None}
@@ -75,13 +75,23 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
         kwargs["mlp_bias"] = hf.get("mlp_bias", False)
     elif kind == "qwen2":
         kwargs["attention_bias"] = True
-        if hf.get("use_sliding_window"):
-            if hf.get("max_window_layers", 0) < hf.get("num_hidden_layers", 0):
-                raise ConfigError("qwen2 checkpoints mixing sliding-window and full-attention layers are not supported (use_sliding_window=true)")
-            kwargs["sliding_window"] = hf.get("sliding_window")
+        # transformers' rule when config.json has no layer_types: layers from max_window_layers on slide
+        kwargs.update(_windowed_layers(hf, lambda i: i >= hf.get("max_window_layers", 28)))
     else:  # mistral
         kwargs["sliding_window"] = hf.get("sliding_window")
     return GPTConfig(flavour="llama", hf_architecture=kind, **kwargs)
+
+
+def _windowed_layers(hf: dict[str, Any], slides) -> dict[str, Any]:
+    """Qwen2's and Qwen2-MoE's sliding window: ``sliding_window`` and ``layer_types`` (each layer's attention) from
+    ``use_sliding_window`` and ``config.json``'s ``layer_types``, else from the architecture's rule ``slides(i)``."""
+    if not hf.get("use_sliding_window"):
+        return {}
+    layers = hf.get("num_hidden_layers", 32)
+    types = hf.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention" for i in range(layers)]
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": hf.get("sliding_window"), "layer_types": list(types)}
 
 
 def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -> GPTConfig:
@@ -92,14 +102,12 @@ def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -
                                num_experts_chosen=hf.get("num_experts_per_tok", 2),
                                aux_loss_factor=hf.get("router_aux_loss_coef", 0.001))
     if kind == "mixtral":
-        if hf.get("router_jitter_noise"):
-            raise ConfigError(f"mixtral checkpoints with router_jitter_noise={hf['router_jitter_noise']} are not supported; "
-                              "set router_jitter_noise=0 in config.json")
-        moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True)
+        moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True,
+                   router_jitter_noise=hf.get("router_jitter_noise") or 0.0)
         kwargs["sliding_window"] = hf.get("sliding_window")
     else:  # qwen2_moe: experts of their own size, a gated shared expert, some layers possibly dense
-        if hf.get("use_sliding_window"):
-            raise ConfigError("qwen2_moe checkpoints with use_sliding_window=true are not supported")
+        # transformers' rule when config.json has no layer_types: every other layer below max_window_layers slides
+        kwargs.update(_windowed_layers(hf, lambda i: bool((i + 1) % 2) and i < hf.get("max_window_layers", 28)))
         step = hf.get("decoder_sparse_step", 1)
         dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
         moe.update(expert_num=hf.get("num_experts", 60), norm_topk_prob=hf.get("norm_topk_prob", False),
@@ -126,41 +134,55 @@ def hf_type_for(config: GPTConfig) -> str:
 
 def config_to_hf(config: GPTConfig):
     """A transformers config object (``GPT2Config``, ``LlamaConfig``, ...) equivalent to ``config``."""
-    import transformers
-
     kind = hf_type_for(config)
     _check_exportable(config, kind)
-    tokens = {k: getattr(config, k) for k in _SPECIAL_TOKEN_FIELDS + _TASK_FIELDS}
+    return carry_general_fields(config, _config_to_hf(config, kind))
+
+
+def _config_to_hf(config: GPTConfig, kind: str):
+    import transformers
+
+    tokens = {k: getattr(config, k) for k in _SPECIAL_TOKEN_FIELDS}
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
             n_head=config.num_attention_heads, n_inner=config.intermediate_size, n_positions=config.max_position_embeddings,
             activation_function=config.hidden_act, layer_norm_epsilon=config.norm_eps, embd_pdrop=config.embedding_dropout,
             attn_pdrop=config.attention_dropout, resid_pdrop=config.hidden_dropout, initializer_range=config.initializer_range,
-            tie_word_embeddings=config.tie_word_embeddings, **tokens,
+            tie_word_embeddings=config.tie_word_embeddings, add_cross_attention=config.add_cross_attention, **tokens,
+            **{k: getattr(config, k) for k in (*_GPT2_ATTENTION_OPTIONS, *_GPT2_SUMMARY)},
         )
-    kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS + _TASK_FIELDS}
+    kwargs = {k: getattr(config, k) for k in _LLAMA_LIKE_FIELDS}
     kwargs.update(rms_norm_eps=config.norm_eps, hidden_act=config.hidden_act)
     if kind == "llama":
         return transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **kwargs)
     if kind == "qwen2":
         kwargs.pop("head_dim")
-        return transformers.Qwen2Config(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
-                                        max_window_layers=config.num_hidden_layers, **kwargs)
+        return transformers.Qwen2Config(**kwargs, **_hf_window(config))
     if kind in MOE_HF_TYPES:
         moe = config.moe
         kwargs.update(num_experts_per_tok=moe.num_experts_chosen, router_aux_loss_coef=moe.aux_loss_factor,
                       output_router_logits=config.output_router_logits)
         if kind == "mixtral":  # its only MLPs are the experts, sized by intermediate_size
             kwargs["intermediate_size"] = moe.expert_size(config.intermediate_size)
-            return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num, **kwargs)
+            return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num,
+                                              router_jitter_noise=moe.router_jitter_noise, **kwargs)
         kwargs.pop("head_dim")
         return transformers.Qwen2MoeConfig(
             num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, qkv_bias=config.attention_bias,
             moe_intermediate_size=moe.expert_size(config.intermediate_size), decoder_sparse_step=1,
             shared_expert_intermediate_size=moe.shared_expert_size(config.intermediate_size),
-            mlp_only_layers=list(moe.mlp_only_layers), **kwargs)
+            mlp_only_layers=list(moe.mlp_only_layers), **kwargs, **_hf_window(config))
     return transformers.MistralConfig(sliding_window=config.sliding_window, **kwargs)
+
+
+def _hf_window(config: GPTConfig) -> dict[str, Any]:
+    """Qwen2's and Qwen2-MoE's sliding-window fields for ``config``'s layers."""
+    kinds = config.attention_kinds()
+    if "sliding_attention" not in kinds:
+        return {"use_sliding_window": False}
+    return {"use_sliding_window": True, "sliding_window": config.sliding_window, "layer_types": kinds,
+            "max_window_layers": config.num_hidden_layers}
 
 
 def _check_exportable(config: GPTConfig, kind: str) -> None:
@@ -176,8 +198,13 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         "mixtral": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_bias=False,
                         attention_out_bias=False, mlp_bias=False),
         "qwen2_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=False,
-                          mlp_bias=False, sliding_window=None, head_dim=config.hidden_size // config.num_attention_heads),
+                          mlp_bias=False, head_dim=config.hidden_size // config.num_attention_heads),
     }[kind]
+    if kind != "gpt2":
+        wanted.update(_GPT2_ATTENTION_OPTIONS)
+    if kind not in ("qwen2", "qwen2_moe") and len(set(config.attention_kinds())) > 1:
+        raise MindFormersError(f"cannot export to HF {kind}: its layers all attend alike, the model mixes "
+                               "sliding_attention and full_attention layers (layer_types); export as qwen2 or qwen2_moe")
     for field, value in wanted.items():
         if getattr(config, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")
@@ -191,6 +218,9 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
         raise MindFormersError(f"cannot export to HF {kind}: transformers never drops tokens, so it needs "
                                f"moe_config.routing_policy='dropless', the model has {moe.routing_policy!r}")
     if kind == "qwen2_moe":
+        if moe.router_jitter_noise:
+            raise MindFormersError("cannot export to HF qwen2_moe: it has no router jitter, the model has "
+                                   f"moe_config.router_jitter_noise={moe.router_jitter_noise}; export as mixtral or set it to 0")
         if not moe.shared_expert_num or not moe.use_shared_expert_gating:
             raise MindFormersError("cannot export to HF qwen2_moe: it needs a gated shared expert (moe_config."
                                    "shared_expert_num >= 1, use_shared_expert_gating=true)")
@@ -212,7 +242,12 @@ _GPT2_RENAMES = [  # (HF GPT-2 pattern, ours); {i} is the layer index
     ("h.{i}.attn.c_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
     ("h.{i}.mlp.c_fc.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
     ("h.{i}.mlp.c_proj.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+    ("h.{i}.ln_cross_attn.{p}", "model.layers.{i}.cross_attn_layernorm.{p}"),
+    ("h.{i}.crossattention.q_attn.{p}", "model.layers.{i}.cross_attn.q_proj.{p}"),
+    ("h.{i}.crossattention.c_proj.{p}", "model.layers.{i}.cross_attn.o_proj.{p}"),
 ]
+# GPT-2's Conv1D layers store weights as (in, out); nn.Linear wants (out, in).
+_CONV1D = (".c_proj.", ".c_fc.", ".q_attn.")
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -232,7 +267,7 @@ def _rename(key: str, rules) -> str | None:
 
 
 # Head modules (ours) that sit beside the base model; HF GPT-2's token classifier is named "classifier".
-_HEADS = ("lm_head.", "score.", "qa_outputs.")
+_HEADS = ("lm_head.", "score.", "qa_outputs.", "multiple_choice_head.")
 _HF_HEAD_RENAMES = {"classifier.": "score."}
 # HF question-answering classes that keep their base model under "transformer." (transformers' old name).
 _TRANSFORMER_PREFIX_QA = ("gpt2", "llama", "qwen2")
@@ -313,25 +348,24 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
     out = {}
     for key, value in hf_state.items():
         key = key.removeprefix("transformer.")
-        if key.endswith((".attn.bias", ".attn.masked_bias")):
+        if key.endswith((".attn.bias", ".attn.masked_bias", ".crossattention.bias", ".crossattention.masked_bias")):
             continue  # causal-mask buffers of old GPT-2 checkpoints
         head = _our_head_key(key)
         if head is not None:
             out[head] = value
             continue
-        m = re.match(r"^h\.(\d+)\.attn\.c_attn\.(weight|bias)$", key)
-        if m:
-            i, p = m.groups()
-            parts = value.t().chunk(3, dim=0) if p == "weight" else value.chunk(3)
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                out[f"model.layers.{i}.self_attn.{name}.{p}"] = part.contiguous()
+        m = re.match(r"^h\.(\d+)\.(attn|crossattention)\.c_attn\.(weight|bias)$", key)
+        if m:  # fused q, k, v (self-attention) or k, v (cross-attention, whose queries are q_attn)
+            i, where, p = m.groups()
+            names, attn = (("q_proj", "k_proj", "v_proj"), "self_attn") if where == "attn" else (("k_proj", "v_proj"), "cross_attn")
+            parts = value.t().chunk(len(names), dim=0) if p == "weight" else value.chunk(len(names))
+            for name, part in zip(names, parts):
+                out[f"model.layers.{i}.{attn}.{name}.{p}"] = part.contiguous()
             continue
         new = _rename(key, _GPT2_TO_OURS)
         if new is None:
             raise MindFormersError(f"unexpected tensor {key!r} in the gpt2 checkpoint")
-        # GPT-2's Conv1D stores weights as (in, out); nn.Linear wants (out, in).
-        conv = key.endswith(".weight") and (".c_proj." in key or ".c_fc." in key)
-        out[new] = value.t().contiguous() if conv else value
+        out[new] = value.t().contiguous() if key.endswith(".weight") and any(c in key for c in _CONV1D) else value
     return out
 
 
@@ -351,19 +385,20 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: st
             body = {"transformer." + k.split(".", 1)[1]: v for k, v in body.items()}
         return {**body, **heads}
     out: dict[str, torch.Tensor] = dict(heads)
-    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    fused: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
     for key, value in body.items():
-        m = re.match(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$", key)
+        m = re.match(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]|cross_attn\.[kv])_proj\.(weight|bias)$", key)
         if m:
             i, which, p = m.groups()
-            qkv.setdefault((i, p), {})[which] = value
+            attn, part = which.split(".")
+            fused.setdefault((i, "attn" if attn == "self_attn" else "crossattention", p), {})[part] = value
             continue
         new = _rename(key, _OURS_TO_GPT2)
         if new is None:
             raise MindFormersError(f"tensor {key!r} has no place in a gpt2 checkpoint")
-        conv = new.endswith(".weight") and (".c_proj." in new or ".c_fc." in new)
+        conv = new.endswith(".weight") and any(c in new for c in _CONV1D)
         out[f"transformer.{new}"] = value.t().contiguous() if conv else value
-    for (i, p), parts in qkv.items():
-        fused = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-        out[f"transformer.h.{i}.attn.c_attn.{p}"] = fused.t().contiguous() if p == "weight" else fused
+    for (i, where, p), parts in fused.items():
+        joined = torch.cat([parts[n] for n in "qkv" if n in parts], dim=0)
+        out[f"transformer.h.{i}.{where}.c_attn.{p}"] = joined.t().contiguous() if p == "weight" else joined
     return out

@@ -21,28 +21,27 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-    QuestionAnsweringModelOutput,
-    SequenceClassifierOutputWithPast,
-    TokenClassifierOutput,
-)
+from transformers import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, \
+    SequenceClassifierOutputWithPast
+from transformers.models.gpt2.modeling_gpt2 import GPT2DoubleHeadsModelOutput
 
 from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
-from ...layers.loss import IGNORE_INDEX, question_answering_loss, sequence_classification_loss, \
-    token_cross_entropy
-from ...layers.loss import shift_labels as shift_labels_of
+from ...layers.heads import SequenceSummary
+from ...layers.masks import key_padding_mask
+from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
 from ..moe_outputs import MoECausalLMOutputWithPast, MoEModelOutputWithPast
+from ..task_heads import QuestionAnswering, SequenceClassification, TokenClassification
 from .configuration_gpt import GPTConfig
 
 
@@ -91,7 +90,8 @@ class GPTModel(GPTPreTrainedModel):
             self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters)
         self.drop = nn.Dropout(config.embedding_dropout)
         moe_layers = set(config.moe_layers())
-        self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None)
+        self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None,
+                                                     cross_attention=config.cross_attends)
                                     for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
         self.gradient_checkpointing = False
@@ -113,6 +113,9 @@ class GPTModel(GPTPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Last hidden states (B, T, C) of ``input_ids`` (or ``inputs_embeds``); with ``output_hidden_states`` /
@@ -121,6 +124,11 @@ class GPTModel(GPTPreTrainedModel):
 
         On a pipeline stage without ``embed_tokens``, ``inputs_embeds`` is the previous stage's output and
         ``position_ids`` (which then must cover the whole sequence) give the length masks are built for.
+
+        ``token_type_ids`` (B, T), GPT-2's segment ids, are embedded with the token embedding and added, as
+        transformers' GPT-2 does (a Llama-flavoured model ignores them, as transformers' Llama does). A GPT-2 with
+        ``config.add_cross_attention`` (the decoder of an encoder-decoder) attends to ``encoder_hidden_states``
+        (B, S, C), padded as ``encoder_attention_mask`` (B, S) says, and keeps an ``EncoderDecoderCache``.
 
         An MoE model also returns ``router_stats`` (B, layers, width), adding its layers' rows to the
         ``router_stats`` keyword argument (a previous pipeline stage's) or to zeros, and ``router_logits`` with
@@ -137,40 +145,53 @@ class GPTModel(GPTPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None and not self.training:
             past_key_values = DynamicCache()
-        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        if self.config.cross_attends and past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values = EncoderDecoderCache(past_key_values, DynamicCache())
+        self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        past_length = int(self_cache.get_seq_length()) if self_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + length, device=hidden_states.device)[None]
             self._check_context(past_length + length, f"sequence of {past_length + length} tokens ({past_length} cached + "
                                                       f"{length} new)")
         elif not torch.compiler.is_compiling():  # the positions decide (packed rows restart them): a data check
             self._check_context(int(position_ids.max()) + 1, f"position id {int(position_ids.max())}")
-        if past_key_values is not None:
-            kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
+        if self_cache is not None:
+            kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
             kv_length, kv_offset = length, 0
-        mask = build_attention_mask(
-            attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
-            sliding_window=self.config.sliding_window, device=hidden_states.device, position_ids=position_ids,
-        )
+        kinds = self.config.attention_kinds()
+        # transformers' generation may hand one ready mask per attention kind (a static cache, layer_types).
+        masks = {kind: build_attention_mask(
+            attention_mask.get(kind) if isinstance(attention_mask, dict) else attention_mask, query_length=length, kv_length=kv_length, kv_offset=kv_offset, past_length=past_length,
+            sliding_window=self.config.sliding_window if kind == "sliding_attention" else None,
+            device=hidden_states.device, position_ids=position_ids,
+        ) for kind in set(kinds)}  # one mask per attention kind, shared by the layers of that kind
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = self.rotary_emb(position_ids, hidden_states.dtype)
         if self.embed_tokens is not None:  # the embedding phase runs on the stage that embeds
             if self.config.position_embedding_type == "learned":
                 hidden_states = hidden_states + self.embed_positions(position_ids)
+                if token_type_ids is not None:  # GPT-2's segments share the token embedding
+                    hidden_states = hidden_states + self.embed_tokens(token_type_ids)
             hidden_states = self.drop(hidden_states)
         moe = self.config.moe
         if moe is None:
+            cross = dict(encoder_hidden_states=encoder_hidden_states,
+                         encoder_attention_mask=key_padding_mask(encoder_attention_mask)) if self.config.cross_attends else {}
             for layer in self.layers:
-                hidden_states = layer(hidden_states, mask, rotary, past_key_values=past_key_values)
+                hidden_states = layer(hidden_states, masks[kinds[layer.layer_idx]], rotary, past_key_values=past_key_values,
+                                      **cross)
         else:
             router_stats = kwargs.get("router_stats")
             if router_stats is None:
                 router_stats = hidden_states.new_zeros(hidden_states.shape[0], self.config.num_hidden_layers,
                                                        stat_width(moe.expert_num), dtype=torch.float32)
-            token_mask = attention_mask[:, -length:] if attention_mask is not None and attention_mask.dim() == 2 else None
+            padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            token_mask = attention_mask[:, -length:] if padding else None
             for layer in self.layers:
-                out = layer(hidden_states, mask, rotary, past_key_values=past_key_values, token_mask=token_mask)
+                out = layer(hidden_states, masks[kinds[layer.layer_idx]], rotary, past_key_values=past_key_values,
+                            token_mask=token_mask)
                 if isinstance(out, tuple):  # an MoE layer: its statistics go to its own row
                     hidden_states, stats = out
                     row = torch.tensor([layer.layer_idx], device=stats.device)
@@ -185,9 +206,11 @@ class GPTModel(GPTPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None))
 
     def _check_context(self, needed: int, what: str) -> None:
-        if needed > self.config.max_position_embeddings:
-            raise MindFormersError(f"{what} exceeds the context length max_position_embeddings="
-                                   f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
+        """Learned positions end at their table (rotary ones have no end: transformers runs them at any length)."""
+        limit = self.config.position_limit
+        if limit is not None and needed > limit:
+            raise MindFormersError(f"{what} exceeds the context length max_position_embeddings={limit}; shorten the "
+                                   "prompt or max_new_tokens")
 
 
 class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
@@ -229,33 +252,33 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss.
+        """Logits for every position (or the last ``logits_to_keep``); with ``labels``, the next-token loss (with a
+        ``shift_labels`` keyword too, those pre-shifted targets are scored instead, as transformers does).
 
         An MoE model with ``output_router_logits`` (argument or config) also returns the load-balancing ``aux_loss``
         and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
-        (:meth:`router_loss`), as transformers' Mixtral does. ``shift_labels`` (a keyword argument, transformers'
-        convention) are labels already shifted: position t is scored against ``shift_labels[t]``."""
-        shift_labels = kwargs.pop("shift_labels", None)  # labels already shifted (transformers' convention)
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, **kwargs)
+        (:meth:`router_loss`), as transformers' Mixtral does."""
+        shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
+        # token_type_ids (GPT-2's segments) named here: transformers' generate passes only the inputs forward names
+        out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                         token_type_ids=token_type_ids, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden = hidden[:, logits_to_keep]
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)  # (B, T, V)
-        loss = causal_lm_loss(logits, labels, num_items_in_batch, shift_labels) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         if self.config.moe is None:
             return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         aux_loss = None
         requested = kwargs.get("output_router_logits")
         if self.config.output_router_logits if requested is None else requested:
-            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch,
-                                                     shift_labels=shift_labels)
+            aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch, shift_labels=shifted)
             if loss is not None:
                 loss = loss + router_loss
         return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
@@ -276,7 +299,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         aux, z = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope)
         if labels is None:
             return aux, moe.aux_loss_factor * aux + moe.z_loss_factor * z
-        targets = shift_labels if shift_labels is not None else shift_labels_of(labels)
+        targets = next_token_targets(labels) if shift_labels is None else shift_labels
         items = (targets != IGNORE_INDEX).sum(-1).to(router_stats.device)
         aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
         if counted and self.training and self.training_metrics is not None:
@@ -297,122 +320,91 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
 
 
-class GPTForSequenceClassification(GPTPreTrainedModel):
+class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):
+    """GPT-2 with the language-modelling head and a multiple-choice head (``multiple_choice_head``: a
+    :class:`~mindformers_py.layers.heads.SequenceSummary` of each choice's token at ``mc_token_ids``), transformers'
+    ``GPT2DoubleHeadsModel`` (Radford et al. 2018's fine-tuning setup). Inputs may have leading dimensions
+    (batch, choices, length); the LM loss is the next-token cross-entropy, the multiple-choice loss the
+    cross-entropy over the choices, each a mean, as there."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _whole_sequence_modules = ("lm_head", "multiple_choice_head")  # every position, and the chosen ones
+    # Two losses with different items (tokens, choices): Trainers average it per micro-batch, as transformers'.
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: GPTConfig) -> None:
+        config.num_labels = 1  # one score per choice, as transformers sets it
+        super().__init__(config)
+        self.model = GPTModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        outputs = (config.num_labels if config.summary_proj_to_labels else config.hidden_size) \
+            if config.summary_use_proj else None
+        self.multiple_choice_head = SequenceSummary(config.hidden_size, config.summary_type, outputs,
+                                                    config.summary_activation, config.summary_first_dropout)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @accepts_cache_argument
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        mc_token_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        mc_labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> GPT2DoubleHeadsModelOutput:
+        """LM logits (..., T, V) and choice scores (B, choices) of (B, choices, T) inputs (any leading dimensions);
+        ``mc_token_ids`` (B, choices) is each choice's classification token (its last token without it). With
+        ``labels`` the LM loss, with ``mc_labels`` (B,) the multiple-choice loss."""
+        reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+        lead = reference.shape[:-1]
+        flat = lambda t: None if t is None else t.reshape(-1, *t.shape[len(lead):])  # noqa: E731
+        out = self.model(flat(input_ids), flat(attention_mask), flat(position_ids), past_key_values, flat(inputs_embeds),
+                         use_cache, flat(token_type_ids), **kwargs)
+        hidden = out.last_hidden_state.reshape(*lead, *out.last_hidden_state.shape[1:])  # (..., T, C)
+        logits = self.lm_head(hidden)
+        mc_logits = self.multiple_choice_head(hidden, mc_token_ids).squeeze(-1)
+        mc_loss = choice_cross_entropy(mc_logits.view(-1, mc_logits.shape[-1]), mc_labels) if mc_labels is not None else None
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        return GPT2DoubleHeadsModelOutput(loss=loss, mc_loss=mc_loss, logits=logits, mc_logits=mc_logits,
+                                          **cache_output(output_cache(out)), hidden_states=out.hidden_states,
+                                          attentions=out.attentions)
+
+
+class GPTForSequenceClassification(SequenceClassification, GPTPreTrainedModel):
     """GPT with a linear ``score`` head on the last real (non-padding) token, as HF's GPT-2/Llama classifiers;
     single-label, multi-label or regression by ``config.problem_type``."""
 
+    base_model_class = GPTModel
+    head_name, pooling, head_bias = "score", "last", False
+    output_class = SequenceClassifierOutputWithPast
     _pp_plan = {"score": (["hidden_states"], ["logits"])}
-    _whole_sequence_modules = ("score",)  # pools or scores every position
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.model = GPTModel(config)
-        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-        self.post_init()
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> SequenceClassifierOutputWithPast:
-        """Logits (B, num_labels) of each row's last real token (found from ``input_ids`` and
-        ``config.pad_token_id``); with ``labels``, the loss of ``config.problem_type``."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
-        if self.score is None:
-            return out
-        logits = self.score(out.last_hidden_state)  # (B, T, num_labels)
-        pooled = logits[torch.arange(logits.shape[0], device=logits.device), self._last_token(input_ids, logits)]
-        loss = sequence_classification_loss(pooled, labels, self.config, num_items_in_batch) if labels is not None else None
-        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, hidden_states=out.hidden_states,
-                                                attentions=out.attentions)
-
-    def _last_token(self, input_ids: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
-        """Index of each row's last non-padding token; works for left and right padding alike."""
-        batch, length = logits.shape[:2]
-        if input_ids is not None and self.config.pad_token_id is not None:
-            not_pad = (input_ids != self.config.pad_token_id).int()
-            return (torch.arange(input_ids.shape[-1], device=logits.device) * not_pad).argmax(-1)
-        if batch > 1 and input_ids is not None:
-            raise MindFormersError("pad_token_id is not set in the config, so padded batches cannot be classified; set config.pad_token_id")
-        return torch.full((batch,), length - 1, device=logits.device)
 
 
-class GPTForTokenClassification(GPTPreTrainedModel):
+class GPTForTokenClassification(TokenClassification, GPTPreTrainedModel):
     """GPT with a linear ``score`` head on every token (HF's ``LlamaForTokenClassification``; GPT-2's is named
     ``classifier``, renamed on conversion), after dropout of ``classifier_dropout``."""
 
+    base_model_class = GPTModel
+    head_name = "score"
     _pp_plan = {"score": (["hidden_states"], ["logits"])}
-    _whole_sequence_modules = ("score",)  # pools or scores every position
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.model = GPTModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> TokenClassifierOutput:
-        """Logits (B, T, num_labels); with ``labels`` (B, T, -100 ignored), the token cross-entropy."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
-        if self.score is None:
-            return out
-        logits = self.score(self.dropout(out.last_hidden_state))
-        loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class GPTForQuestionAnswering(GPTPreTrainedModel):
+class GPTForQuestionAnswering(QuestionAnswering, GPTPreTrainedModel):
     """GPT with a ``qa_outputs`` head giving each token a start and an end logit for an extractive answer span."""
 
+    base_model_class = GPTModel
     _pp_plan = {"qa_outputs": (["hidden_states"], ["logits"])}
-    _whole_sequence_modules = ("qa_outputs",)
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        self.model = GPTModel(config)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.post_init()
-
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        start_positions: torch.LongTensor | None = None,
-        end_positions: torch.LongTensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> QuestionAnsweringModelOutput:
-        """Start and end logits (B, T); with ``start_positions`` and ``end_positions``, the span loss."""
-        out = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, use_cache=False, **kwargs)
-        if self.qa_outputs is None:
-            return out
-        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in self.qa_outputs(out.last_hidden_state).split(1, dim=-1))
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            loss = question_answering_loss(start_logits, end_logits, start_positions, end_positions, num_items_in_batch)
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=out.hidden_states, attentions=out.attentions)

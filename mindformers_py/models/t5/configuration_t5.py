@@ -109,8 +109,8 @@ class T5Config(PretrainedConfig):
     relative_attention_max_distance: int = 128
     """Distances from here on share the last bucket."""
     max_position_embeddings: int = 512
-    """Longest source (and target) sequence the model accepts (``n_positions``; T5 trained on 512 tokens). The
-    relative bias itself has no length limit; longer inputs are refused with a one-line error."""
+    """The sequence length the model was trained for (``n_positions``; T5 trained on 512 tokens). The relative
+    position bias has no length limit, so longer inputs run, as in transformers (which does not read it either)."""
     dropout_rate: float = 0.1
     """Dropout after the embeddings, on attention probabilities, inside the feed-forward, on every residual branch
     and after each stack's final norm."""
@@ -198,6 +198,11 @@ class T5Config(PretrainedConfig):
         return self.num_attention_heads
 
     @property
+    def position_limit(self) -> None:
+        """No limit on the sequence length: relative positions are bucketed, whatever the distance."""
+        return None
+
+    @property
     def scales_decoder_outputs(self) -> bool:
         """Whether the decoder output is scaled by ``hidden_size ** -0.5`` (resolving ``scale_decoder_outputs``)."""
         return self.tie_word_embeddings if self.scale_decoder_outputs is None else bool(self.scale_decoder_outputs)
@@ -212,3 +217,5 @@ class T5Config(PretrainedConfig):
     hidden_dropout = _Derived(lambda self: self.dropout_rate, "Dropout on each residual branch.", "dropout_rate")
     mlp_dropout = _Derived(lambda self: self.dropout_rate, "Dropout inside the feed-forward, before its output.",
                            "dropout_rate")
+    norm_casts_to_weight_dtype = _Derived(lambda self: True, "Half-precision norms return their own dtype, so float32 "
+                                          "feed-forward outputs (kept in float32 under float16) meet float16 layers.")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, MindFormersError
+from ..hf_config import carry_general_fields
 from .configuration_t5 import T5Config
 
 SUPPORTED_HF_TYPES = ("t5", "mt5")
@@ -28,7 +29,6 @@ _FIELDS = (
     ("feed_forward_proj", "feed_forward_proj"), ("n_positions", "max_position_embeddings"),
     ("task_specific_params", "task_specific_params"), ("prefix", "prefix"), ("use_cache", "use_cache"),
 )
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 # --------------------------------------------------------------------------- configs
@@ -47,11 +47,7 @@ def config_from_hf(hf: dict[str, Any]) -> T5Config:
     kwargs["scale_decoder_outputs"] = False if kind == "mt5" else hf.get("scale_decoder_outputs", bool(tied))
     for field in _SPECIAL_TOKEN_FIELDS:  # kept as written, None included (a missing decoder_start_token_id stays missing)
         kwargs[field] = hf.get(field)
-    config = T5Config(hf_architecture=kind, **kwargs)
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, T5Config(hf_architecture=kind, **kwargs))
 
 
 def hf_type_for(config: T5Config) -> str:
@@ -68,11 +64,11 @@ def config_to_hf(config: T5Config):
         raise MindFormersError("cannot export to HF mt5: it never scales the decoder output, the model has "
                                "scale_decoder_outputs=True; export as t5")
     kwargs = {theirs: getattr(config, ours) for theirs, ours in _FIELDS}
-    kwargs.update({field: getattr(config, field) for field in _SPECIAL_TOKEN_FIELDS + _TASK_FIELDS})
+    kwargs.update({field: getattr(config, field) for field in _SPECIAL_TOKEN_FIELDS})
     kwargs["tie_word_embeddings"] = config.tie_word_embeddings
     if kind == "mt5":
-        return transformers.MT5Config(**kwargs)
-    hf = transformers.T5Config(**kwargs)
+        return carry_general_fields(config, transformers.MT5Config(**kwargs))
+    hf = carry_general_fields(config, transformers.T5Config(**kwargs))
     hf.scale_decoder_outputs = config.scales_decoder_outputs
     hf.tie_word_embeddings = config.tie_word_embeddings  # transformers 5 forces True; saved as ours says
     return hf

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
 )
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -36,6 +37,7 @@ from ...errors import ConfigError, MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
+from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
 from ..cache_names import CACHE_NAMES, accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -67,6 +69,9 @@ class T5PreTrainedModel(MindFormersPreTrainedModel):
     config_class = T5Config
     config: T5Config
     base_model_prefix = "model"
+    # transformers' T5 keeps its feed-forward output projection ("wo") in float32 when loaded in float16: its
+    # activations overflow float16 (and the MLP casts its hidden states to that projection's dtype).
+    _keep_in_fp32_modules = ["down_proj"]
     _can_record_outputs = {
         "hidden_states": TransformerBlock,
         "attentions": OutputRecorder(Attention, index=1, layer_name="self_attn"),
@@ -103,18 +108,23 @@ class T5PreTrainedModel(MindFormersPreTrainedModel):
 
 
 class T5Stack(T5PreTrainedModel):
-    """One stack of T5 layers over already embedded inputs: the encoder (bidirectional) or the decoder (causal,
-    cross-attending to the encoder output). Its own transformers model so that each stack records its own
-    ``hidden_states``/``attentions`` (transformers' T5 does the same).
+    """One stack of T5 layers: the encoder (bidirectional) or the decoder (causal, cross-attending to the encoder
+    output). Like transformers' ``T5Stack`` it embeds ``input_ids`` with the model's shared embedding
+    (:attr:`embed_tokens`) and takes its own attention masks, so ``model.get_encoder()`` / ``get_decoder()`` are
+    called as there. Its own transformers model so that each stack records its own ``hidden_states``/``attentions``
+    (transformers' T5 does the same).
 
     Parts: ``position_bias`` (None on pipeline stages after the first: the bias then comes from the previous
-    stage), ``drop`` (the dropout of the embedding phase, run by :class:`T5Model`), ``layers``, ``norm`` and
-    ``final_dropout`` (None before the stage holding the stack's last layer).
+    stage), ``drop`` (the dropout of the embedding phase), ``layers``, ``norm`` and ``final_dropout`` (None before
+    the stage holding the stack's last layer).
     """
 
-    def __init__(self, config: T5Config, is_decoder: bool) -> None:
+    def __init__(self, config: T5Config, is_decoder: bool, owner: nn.Module | None = None) -> None:
         super().__init__(config)
         self.is_decoder = is_decoder
+        # The model holding the shared embedding: a plain reference, not a submodule (the embedding is saved once, as
+        # the model's ``shared``), read at every call so that a pipeline stage without it sees None.
+        object.__setattr__(self, "_owner", owner)
         count = config.num_decoder_layers if is_decoder else config.num_hidden_layers
         self.position_bias = RelativePositionBias(config.num_attention_heads, config.relative_attention_num_buckets,
                                                   config.relative_attention_max_distance, bidirectional=not is_decoder)
@@ -122,10 +132,19 @@ class T5Stack(T5PreTrainedModel):
         self.layers = nn.ModuleList(
             TransformerBlock(config, i, is_causal=is_decoder, cross_attention=is_decoder) for i in range(count)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, cast_to_weight_dtype=True)
         self.final_dropout = nn.Dropout(config.dropout_rate)
         self.gradient_checkpointing = False
         self.post_init()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding | None:
+        """The token embedding the stack embeds ``input_ids`` with: the owning model's ``shared`` (None on a
+        pipeline stage without it, or for a stack built alone)."""
+        return getattr(self._owner, "shared", None)
+
+    def get_input_embeddings(self) -> nn.Embedding | None:
+        return self.embed_tokens
 
     def init_parallel_plans(self) -> None:
         """No plans of its own: the config's plans are :class:`T5Model`'s, which holds both stacks."""
@@ -136,25 +155,31 @@ class T5Stack(T5PreTrainedModel):
     @capture_outputs
     def forward(
         self,
-        hidden_states: torch.Tensor,
+        input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_bias: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
+        position_bias: torch.Tensor | None = None,
         return_position_bias: bool = False,
         **kwargs,
     ) -> T5StackOutput:
-        """The stack over ``hidden_states`` (B, T, C) (the embedded inputs after their dropout, or the previous
-        pipeline stage's hidden states). ``attention_mask`` (B, T) marks real tokens; ``position_bias`` is the
-        stack's unmasked bias when a previous stage computed it; ``encoder_hidden_states`` (B, S, C) and
-        ``encoder_attention_mask`` (B, S) are what the decoder attends to; ``past_key_values`` an
-        ``EncoderDecoderCache`` (decoder only)."""
-        batch, length = hidden_states.shape[:2]
+        """The stack over ``input_ids`` (or ``inputs_embeds``), as transformers' ``T5Stack``: embedded, dropout,
+        the layers, the final norm. ``attention_mask`` (B, T) marks real tokens; ``encoder_hidden_states`` (B, S, C)
+        and ``encoder_attention_mask`` (B, S) are what the decoder attends to; ``past_key_values`` an
+        ``EncoderDecoderCache`` (decoder only). On a pipeline stage without the embedding, ``inputs_embeds`` are the
+        previous stage's hidden states, taken as they are, and ``position_bias`` the stack's unmasked bias the first
+        stage computed (``return_position_bias`` hands it on)."""
+        hidden_states = self._embed(input_ids, inputs_embeds)
+        length = hidden_states.shape[1]
+        if self.is_decoder:  # as transformers' decoder stack, which opens its own cache (get_decoder() called alone)
+            use_cache = self.config.use_cache if use_cache is None else use_cache
+            if use_cache and past_key_values is None and not self.training:
+                past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         past = int(self_cache.get_seq_length()) if self_cache is not None else 0
-        self._check_length(past + length)
         if self_cache is not None:
             kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
@@ -169,7 +194,7 @@ class T5Stack(T5PreTrainedModel):
         scores_bias = additive_mask(position_bias, mask, causal=self.is_decoder)
         cross_mask = None
         if encoder_hidden_states is not None:
-            cross_mask = _key_padding_mask(encoder_attention_mask)
+            cross_mask = key_padding_mask(encoder_attention_mask)
         for layer in self.layers:
             hidden_states = layer(hidden_states, None, None, past_key_values, scores_bias,
                                   encoder_hidden_states, cross_mask)
@@ -178,40 +203,20 @@ class T5Stack(T5PreTrainedModel):
         return T5StackOutput(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None),
                              position_bias=position_bias if return_position_bias else None)
 
-    def _check_length(self, needed: int) -> None:
-        limit = self.config.max_position_embeddings
-        if needed > limit:
-            what = "target (decoder input)" if self.is_decoder else "source (encoder input)"
-            raise MindFormersError(f"the {what} has {needed} tokens, more than the model's limit max_position_embeddings="
-                                   f"{limit}; truncate it (tokenizer(..., truncation=True, max_length={limit})) or "
-                                   "raise max_position_embeddings")
-
-
-def _key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean (B, 1, 1, S) mask of the encoder's real tokens for cross-attention; None when nothing is padded (the
-    value check is skipped under ``torch.compile``)."""
-    if mask is None or mask.dim() == 4:
-        return None if mask is None else mask.bool()
-    if not torch.compiler.is_compiling() and bool(mask.all()):
-        return None
-    return mask.bool()[:, None, None, :]
-
-
-class T5EncoderView:
-    """What ``get_encoder()`` returns to transformers' generation: ``forward(input_ids, attention_mask,
-    inputs_embeds, ...)`` embeds and encodes (:meth:`T5Model.encode`), as transformers' T5 encoder does."""
-
-    main_input_name = "input_ids"
-
-    def __init__(self, model: "T5Model | T5EncoderModel") -> None:
-        self.model = model
-
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> BaseModelOutput:
-        """The encoder's output for ``input_ids`` (or ``inputs_embeds``)."""
-        return self.model.encode(input_ids, attention_mask, inputs_embeds, **kwargs)
-
-    __call__ = forward
+    def _embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The embedding phase: token embeddings (or ``inputs_embeds``) and the stack's input dropout. On a pipeline
+        stage without the embedding, ``inputs_embeds`` are the previous stage's hidden states, taken as they are."""
+        what = "decoder" if self.is_decoder else "encoder"
+        embedding = self.embed_tokens
+        if embedding is None:
+            if inputs_embeds is None:
+                raise MindFormersError(f"this {what} stack holds no embedding: pass the embedded inputs (or the previous "
+                                       "pipeline stage's hidden states) as inputs_embeds")
+            return inputs_embeds
+        if (input_ids is None) == (inputs_embeds is None):
+            names = "decoder_input_ids / decoder_inputs_embeds" if self.is_decoder else "input_ids / inputs_embeds"
+            raise MindFormersError(f"pass exactly one of the {what} token ids or embeddings ({names})")
+        return self.drop(embedding(input_ids) if inputs_embeds is None else inputs_embeds)
 
 
 class T5Model(T5PreTrainedModel):
@@ -221,8 +226,8 @@ class T5Model(T5PreTrainedModel):
     def __init__(self, config: T5Config) -> None:
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.encoder = T5Stack(config, is_decoder=False)
-        self.decoder = T5Stack(config, is_decoder=True)
+        self.encoder = T5Stack(config, is_decoder=False, owner=self)
+        self.decoder = T5Stack(config, is_decoder=True, owner=self)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -231,27 +236,13 @@ class T5Model(T5PreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.shared = value
 
-    def get_encoder(self, modality: str | None = None) -> T5EncoderView:
-        """The embedding and the encoder stack as one callable taking ``input_ids`` (for ``generate``)."""
-        return T5EncoderView(self)
+    def get_encoder(self, modality: str | None = None) -> T5Stack:
+        """The encoder stack (it takes ``input_ids`` and embeds them with ``shared``), as transformers'."""
+        return self.encoder
 
     def get_decoder(self) -> T5Stack:
+        """The decoder stack (it takes ``input_ids`` and embeds them with ``shared``), as transformers'."""
         return self.decoder
-
-    def _embed(self, stack: T5Stack, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
-               what: str) -> torch.Tensor:
-        """The embedding phase of ``stack``'s inputs: token embeddings (or ``inputs_embeds``) and the stack's input
-        dropout. On a pipeline stage without ``shared``, ``inputs_embeds`` are the previous stage's hidden states,
-        taken as they are."""
-        if self.shared is None:
-            if inputs_embeds is None:
-                raise MindFormersError(f"this pipeline stage holds no embeddings: pass the previous stage's {what} "
-                                       "hidden states as embeddings")
-            return inputs_embeds
-        if (input_ids is None) == (inputs_embeds is None):
-            raise MindFormersError(f"pass exactly one of the {what} token ids or embeddings "
-                                   f"({'decoder_input_ids / decoder_inputs_embeds' if what == 'decoder' else 'input_ids / inputs_embeds'})")
-        return stack.drop(self.shared(input_ids) if inputs_embeds is None else inputs_embeds)
 
     def encode(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                inputs_embeds: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
@@ -260,8 +251,8 @@ class T5Model(T5PreTrainedModel):
         kwargs.pop("use_cache", None)
         for name in CACHE_NAMES:  # the encoder keeps no cache
             kwargs.pop(name, None)
-        hidden = self._embed(self.encoder, input_ids, inputs_embeds, "encoder")
-        return self.encoder(hidden, attention_mask, position_bias, **kwargs)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                            position_bias=position_bias, **kwargs)
 
     @accepts_cache_argument
     @can_return_tuple
@@ -296,13 +287,10 @@ class T5Model(T5PreTrainedModel):
                 hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
                 attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
             )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None and not self.training:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        hidden = self._embed(self.decoder, decoder_input_ids, decoder_inputs_embeds, "decoder")
         decoder_outputs = self.decoder(
-            hidden, decoder_attention_mask, decoder_position_bias, encoder_outputs[0], attention_mask,
-            past_key_values, use_cache, return_position_bias=return_position_bias, **kwargs,
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, encoder_hidden_states=encoder_outputs[0],
+            encoder_attention_mask=attention_mask, inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+            use_cache=use_cache, position_bias=decoder_position_bias, return_position_bias=return_position_bias, **kwargs,
         )
         return T5ModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -346,8 +334,8 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def get_encoder(self, modality: str | None = None) -> T5EncoderView:
-        return self.model.get_encoder(modality)
+    def get_encoder(self, modality: str | None = None) -> T5Stack:
+        return self.model.encoder
 
     def get_decoder(self) -> T5Stack:
         return self.model.decoder
@@ -387,11 +375,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
         )
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            hidden = hidden[:, logits_to_keep]
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         if self.config.scales_decoder_outputs:  # T5 v1: the tied head sees the output scaled by d_model^-0.5
             hidden = hidden * self.config.hidden_size**-0.5
         logits = self.lm_head(hidden)
@@ -427,9 +411,12 @@ class T5EncoderModel(T5PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: T5Config) -> None:
+        # An encoder alone keeps no cache and is no encoder-decoder: its config says so, as transformers' does.
+        config.use_cache = False
+        config.is_encoder_decoder = False
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.encoder = T5Stack(config, is_decoder=False)
+        self.encoder = T5Stack(config, is_decoder=False, owner=self)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -438,10 +425,9 @@ class T5EncoderModel(T5PreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.shared = value
 
-    def get_encoder(self, modality: str | None = None) -> T5EncoderView:
-        return T5EncoderView(self)
+    def get_encoder(self, modality: str | None = None) -> T5Stack:
+        return self.encoder
 
-    _embed = T5Model._embed
     encode = T5Model.encode
 
     @can_return_tuple

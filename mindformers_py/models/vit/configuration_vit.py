@@ -84,6 +84,9 @@ class ViTConfig(PretrainedConfig):
     """Output size of :class:`ViTModel`'s pooler (dense + activation on the class token); None means hidden_size."""
     pooler_act: str = "tanh"
     """Activation of the pooler."""
+    encoder_stride: int = 16
+    """Upsampling factor of :class:`ViTForMaskedImageModeling`'s decoder (a 1x1 convolution and a pixel shuffle);
+    equal to ``patch_size`` to reconstruct images of the input's size."""
 
     def __post_init__(self, **kwargs: Any) -> None:
         # Aliases arrive as extra kwargs; apply them before checking the sizes.

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, ConfigError
+from ..hf_config import carry_general_fields
 from .configuration_vit import ViTConfig
 
 SUPPORTED_HF_TYPES = ("vit",)
 HF_PREFIX = "vit."
-_TASK_FIELDS = ("id2label", "label2id", "problem_type")
 # HF config field -> ours (same meaning; the aliases of ViTConfig).
 _CONFIG_FIELDS = {
     "image_size": "image_size", "patch_size": "patch_size", "num_channels": "num_channels", "hidden_size": "hidden_size",
@@ -27,7 +27,7 @@ _CONFIG_FIELDS = {
     "intermediate_size": "intermediate_size", "hidden_act": "hidden_act", "layer_norm_eps": "norm_eps",
     "qkv_bias": "attention_bias", "hidden_dropout_prob": "hidden_dropout",
     "attention_probs_dropout_prob": "attention_dropout", "initializer_range": "initializer_range",
-    "pooler_output_size": "pooler_output_size", "pooler_act": "pooler_act",
+    "pooler_output_size": "pooler_output_size", "pooler_act": "pooler_act", "encoder_stride": "encoder_stride",
 }
 
 
@@ -42,10 +42,7 @@ def config_from_hf(hf: dict[str, Any]) -> ViTConfig:
         raise ConfigError(f"patch_size={hf['patch_size']!r} is not supported: ViT checkpoints with non-square patches "
                           "cannot interpolate their positions; expected one integer")
     config = ViTConfig(**{ours: hf[theirs] for theirs, ours in _CONFIG_FIELDS.items() if hf.get(theirs) is not None})
-    for field in _TASK_FIELDS:
-        if hf.get(field) is not None:
-            setattr(config, field, {int(k): v for k, v in hf[field].items()} if field == "id2label" else hf[field])
-    return config
+    return carry_general_fields(hf, config)
 
 
 def hf_type_for(config: ViTConfig) -> str:
@@ -58,8 +55,7 @@ def config_to_hf(config: ViTConfig):
     import transformers
 
     kwargs = {theirs: getattr(config, ours) for theirs, ours in _CONFIG_FIELDS.items()}
-    kwargs.update({k: getattr(config, k) for k in _TASK_FIELDS})
-    return transformers.ViTConfig(**kwargs)
+    return carry_general_fields(config, transformers.ViTConfig(**kwargs))
 
 
 # --------------------------------------------------------------------------- weights
@@ -68,6 +64,7 @@ def config_to_hf(config: ViTConfig):
 _RENAMES = [
     ("embeddings.cls_token", "embeddings.cls_token"),
     ("embeddings.position_embeddings", "embeddings.position_embeddings"),
+    ("embeddings.mask_token", "embeddings.mask_token"),
     ("embeddings.patch_embeddings.projection.{p}", "embeddings.projection.{p}"),
     ("encoder.layer.{i}.attention.attention.query.{p}", "layers.{i}.self_attn.q_proj.{p}"),
     ("encoder.layer.{i}.attention.attention.key.{p}", "layers.{i}.self_attn.k_proj.{p}"),
@@ -90,7 +87,7 @@ _MODULAR_RENAMES = [
     ("layers.{i}.layernorm_before.{p}", "layers.{i}.input_layernorm.{p}"),
     ("layers.{i}.layernorm_after.{p}", "layers.{i}.post_attention_layernorm.{p}"),
 ]
-_HEADS = ("classifier.",)
+_HEADS = ("classifier.", "decoder.")  # image classification; masked image modelling's pixel decoder
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -122,8 +119,7 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: ViTConfig) -> 
         body = key.removeprefix(HF_PREFIX)
         new = _rename(body, _HF_TO_OURS)
         if new is None:
-            hint = " (masked-image-modelling checkpoints are not supported)" if "mask_token" in body else ""
-            raise CheckpointError(f"unexpected tensor {key!r} in the vit checkpoint{hint}")
+            raise CheckpointError(f"unexpected tensor {key!r} in the vit checkpoint")
         out[f"model.{new}"] = value
     return out
 

@@ -12,9 +12,12 @@ base model's output unchanged.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput, MaskedImageModelingOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
@@ -42,6 +45,8 @@ class ViTPreTrainedModel(MindFormersPreTrainedModel):
         if isinstance(module, PatchEmbedding):  # as transformers' ViT: truncated normal class token and positions
             nn.init.trunc_normal_(module.position_embeddings, std=self.config.initializer_range)
             nn.init.trunc_normal_(module.cls_token, std=self.config.initializer_range)
+            if module.mask_token is not None:
+                nn.init.zeros_(module.mask_token)
 
 
 class ViTModel(ViTPreTrainedModel):
@@ -52,9 +57,10 @@ class ViTModel(ViTPreTrainedModel):
     # Image-classification checkpoints have no pooler (transformers' classifier drops it); it starts from its init.
     _keys_to_ignore_on_load_missing = [r"^pooler\."]
 
-    def __init__(self, config: ViTConfig, add_pooling_layer: bool = True) -> None:
+    def __init__(self, config: ViTConfig, add_pooling_layer: bool = True, use_mask_token: bool = False) -> None:
         super().__init__(config)
-        self.embeddings = PatchEmbedding(config.image_hw, config.patch_size, config.num_channels, config.hidden_size)
+        self.embeddings = PatchEmbedding(config.image_hw, config.patch_size, config.num_channels, config.hidden_size,
+                                         use_mask_token)
         self.drop = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(config, i, is_causal=False) for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
@@ -73,6 +79,7 @@ class ViTModel(ViTPreTrainedModel):
         interpolate_pos_encoding: bool | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        bool_masked_pos: torch.BoolTensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """Hidden states of ``pixel_values`` (B, C, H, W) and the pooled class token; with ``output_hidden_states`` /
@@ -80,8 +87,9 @@ class ViTModel(ViTPreTrainedModel):
         ``return_dict=False``, as transformers' ``ViTModel``.
 
         ``interpolate_pos_encoding`` takes images of another size than ``config.image_size`` (positions resized
-        bicubically); ``attention_mask`` (B, 1 + patches) hides tokens from attention. On a pipeline stage without
-        ``embeddings``, ``inputs_embeds`` is the previous stage's output."""
+        bicubically); ``attention_mask`` (B, 1 + patches) hides tokens from attention; ``bool_masked_pos`` (B,
+        patches) replaces the marked patches by the mask token (a model built with ``use_mask_token``). On a pipeline
+        stage without ``embeddings``, ``inputs_embeds`` is the previous stage's output."""
         if self.embeddings is None:  # a later pipeline stage: the residual stream arrives from the previous one
             if inputs_embeds is None:
                 raise MindFormersError("this pipeline stage holds no embeddings: pass the previous stage's hidden states as inputs_embeds")
@@ -89,7 +97,7 @@ class ViTModel(ViTPreTrainedModel):
         elif pixel_values is None:
             raise MindFormersError("pass pixel_values (batch, channels, height, width), as the image processor returns them")
         else:
-            hidden_states = self.drop(self.embeddings(pixel_values, bool(interpolate_pos_encoding)))  # (B, T, C)
+            hidden_states = self.drop(self.embeddings(pixel_values, bool(interpolate_pos_encoding), bool_masked_pos))
         mask = None
         if attention_mask is not None:
             length = attention_mask.shape[-1]
@@ -152,3 +160,49 @@ class ViTForImageClassification(ViTPreTrainedModel):
         if bool(bad.any()):
             raise MindFormersError(f"label {int(labels[bad][0])} is outside num_labels={self.config.num_labels} "
                                    f"(class ids 0..{self.config.num_labels - 1}, or -100 to ignore a row)")
+
+
+class ViTForMaskedImageModeling(ViTPreTrainedModel):
+    """ViT reconstructing masked patches (SimMIM, transformers' ``ViTForMaskedImageModeling``): the patches
+    ``bool_masked_pos`` marks are replaced by a learned mask token, and a ``decoder`` (a 1x1 convolution to
+    ``encoder_stride ** 2 * num_channels`` channels and a pixel shuffle) turns the patch tokens back into pixels;
+    the loss is the L1 distance of the masked pixels, as there."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__(config)
+        self.model = ViTModel(config, add_pooling_layer=False, use_mask_token=True)
+        self.decoder = nn.Sequential(
+            nn.Conv2d(config.hidden_size, config.encoder_stride**2 * config.num_channels, kernel_size=1),
+            nn.PixelShuffle(config.encoder_stride),
+        )
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        bool_masked_pos: torch.BoolTensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        **kwargs,
+    ) -> MaskedImageModelingOutput:
+        """The reconstructed pixels (B, C, H, W) of ``pixel_values``; with ``bool_masked_pos`` (B, patches), the
+        patches it marks are masked and the loss is their pixels' mean absolute error."""
+        config = self.config
+        if bool_masked_pos is not None and config.patch_size != config.encoder_stride:
+            raise MindFormersError(f"bool_masked_pos needs patch_size == encoder_stride to reconstruct images of the "
+                                   f"input's size; the config has patch_size={config.patch_size}, encoder_stride="
+                                   f"{config.encoder_stride}")
+        out = self.model(pixel_values, interpolate_pos_encoding, bool_masked_pos=bool_masked_pos, **kwargs)
+        patches = out.last_hidden_state[:, 1:]  # (B, N, C) without the class token
+        batch, length, channels = patches.shape
+        side = math.floor(length**0.5)
+        reconstructed = self.decoder(patches.permute(0, 2, 1).reshape(batch, channels, side, side))
+        loss = None
+        if bool_masked_pos is not None:
+            rows, cols = config.image_hw[0] // config.patch_size, config.image_hw[1] // config.patch_size
+            mask = bool_masked_pos.reshape(-1, rows, cols).repeat_interleave(config.patch_size, 1) \
+                .repeat_interleave(config.patch_size, 2).unsqueeze(1)  # (B, 1, H, W)
+            error = F.l1_loss(pixel_values, reconstructed, reduction="none")
+            loss = (error * mask).sum() / (mask.sum() + 1e-5) / config.num_channels
+        return MaskedImageModelingOutput(loss=loss, reconstruction=reconstructed, hidden_states=out.hidden_states,
+                                         attentions=out.attentions)

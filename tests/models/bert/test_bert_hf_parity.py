@@ -163,8 +163,6 @@ def test_transformers_auto_classes_load_our_checkpoints(tmp_path):
 def test_conversion_refuses_what_it_cannot_represent():
     with pytest.raises(mf.ConfigError, match="position_embedding_type"):
         convert_bert.config_from_hf({**tiny_bert_config("bert").to_dict(), "position_embedding_type": "relative_key"})
-    with pytest.raises(mf.ConfigError, match="decoder"):
-        convert_bert.config_from_hf({**tiny_bert_config("bert").to_dict(), "is_decoder": True})
     with pytest.raises(mf.MindFormersError, match="norm_type"):
         convert_bert.config_to_hf(mf.BertConfig(norm_type="rmsnorm"))
 

@@ -171,8 +171,8 @@ def test_unsupported_hf_architecture(tmp_path):
     # a family we have, asked for a head it lacks, names the heads it has
     transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32).save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as e:
-        mf.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert "bert family has no causal_lm model" in one_line(e) and "masked_lm" in one_line(e)
+        mf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert "bert family has no seq2seq_lm model" in one_line(e) and "masked_lm" in one_line(e)
 
 
 def test_prompt_longer_than_context():
