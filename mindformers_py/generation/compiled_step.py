@@ -31,6 +31,8 @@ from typing import Any, Iterator
 import torch
 from transformers.generation.configuration_utils import CompileConfig, GenerationConfig
 
+from ..layers.moe import GroupedExperts
+
 logger = logging.getLogger(__name__)
 
 # model -> {compile options: compiled forward}; weak, so a dropped model takes its compiled code with it.
@@ -65,17 +67,25 @@ def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | Non
     return per_model[key]
 
 
+def steps_keep_their_shapes(model: torch.nn.Module) -> bool:
+    """Whether every decode step of ``model`` runs on the same shapes apart from the cache length, so that dynamo's
+    guards may be skipped after the first step: not for mixture-of-experts layers, whose rows per expert change from
+    step to step (a recompilation can come at any step, which skipped guards turn into an error)."""
+    return not any(isinstance(module, GroupedExperts) for module in model.modules())
+
+
 class CompiledSteps:
     """Calls ``step`` with dynamo's guards checked on the first ``checked`` calls and skipped afterwards (see the
-    module docstring): within one generation only the cache length, a dynamic size, changes between steps."""
+    module docstring): within one generation only the cache length, a dynamic size, changes between steps
+    (:func:`steps_keep_their_shapes`; ``checked=None`` checks them on every call)."""
 
-    def __init__(self, step: Callable[..., Any], checked: int = 1) -> None:
+    def __init__(self, step: Callable[..., Any], checked: int | None = 1) -> None:
         self.step, self.checked = step, checked
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        if self.calls <= self.checked:
+        if self.checked is None or self.calls <= self.checked:
             return self.step(*args, **kwargs)
         with _skip_guards():
             return self.step(*args, **kwargs)

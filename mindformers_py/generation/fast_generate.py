@@ -34,7 +34,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import logging
 
 from ..errors import ConfigError, MindFormersError
-from .compiled_step import CompiledSteps, compiled_forward, wants_compiled_step
+from .compiled_step import CompiledSteps, compiled_forward, steps_keep_their_shapes, wants_compiled_step
 from .skinny_linear import skinny_linear_kernels
 from .static_cache import StaticKVCache
 
@@ -285,7 +285,8 @@ def _step_function(model: torch.nn.Module, config: GenerationConfig) -> Callable
     None (the model itself)."""
     if not wants_compiled_step(config):
         return None
-    return CompiledSteps(compiled_forward(model, config.compile_config))
+    checked = 1 if steps_keep_their_shapes(model) else None  # MoE: guards checked at every step
+    return CompiledSteps(compiled_forward(model, config.compile_config), checked=checked)
 
 
 def _processor_steps(processors: LogitsProcessorList) -> list:
