@@ -156,6 +156,8 @@ def cut_for_generation(model: nn.Module, pp_rank: int, pp_size: int, group: Any)
             setattr(model, name, None)
     config = copy.copy(model.config)
     config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None) is not None:  # each kept layer keeps its attention kind (sliding/full)
+        config.layer_types = [config.layer_types[i] for i in held]
     model.config = base.config = config
     cls = type(model)
     if cls not in _STAGE_CLASSES:

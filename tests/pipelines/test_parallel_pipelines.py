@@ -30,15 +30,18 @@ GREEDY = dict(max_new_tokens=8, do_sample=False)
 
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory):
-    """A tiny llama-flavoured GPT (4 layers; a wide initialisation, so greedy choices are not near-ties) saved with
-    its tokenizer, and the stand-alone pipeline's outputs."""
+    """A tiny llama-flavoured GPT (4 layers mixing sliding-window and full attention, as Qwen2 and Gemma do, so each
+    pipeline stage must keep its layers' kinds; a wide initialisation, so greedy choices are not near-ties) saved
+    with its tokenizer, and the stand-alone pipeline's outputs."""
     folder = tmp_path_factory.mktemp("gpt")
     texts = ["def main():\n    return 0\n", "hello world, hello there", "the quick brown fox jumps over the dog"] * 10
     tokenizer = train_bpe_tokenizer(texts, vocab_size=300, save_dir=folder)
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(mf.GPTConfig(
         flavour="llama", vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, sliding_window=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)).eval()
     model.save_pretrained(folder)
     pipe = mf.pipeline("text-generation", model=str(folder))
