@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch: an unpinned `torch` pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_t5.py
+	$(PY) benchmarks/bench_families.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_bert.py
@@ -34,6 +35,13 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_parallel.py --moe
 	$(PY) benchmarks/bench_moe.py block
 	$(PY) benchmarks/bench_moe.py pretrain
+	$(PY) benchmarks/profile_step.py --family gpt --precision bf16
+	$(PY) benchmarks/bf16_loss_curves.py
+	$(PY) benchmarks/gpu_check.py --smoke
+
+# On a machine with a CUDA GPU: parity, bf16 training, a ~1B model's speed and decode against transformers.
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -37,6 +37,7 @@ from transformers import BertConfig, BertForMaskedLM, default_data_collator
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import StepClock, steady_seconds_per_step  # noqa: E402
+from family_models import masked_rows  # noqa: E402
 
 import mindformers_py  # noqa: E402
 from mindformers_py.engine.cpu_memory import keep_freed_cpu_memory  # noqa: E402
@@ -48,13 +49,8 @@ NAMES = {"hf": "transformers.Trainer (as shipped)", "hf_kept": "transformers.Tra
 
 
 def make_data(n: int, seq: int, vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Pre-masked MLM rows: 15% of the positions labelled with their token, 80% of those replaced by [MASK] (id 103)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000, vocab, (n, seq), generator=g)
-    chosen = torch.rand(n, seq, generator=g) < 0.15
-    labels = ids.masked_fill(~chosen, -100)
-    masked = ids.masked_fill(chosen & (torch.rand(n, seq, generator=g) < 0.8), 103)
-    return [{"input_ids": m, "attention_mask": torch.ones_like(m), "labels": l} for m, l in zip(masked, labels)]
+    """Pre-masked MLM rows (:func:`family_models.masked_rows`)."""
+    return masked_rows(vocab, seq)(n, seed)
 
 
 def common_args(output_dir: str, opts: argparse.Namespace) -> dict:

@@ -13,10 +13,8 @@ Sources are padded (rows of different lengths) at batch > 1, as a pipeline's bat
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import transformers
 import mindformers_py as mf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import cpu_name  # noqa: E402
+from bench_generate import DecodeTable, contenders_of, cpu_name, measure  # noqa: E402
 
 
 def build_models(preset: str, folder: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -54,22 +52,6 @@ def make_sources(batch: int, length: int, vocab: int) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def measure(contenders: dict, inputs: dict, new_tokens: int, warmup: int, repeats: int) -> dict:
-    """Median seconds per ``generate`` call and the output of each contender (runs interleaved, order rotated)."""
-    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
-    names = list(contenders)
-    outputs, times = {}, {name: [] for name in names}
-    for _ in range(warmup):
-        for name in names:
-            outputs[name] = contenders[name](**inputs, **kwargs)
-    for rep in range(repeats):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            start = time.perf_counter()
-            contenders[name](**inputs, **kwargs)
-            times[name].append(time.perf_counter() - start)
-    return {name: (statistics.median(times[name]), outputs[name]) for name in names}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="t5_tiny", help="a T5 preset giving the shape (random weights)")
@@ -87,32 +69,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         hf, ours = build_models(args.preset, folder)
     c = ours.config
-    contenders = {
-        "hf": hf.generate,
-        "ours (GenerationMixin loop)": lambda **kw: ours.generate(fast_generate=False, **kw),
-        "ours": ours.generate,
-    }
+    contenders = contenders_of(hf, ours)
     print(f"greedy decoding, fp32, CPU ({cpu_name()}), {args.threads} thread(s): {args.preset} shape, "
           f"{c.num_hidden_layers}+{c.num_decoder_layers} layers x {c.hidden_size} wide, {c.num_attention_heads} heads, "
           f"vocab {c.vocab_size}; source {args.source} tokens, {args.new} new tokens; median of {args.repeats} runs "
           f"(torch {torch.__version__}, transformers {transformers.__version__})")
-    header = f"{'batch':>6} | {'HF tok/s':>9} | {'ours, GenerationMixin loop':>26} | {'ours tok/s':>10} | {'ours / HF':>9}"
-    print(header)
-    print("-" * len(header))
-    ratios = {}
+    table = DecodeTable(list(contenders))
     for batch in args.batches:
         inputs = make_sources(batch, args.source, c.vocab_size)
-        results = measure(contenders, inputs, args.new, args.warmup, args.repeats)
-        reference = results["hf"][1]
-        for name, (_, out) in results.items():
-            if not torch.equal(out, reference):
-                raise SystemExit(f"{name} generated different tokens from HF at batch {batch}")
-        generated = batch * (reference.shape[1] - 1)
-        tps = {name: generated / seconds for name, (seconds, _) in results.items()}
-        ratios[batch] = tps["ours"] / tps["hf"]
-        print(f"{batch:>6} | {tps['hf']:>9.0f} | {tps['ours (GenerationMixin loop)']:>26.0f} | {tps['ours']:>10.0f} | "
-              f"{ratios[batch]:>8.2f}x")
-    print("tokens identical to HF in every case; ratios: " + ", ".join(f"batch {k}: {v:.2f}x" for k, v in ratios.items()))
+        kwargs = dict(max_new_tokens=args.new, do_sample=False, eos_token_id=None)
+        table.add(str(batch), measure(contenders, inputs, kwargs, args.warmup, args.repeats), batch * args.new)
+    table.close()
 
 
 if __name__ == "__main__":

@@ -154,13 +154,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def worker(opts: argparse.Namespace) -> None:
-    """One measured run in this process; prints its (wall, cpu) seconds per step as JSON."""
+def quiet(threads: int | None) -> None:
+    """A measured process: no warnings or progress bars from transformers; ``threads`` intra-op threads if given."""
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def worker(opts: argparse.Namespace) -> None:
+    """One measured run in this process; prints its (wall, cpu) seconds per step as JSON."""
+    quiet(opts.threads)
     data = make_data((opts.warmup + opts.steps) * opts.batch, opts.seq, opts.vocab)
     wall, cpu = RUNNERS[opts.worker](opts.checkpoint, data, opts)
     print("RESULT " + json.dumps({"wall": wall, "cpu": cpu, "threads": torch.get_num_threads()}))

@@ -71,7 +71,7 @@ def train(layout_name: str, output_dir: str, fault: Fault | None = None, **extra
     extra = {"save_strategy": "steps", "save_steps": SAVE_STEPS, **extra}
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
                              learning_rate=1e-2, max_steps=STEPS, logging_steps=1, use_cpu=True,
-                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=5, **extra)
+                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=5, bf16=False, **extra)
     trainer = Trainer(model=tiny_gpt(), args=args, train_dataset=token_data(), callbacks=[fault] if fault else [])
     trainer.train()
     return trainer.state.log_history

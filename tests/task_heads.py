@@ -138,7 +138,7 @@ def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=N
     clock = FirstStepGradients()
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                              max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
-                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True,
+                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True, bf16=False,
                              parallel_config=parallel or mf.ParallelConfig())
     trainer = trainer_class(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock],
                             **trainer_kwargs)

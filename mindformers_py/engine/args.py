@@ -36,6 +36,8 @@ class EngineArguments(Protocol):
     """Keep freed CPU memory in the heap (see :func:`~.cpu_memory.keep_freed_cpu_memory`)."""
     torch_compile: bool
     """``torch.compile`` the model (each transformer layer under the distributed engines)."""
+    torch_compile_backend: str | None
+    """``torch.compile`` backend (None: inductor)."""
     torch_compile_mode: str | None
     """``torch.compile`` mode."""
     ddp_timeout: int

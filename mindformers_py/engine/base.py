@@ -24,6 +24,7 @@ from torch import nn
 
 from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model, load_adapter_weights, write_adapter
 from ..errors import ConfigError
+from ..parallel.compile import compile_layers
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
 from ..utils.disk_space import check_free_space
@@ -118,7 +119,8 @@ class Engine:
     # -- model and optimizer --------------------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
-        """Place ``model`` for training (device, recompute, ``torch.compile``); returns the module to call.
+        """Place ``model`` for training (device, recompute, ``torch.compile`` of each transformer layer, or of the
+        whole model when it declares no layers); returns the module to call.
 
         The returned module may be a wrapper; ``model`` itself stays the plain model whose ``save_pretrained``
         and parameters the Trainer uses. ``task`` is the task the Trainer trains (its task registry entry), for
@@ -128,8 +130,11 @@ class Engine:
                                           per_device_batch=self.args.per_device_train_batch_size)
         model.to(self.device)
         apply_recompute(model, self.parallel_config.recompute)
-        if self.args.torch_compile:
-            return torch.compile(model, mode=self.args.torch_compile_mode)
+        if not self.args.torch_compile:
+            return model
+        backend = self.args.torch_compile_backend or "inductor"
+        if not compile_layers(model, self.args.torch_compile_mode, backend):
+            return torch.compile(model, mode=self.args.torch_compile_mode, backend=backend)  # no declared layers
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

@@ -168,6 +168,7 @@ class DistributedEngine(Engine):
         return parallelize(module, self.parallel_config, self.mesh,
                            param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
                            compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
+                           compile_backend=self.args.torch_compile_backend,
                            stage=stage, context=self.context)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

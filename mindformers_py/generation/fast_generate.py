@@ -34,6 +34,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import logging
 
 from ..errors import ConfigError, MindFormersError
+from .compiled_step import CompiledSteps, compiled_forward, steps_keep_their_shapes, wants_compiled_step
 from .skinny_linear import skinny_linear_kernels
 from .static_cache import StaticKVCache
 
@@ -128,14 +129,15 @@ class FastGenerationMixin(GenerationMixin):
             config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
                 mask, tokenizer = model_kwargs.get("attention_mask"), kwargs.get("tokenizer")
+                step = _step_function(self, config)
                 if self.config.is_encoder_decoder:
                     plan = _guarded(seq2seq_setup, self, input_ids, mask, config, has_default_max_length, tokenizer)
                     if plan is not None:
-                        return decode_seq2seq(self, *plan, streamer)
+                        return decode_seq2seq(self, *plan, streamer, step)
                 else:
                     plan = _guarded(self._lean_setup, input_ids, mask, config, has_default_max_length, tokenizer)
                     if plan is not None:
-                        return _decode(self, *plan, streamer)
+                        return _decode(self, *plan, streamer, step)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
@@ -268,7 +270,7 @@ def _lean_supports(
         and config.get_generation_mode() in _LEAN_MODES
         and not config.return_dict_in_generate
         and config.use_cache
-        and config.cache_implementation is None
+        and config.cache_implementation in (None, "static")  # "static": the compiled step (compiled_step)
         and config.prefill_chunk_size is None
         and not config.token_healing
         and config.guidance_scale in (None, 1)
@@ -276,6 +278,15 @@ def _lean_supports(
         and input_ids.device == model.device
         and (mask is None or (mask.shape == input_ids.shape and mask.device == input_ids.device))
     )
+
+
+def _step_function(model: torch.nn.Module, config: GenerationConfig) -> Callable[..., Any] | None:
+    """The compiled forward the decode steps call when the request asks for it (:mod:`.compiled_step`), else
+    None (the model itself)."""
+    if not wants_compiled_step(config):
+        return None
+    checked = 1 if steps_keep_their_shapes(model) else None  # MoE: guards checked at every step
+    return CompiledSteps(compiled_forward(model, config.compile_config), checked=checked)
 
 
 def _processor_steps(processors: LogitsProcessorList) -> list:
@@ -371,10 +382,12 @@ def _decode(
     do_sample: bool,
     pad: torch.Tensor | None,
     streamer,
+    step: Callable[..., Any] | None = None,
 ) -> torch.LongTensor:
     """The decode loop: the same token choice, eos/pad handling and stopping rule as ``GenerationMixin._sample``.
 
     ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
+    ``step`` replaces the model for the one-token steps after the prompt (the compiled forward).
     """
     batch, prompt_length = input_ids.shape
     if streamer is not None:
@@ -390,8 +403,11 @@ def _decode(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
+        forward = step or model
+        # The skinny kernels serve compiled steps too: dynamo traces their forwards, taking the per-call weight copies
+        # as graph inputs, so later calls reuse the graph.
         with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
-            length = _choose_tokens(out, lambda n: model(**inputs.step(n), past_key_values=cache, use_cache=True),
+            length = _choose_tokens(out, lambda n: forward(**inputs.step(n), past_key_values=cache, use_cache=True),
                                     tokens, prompt_length, max_length, steps, do_sample, stop, streamer)
     return _finished(tokens, length, max_length, streamer)
 
@@ -474,9 +490,11 @@ def decode_seq2seq(
     do_sample: bool,
     pad: torch.Tensor | None,
     streamer,
+    step: Callable[..., Any] | None = None,
 ) -> torch.LongTensor:
     """Decode: the same token choice, eos/pad handling and stopping rule as ``GenerationMixin._sample``; returns the
-    decoder sequences (start token included), ``expand`` rows per source row."""
+    decoder sequences (start token included), ``expand`` rows per source row. ``step`` replaces the model for the
+    steps after the first (which computes the cross-attention keys and values): the compiled forward."""
     batch = input_ids.shape[0] * expand
     device = input_ids.device
     # Buffers handed back to the caller are made outside inference mode, so they stay ordinary tensors.
@@ -497,13 +515,14 @@ def decode_seq2seq(
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         cache = EncoderDecoderCache(StaticKVCache(layers, max_length), DynamicCache())
 
-        def forward(length: int):
-            return model(encoder_outputs=encoded, attention_mask=keys_mask, decoder_input_ids=tokens[:, length - 1:length],
-                         past_key_values=cache, use_cache=True)
+        def forward(length: int, call: Callable[..., Any] = model):
+            return call(encoder_outputs=encoded, attention_mask=keys_mask, decoder_input_ids=tokens[:, length - 1:length],
+                        past_key_values=cache, use_cache=True)
 
         out = forward(1)
         with skinny_linear_kernels(_per_step_layers(model), batch, steps=max_length - 2):
-            length = _choose_tokens(out, forward, tokens, 1, max_length, steps, do_sample, stop, streamer)
+            length = _choose_tokens(out, lambda n: forward(n, step or model), tokens, 1, max_length, steps, do_sample,
+                                    stop, streamer)
     return _finished(tokens, length, max_length, streamer)
 
 

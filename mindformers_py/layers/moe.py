@@ -62,7 +62,10 @@ def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
     if tokens.device.type == "cpu":
-        return _TORCH_VERSION >= (2, 11)
+        # Under torch.compile the op is traced by its meta function, which (torch 2.13) accepts only bf16 inputs,
+        # though the CPU kernel takes fp32 too: compiled fp32 code (a compiled decode step, torch_compile) loops.
+        traceable = not torch.compiler.is_compiling() or tokens.dtype == weight.dtype == torch.bfloat16
+        return _TORCH_VERSION >= (2, 11) and traceable
     if tokens.device.type == "cuda":
         return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(tokens.device) >= (8, 0)
     return False

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from .adapter_layers import adapted_model
+from .compile import compile_layers as compile_each_layer
 from .config import ParallelConfig
 from .context import ContextParallel, apply_context_parallel
 from .context_config import check_compile
-from .data import apply_data_parallel, layer_modules
+from .data import apply_data_parallel
 from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
 from .recompute import apply_recompute
@@ -39,6 +40,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     compile_layers: bool = False,
     compile_mode: str | None = None,
+    compile_backend: str | None = None,
     stage: int = 0,
     context: ContextParallel | None = None,
 ) -> nn.Module:
@@ -52,6 +54,7 @@ def parallelize(
         param_dtype: compute dtype for FSDP2's mixed precision (``torch.bfloat16`` for bf16 training).
         compile_layers: ``torch.compile`` each transformer layer (before data parallelism, as torchtitan does).
         compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
+        compile_backend: ``torch.compile`` backend for ``compile_layers`` (None: inductor).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
         context: the run's :class:`~.context.ContextParallel` when ``context_parallel > 1`` (one for all pipeline
             stages; the engine cuts batches and turns it on for training steps with it); None makes one, kept on
@@ -73,8 +76,7 @@ def parallelize(
         context_fn = context.recompute_context
     apply_recompute(inner, parallel_config.recompute, stage, context_fn=context_fn)
     if compile_layers:
-        for layer in layer_modules(inner):
-            layer.compile(mode=compile_mode)
+        compile_each_layer(inner, compile_mode, compile_backend or "inductor")
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     return model

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..engine.precision import AUTO, resolve_bf16
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
 from ..utils.typed_values import coerce_value
@@ -170,14 +171,24 @@ class TrainingArguments:
     """Seed of Python, NumPy and torch at the start of a fresh run (dropout, initialisation)."""
     data_seed: int | None = None
     """Seed of the training-data shuffle; None = ``seed``."""
-    bf16: bool = False
-    """bfloat16 autocast (CPU and CUDA); weights and optimizer state stay fp32."""
+    bf16: bool | str = "auto"
+    """bfloat16 autocast (CPU and CUDA); weights, gradients and optimizer state stay fp32. ``"auto"`` (the default;
+    transformers' is False) means True where the training device computes bf16 natively (CUDA compute capability
+    8.0 or newer; a CPU with AVX-512 BF16 or AMX) and ``fp16`` is off, else False
+    (:mod:`mindformers_py.engine.precision`); the field holds the resolved bool after construction, and
+    :meth:`to_dict` writes ``"auto"`` back so a saved run re-decides on other hardware."""
     fp16: bool = False
     """float16 autocast with a gradient scaler; CUDA only."""
     torch_compile: bool = False
-    """Compile the model with ``torch.compile`` before training."""
+    """Compile each transformer layer with ``torch.compile`` (the whole model when it declares no layers): inductor
+    fuses the memory-bound work between matrix products. The compilation is paid in the first step (reported as
+    ``train_first_step_runtime``) and kept in inductor's on-disk cache for later runs of the same shapes."""
+    torch_compile_backend: str | None = None
+    """``torch.compile`` backend (``"inductor"`` when None); setting it turns ``torch_compile`` on, as in
+    transformers."""
     torch_compile_mode: str | None = None
-    """``torch.compile`` mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``); None = default."""
+    """``torch.compile`` mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``); None = default. Setting it
+    turns ``torch_compile`` on, as in transformers."""
     fused_loss: bool = False
     """Compute the causal-LM loss with a chunked linear + cross-entropy that never holds the full (tokens x
     vocabulary) logits or their gradient: a memory saver for large vocabularies. It is checked once against the
@@ -229,11 +240,14 @@ class TrainingArguments:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON/YAML-serialisable dict of every field, accepted back by :meth:`from_dict`."""
+        """Plain JSON/YAML-serialisable dict of every field, accepted back by :meth:`from_dict` (``bf16`` as
+        ``"auto"`` when that is what was asked and it still holds the value it resolved to)."""
         out = {}
         for name in self.field_names():
             value = getattr(self, name)
             out[name] = value.to_dict() if isinstance(value, ParallelConfig) else value
+        if self.bf16 is getattr(self, "_bf16_auto", None):
+            out["bf16"] = AUTO
         return out
 
     def to_json_string(self) -> str:
@@ -247,6 +261,7 @@ class TrainingArguments:
                 continue
             setattr(self, name, coerce_value(name, getattr(self, name), hints[name]))
         self.parallel_config = ParallelConfig.coerce(self.parallel_config, "parallel_config")
+        self._resolve_bf16()
         if isinstance(self.report_to, str):
             self.report_to = [part.strip() for part in self.report_to.split(",") if part.strip()]
         report = [r.lower() for r in self.report_to]
@@ -259,10 +274,20 @@ class TrainingArguments:
                 setattr(self, name, value.strip().lower())
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # transformers' rule
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _resolve_bf16(self) -> None:
+        """``bf16="auto"`` becomes the bool the hardware decides (remembered, for :meth:`to_dict`)."""
+        if not isinstance(self.bf16, str):
+            return
+        if self.bf16.strip().lower() != AUTO:
+            raise ConfigError(f"bf16={self.bf16!r} is not valid; expected true, false or 'auto'")
+        self.bf16 = self._bf16_auto = resolve_bf16(AUTO, self.fp16, self.use_cpu)
 
     # -- checks -------------------------------------------------------------------------------------------------
 

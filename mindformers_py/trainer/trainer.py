@@ -324,6 +324,7 @@ class Trainer:
         self._tokens_since_log = 0
         self._log_clock = time.perf_counter()
         start_time, start_step, tokens_run = time.time(), state.global_step, 0
+        first_step_seconds: float | None = None
         self._position = position
         batches_per_epoch = source.batches_per_epoch or math.inf  # a stream's is unknown: read until it ends
         epoch = position.epoch
@@ -369,6 +370,8 @@ class Trainer:
                 self._tr_loss += loss
                 self._note_nonfinite(loss)
                 self._position.samples_consumed = consumed * source.global_batch_size
+                if first_step_seconds is None:  # includes torch.compile's compilation and the allocator's warm-up
+                    first_step_seconds = time.time() - start_time
                 engine.raise_checkpoint_error()  # a background save that failed stops the run here
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
                 engine.beat(state.global_step)
@@ -393,6 +396,8 @@ class Trainer:
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
                                 num_steps=steps_run, num_tokens=tokens)
+        if first_step_seconds is not None:
+            metrics["train_first_step_runtime"] = round(first_step_seconds, 4)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         self.log(metrics)

@@ -98,7 +98,7 @@ def _rows(n: int = 32) -> list[dict[str, list[int]]]:
 def _train(output_dir: Path, resume: str | None = None) -> tuple[mf.Trainer, list[float]]:
     args = mf.TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                 max_steps=4, learning_rate=1e-2, logging_steps=1, save_steps=2, report_to=[],
-                                disable_tqdm=True, use_cpu=True, parallel_config={"recompute": "full"})
+                                disable_tqdm=True, use_cpu=True, parallel_config={"recompute": "full"}, bf16=False)
     torch.manual_seed(0)
     trainer = mf.Trainer(model=gpt(), args=args, train_dataset=_rows(),
                          peft_config=peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))

@@ -9,6 +9,7 @@ from transformers import DynamicCache, TextStreamer
 import mindformers_py as mf
 from mindformers_py.data.tokenizer import train_bpe_tokenizer
 from mindformers_py.generation import StaticKVCache, fast_generate
+from mindformers_py.generation import skinny_linear
 from mindformers_py.generation.skinny_linear import skinny_linear_kernels
 from hf_models import VOCAB, tiny_hf_model
 
@@ -263,14 +264,28 @@ def test_static_kv_cache_equals_dynamic_cache(models):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_skinny_linear_kernels_compute_linear_and_restore(rows):
+@pytest.mark.parametrize("formulation", ["linear", "weight_first", "transposed"])
+def test_skinny_linear_kernels_compute_linear_and_restore(rows, formulation, monkeypatch):
+    monkeypatch.setattr(skinny_linear, "fastest_formulation", lambda *args: formulation)  # each one, whatever wins here
     model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
     x = torch.randn(rows, 1, 32)
     expected = model(x)
     weights = [p.clone() for p in model.parameters()]
     with skinny_linear_kernels(model, rows):
-        assert all("forward" in m.__dict__ for m in model if isinstance(m, nn.Linear)) == (rows <= 16)
+        switched = rows <= 16 and formulation != "linear"
+        assert all("forward" in m.__dict__ for m in model if isinstance(m, nn.Linear)) == switched
         got = model(x)
+        assert torch.allclose(model(x[:1, :, :]), expected[:1], atol=1e-5)  # another row count: F.linear
     assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
     assert not any("forward" in m.__dict__ for m in model)
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_fastest_formulation_is_measured_once_per_shape():
+    weight = torch.randn(24, 8)
+    rng = torch.get_rng_state()
+    chosen = skinny_linear.fastest_formulation(weight, None, 2, allow_copy=False)
+    assert torch.equal(torch.get_rng_state(), rng)  # measuring leaves a seeded sampling call's tokens alone
+    assert chosen in ("linear", "weight_first")  # the copy was not allowed
+    skinny_linear._FASTEST[(24, 8, 2, torch.float32, torch.get_num_threads(), False)] = "weight_first"
+    assert skinny_linear.fastest_formulation(weight, None, 2, allow_copy=False) == "weight_first"  # cached

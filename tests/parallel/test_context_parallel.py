@@ -196,7 +196,7 @@ def _gradient_job(rank: int, world: int, folder: str, cases: list) -> dict:
 
 def _eval_loss(folder: str, parallel: mf.ParallelConfig) -> float:
     args = mf.TrainingArguments(output_dir=f"{folder}/eval", per_device_eval_batch_size=4, report_to="none",
-                                disable_tqdm=True, use_cpu=True, parallel_config=parallel)
+                                disable_tqdm=True, use_cpu=True, parallel_config=parallel, bf16=False)
     trainer = mf.Trainer(model=make_model("causal_lm"), args=args, eval_dataset=make_data("causal_lm"))
     loss = trainer.evaluate()["eval_loss"]
     trainer.engine.teardown()

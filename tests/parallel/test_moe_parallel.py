@@ -51,7 +51,7 @@ def global_batches() -> list[dict[str, torch.Tensor]]:
 def training_args(parallel: ParallelConfig) -> TrainingArguments:
     return TrainingArguments(output_dir="unused", per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
                              learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, optim="adamw_torch",
-                             use_cpu=True, parallel_config=parallel, report_to=[])
+                             use_cpu=True, parallel_config=parallel, report_to=[], bf16=False)
 
 
 def _loss_fn(model, batch, num_items):

@@ -366,7 +366,7 @@ def _trainer_run(parallel: ParallelConfig, output_dir: str, resume: str | None =
         output_dir=output_dir, overwrite_output_dir=resume is None,
         per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
         learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1, save_strategy="steps",
-        save_steps=SAVE_AT, use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True,
+        save_steps=SAVE_AT, use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True, bf16=False,
     )
     trainer = mf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=Dataset.from_dict({"input_ids": ids}))
     trainer.train(resume_from_checkpoint=resume)

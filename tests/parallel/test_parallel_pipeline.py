@@ -267,7 +267,7 @@ def _trainer_run(parallel, output_dir, resume=None):
         output_dir=output_dir, overwrite_output_dir=resume is None, per_device_train_batch_size=TRAINER_BATCH // parallel.dp,
         per_device_eval_batch_size=3, gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1,
         max_grad_norm=0.5, max_steps=TRAINER_STEPS, logging_steps=1, save_strategy="steps", save_steps=TRAINER_SAVE_AT,
-        use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True,
+        use_cpu=True, parallel_config=parallel, report_to=[], disable_tqdm=True, bf16=False,
     )
     trainer = mf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=Dataset.from_dict({"input_ids": ids}),
                          eval_dataset=Dataset.from_dict({"input_ids": eval_ids}))

@@ -62,7 +62,7 @@ def adapter_gradients(parallel: ParallelConfig) -> dict[str, torch.Tensor]:
     from mindformers_py.engine import build_engine
 
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=BATCH // parallel.dp, use_cpu=True,
-                             parallel_config=parallel, report_to=[])
+                             parallel_config=parallel, report_to=[], bf16=False)  # fp32: compared with stand-alone
     engine = build_engine(parallel, args)
     engine.setup()
     model = peft_model()
@@ -140,7 +140,7 @@ def recipe_flags(inputs: Path, out: Path, *extra: str) -> list[str]:
             "--peft.r", "4", "--peft.lora_dropout", "0.0", "--max_steps", "4", "--per_device_train_batch_size", "8",
             "--warmup_steps", "0", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps",
             "--save_steps", "2", "--save_total_limit", "null", "--report_to", "[]", "--disable_tqdm", "true",
-            "--generate.prompts", "[]", "--output_dir", str(out), *extra]
+            "--generate.prompts", "[]", "--bf16", "false", "--output_dir", str(out), *extra]
 
 
 def losses(out: Path) -> list[float]:

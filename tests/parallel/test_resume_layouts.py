@@ -63,7 +63,7 @@ def train(family: str, name: str, root: str, resume: bool = False) -> list[float
     saving = {"save_strategy": "steps", "save_steps": SAVE_AT} if name == "saved" else {"save_strategy": "no"}
     args = TrainingArguments(output_dir=f"{root}/{family}/{name}", per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
                              learning_rate=1e-2, weight_decay=0.1, max_steps=STEPS, logging_steps=1, use_cpu=True,
-                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=3, **saving)
+                             parallel_config=parallel, report_to=[], disable_tqdm=True, seed=3, bf16=False, **saving)
     trainer = Trainer(model=model(family), args=args, train_dataset=data(family),
                       data_collator=default_data_collator if family == "bert" else None)
     trainer.train(resume_from_checkpoint=f"{root}/{family}/saved/checkpoint-{SAVE_AT}" if resume else None)

@@ -36,7 +36,7 @@ def first_step(folder: str, parallel=None, batch: int = N, accumulation: int = 1
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                              max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True,
-                             parallel_config=parallel or mf.ParallelConfig(), **trainer_args)
+                             bf16=False, parallel_config=parallel or mf.ParallelConfig(), **trainer_args)
     trainer = Trainer(model=make_t5(), args=args, train_dataset=make_data("seq2seq_lm"), callbacks=[clock])
     trainer.train()
     loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)

@@ -23,7 +23,8 @@ def _train(folder: str, parallel: mf.ParallelConfig) -> tuple[list[float], str, 
     data = [{"input_ids": row} for row in ids]
     args = mf.TrainingArguments(output_dir=folder, per_device_train_batch_size=4 // (2 if parallel.dp > 1 else 1),
                                 max_steps=STEPS, logging_steps=1, learning_rate=1e-2, save_strategy="no", report_to="none",
-                                disable_tqdm=True, plot_loss_curve=False, use_cpu=True, parallel_config=parallel)
+                                disable_tqdm=True, plot_loss_curve=False, use_cpu=True, parallel_config=parallel,
+                                bf16=False)
     trainer = mf.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     engine = trainer.engine

@@ -19,7 +19,8 @@ SMALL_MLM = ["--model.num_hidden_layers", "2", "--model.hidden_size", "32", "--m
              "--model.intermediate_size", "64", "--tokenizer.vocab_size", "600", "--data.max_files", "12",
              "--data.block_size", "32", "--data.max_eval_samples", "8", "--max_steps", "3", "--logging_steps", "1",
              "--warmup_steps", "0", "--per_device_train_batch_size", "8", "--report_to", "none",
-             "--save_strategy", "no", "--eval_strategy", "no", "--generate.prompts", "[]", "--disable_tqdm", "true"]
+             "--save_strategy", "no", "--eval_strategy", "no", "--generate.prompts", "[]", "--disable_tqdm", "true",
+             "--bf16", "false"]  # fp32: layouts are compared with stand-alone to 1e-4
 LAYOUTS = {
     "dp2_zero3": ["--data_parallel", "2", "--optimizer_shard", "3", "--per_device_train_batch_size", "4"],
     "tp2_sequence_vocab_parallel": ["--model_parallel", "2", "--use_seq_parallel", "true", "--vocab_emb_dp", "false"],

@@ -32,7 +32,8 @@ def run(files: Path, out: Path, *flags: str, data_parallel: int = 1) -> int:
              "--data.validation_files", str(files / "val.txt"), "--data.block_size", "32", "--max_steps", "3",
              "--logging_steps", "1", "--learning_rate", "0.01", "--disable_tqdm", "true", "--save_strategy", "no",
              "--eval_strategy", "no", "--generate.prompts", "[]", "--output_dir", str(out),
-             "--per_device_train_batch_size", str(GLOBAL_BATCH // data_parallel)]
+             "--per_device_train_batch_size", str(GLOBAL_BATCH // data_parallel),
+             "--bf16", "false"]  # fp32: layouts are compared with stand-alone to 1e-4
     return main(["run", str(RECIPE), *small, *flags])
 
 

@@ -76,7 +76,7 @@ LAYOUTS = {
 def test_layouts_give_stand_alone_losses(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     base = [*SMALL, "--max_steps", "3", "--per_device_train_batch_size", "8", "--eval_strategy", "no",
-            "--save_strategy", "no", "--warmup_steps", "0"]
+            "--save_strategy", "no", "--warmup_steps", "0", "--bf16", "false"]  # fp32: compared to 1e-4
     assert run_cli(*base, "--output_dir", tmp_path / "sa", capsys=capsys)[0] == 0
     single = _losses(tmp_path / "sa")
     assert len(single) == 3 and single[0] != single[2]

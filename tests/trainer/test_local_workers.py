@@ -52,7 +52,8 @@ def make_trainer(folder, parallel: ParallelConfig, model=None, trainer_class=mf.
         output_dir=str(folder), per_device_train_batch_size=GLOBAL_BATCH // max(parallel.dp, 1),
         per_device_eval_batch_size=4, max_steps=kwargs.pop("max_steps", STEPS), logging_steps=1, learning_rate=1e-2,
         report_to=[], save_strategy=kwargs.pop("save_strategy", "no"), save_steps=kwargs.pop("save_steps", 500),
-        disable_tqdm=True, plot_loss_curve=False, use_cpu=True, parallel_config=parallel, overwrite_output_dir=True)
+        disable_tqdm=True, plot_loss_curve=False, use_cpu=True, parallel_config=parallel, overwrite_output_dir=True,
+        bf16=False)  # fp32: the layouts are compared with the stand-alone run to 1e-4
     collate = lambda batch: {k: torch.tensor([r[k] for r in batch]) for k in batch[0]}  # noqa: E731 - by value
     return trainer_class(model=model if model is not None else tiny_model(), args=args, train_dataset=rows(),
                          eval_dataset=rows(8, seed=2), data_collator=collate, **kwargs)
@@ -238,7 +239,7 @@ def run(parallel):
                                            max_position_embeddings=8))
     data = [{"input_ids": [i % 64] * 8, "labels": [i % 64] * 8} for i in range(8)]
     args = mf.TrainingArguments(output_dir=f"out{parallel.dp}", max_steps=2, logging_steps=1, per_device_train_batch_size=4 // parallel.dp,
-                                report_to=[], disable_tqdm=True, save_strategy="no", parallel_config=parallel)
+                                report_to=[], disable_tqdm=True, save_strategy="no", parallel_config=parallel, bf16=False)
     trainer = mf.Trainer(model=model, args=args, train_dataset=data, callbacks=[Note()])
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]

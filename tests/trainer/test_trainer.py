@@ -52,8 +52,9 @@ def token_data(n: int, seed: int = 1, ragged_labels: bool = False) -> list[dict]
 
 
 def args(tmp_path: Path, name: str = "run", **kw) -> TrainingArguments:
+    # fp32 pinned (bf16="auto" is the default): these tests compare losses and weights exactly
     defaults = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, learning_rate=1e-3,
-                    logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=7)
+                    logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=7, bf16=False)
     defaults.update(kw)
     return TrainingArguments(**defaults)
 

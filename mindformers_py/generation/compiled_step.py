@@ -1,0 +1,97 @@
+"""A ``torch.compile``-d decode step for the lean loop (gpt-fast's idea, on the model's own forward).
+
+A decode step of a small model is mostly per-operator dispatch: a few dozen modules, each a handful of small
+kernels on one row per sequence. Compiling the model's forward turns a step into one call of generated code
+(inductor fuses the element-wise work and calls the matrix products directly), which on CPU halves a small GPT's
+step. The step runs the model's own forward over the lean loop's :class:`~.static_cache.StaticKVCache`; the number
+of cached tokens is a Python int that dynamo treats as a dynamic size, so one graph serves every step and every
+prompt length (``dynamic=True``), and a batch of one gets its own specialised graph. The skinny-GEMM formulations
+of :mod:`.skinny_linear` stay in force inside the graph: dynamo traces their forwards and takes each call's
+transposed weight copies as graph inputs, so a later call reuses the graph.
+
+Compiling costs seconds to minutes once per model (and far less in a later process, from inductor's on-disk
+cache), so it runs only when asked, with transformers' switch: ``generate(..., cache_implementation="static")``
+(where transformers compiles its forward on accelerators; here on CPU too, where it is measured faster),
+``compile_config`` giving the ``torch.compile`` options and ``disable_compile=True`` turning it off.
+
+Within one ``generate`` call the shapes and objects the step sees do not change apart from the cache length, so
+after the first compiled step has been checked against dynamo's guards the later ones skip the guard evaluation
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which is most of what remains of a compiled step's
+host overhead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Iterator
+
+import torch
+from transformers.generation.configuration_utils import CompileConfig, GenerationConfig
+
+from ..layers.moe import GroupedExperts
+
+logger = logging.getLogger(__name__)
+
+# model -> {compile options: compiled forward}; weak, so a dropped model takes its compiled code with it.
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Callable]] = weakref.WeakKeyDictionary()
+
+
+def wants_compiled_step(config: GenerationConfig) -> bool:
+    """Whether ``generate`` should run the compiled decode step: a static cache asked for and compilation not
+    disabled (transformers' switch)."""
+    return config.cache_implementation == "static" and not config.disable_compile
+
+
+def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | None) -> Callable[..., Any]:
+    """``model``'s forward compiled with ``compile_config``'s options (dynamic shapes unless it says otherwise;
+    ``mode`` only when a config is given, since transformers' default ``"reduce-overhead"`` records CUDA graphs,
+    one per cache length here). Compiled once per model and options, then reused."""
+    if compile_config is None:
+        options: dict[str, Any] = {"fullgraph": False, "dynamic": True, "backend": "inductor", "mode": None}
+    else:
+        options = {"fullgraph": compile_config.fullgraph,
+                   "dynamic": True if compile_config.dynamic is None else compile_config.dynamic,
+                   "backend": compile_config.backend, "mode": compile_config.mode}
+        if compile_config.options:
+            options["options"] = dict(compile_config.options)
+            options.pop("mode")  # torch.compile takes one of mode and options
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    per_model = _COMPILED.setdefault(model, {})
+    if key not in per_model:
+        logger.info("compiling the decode step of %s (once per model; later processes reuse inductor's cache)",
+                    type(model).__name__)
+        per_model[key] = torch.compile(model, **options)
+    return per_model[key]
+
+
+def steps_keep_their_shapes(model: torch.nn.Module) -> bool:
+    """Whether every decode step of ``model`` runs on the same shapes apart from the cache length, so that dynamo's
+    guards may be skipped after the first step: not for mixture-of-experts layers, whose rows per expert change from
+    step to step (a recompilation can come at any step, which skipped guards turn into an error)."""
+    return not any(isinstance(module, GroupedExperts) for module in model.modules())
+
+
+class CompiledSteps:
+    """Calls ``step`` with dynamo's guards checked on the first ``checked`` calls and skipped afterwards (see the
+    module docstring): within one generation only the cache length, a dynamic size, changes between steps
+    (:func:`steps_keep_their_shapes`; ``checked=None`` checks them on every call)."""
+
+    def __init__(self, step: Callable[..., Any], checked: int | None = 1) -> None:
+        self.step, self.checked = step, checked
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.checked is None or self.calls <= self.checked:
+            return self.step(*args, **kwargs)
+        with _skip_guards():
+            return self.step(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _skip_guards() -> Iterator[None]:
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        yield
