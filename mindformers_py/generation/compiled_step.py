@@ -14,24 +14,23 @@ cache), so it runs only when asked, with transformers' switch: ``generate(..., c
 (where transformers compiles its forward on accelerators; here on CPU too, where it is measured faster),
 ``compile_config`` giving the ``torch.compile`` options and ``disable_compile=True`` turning it off.
 
-Within one ``generate`` call the shapes and objects the step sees do not change apart from the cache length, so
-after the first compiled step has been checked against dynamo's guards the later ones skip the guard evaluation
-(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), which is most of what remains of a compiled step's
-host overhead.
+Every step evaluates dynamo's guards. Skipping them after the first step
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``) saved some host overhead but is unsafe: when the
+forward's code already has other cache entries (another model of the class compiled earlier in the process) or a
+step needs a new graph (mixture-of-experts rows per expert), a step raises instead of recompiling. It failed that
+way in the test suite, so the guards are always checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers.generation.configuration_utils import CompileConfig, GenerationConfig
 
-from ..layers.moe import GroupedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -65,33 +64,3 @@ def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | Non
                     type(model).__name__)
         per_model[key] = torch.compile(model, **options)
     return per_model[key]
-
-
-def steps_keep_their_shapes(model: torch.nn.Module) -> bool:
-    """Whether every decode step of ``model`` runs on the same shapes apart from the cache length, so that dynamo's
-    guards may be skipped after the first step: not for mixture-of-experts layers, whose rows per expert change from
-    step to step (a recompilation can come at any step, which skipped guards turn into an error)."""
-    return not any(isinstance(module, GroupedExperts) for module in model.modules())
-
-
-class CompiledSteps:
-    """Calls ``step`` with dynamo's guards checked on the first ``checked`` calls and skipped afterwards (see the
-    module docstring): within one generation only the cache length, a dynamic size, changes between steps
-    (:func:`steps_keep_their_shapes`; ``checked=None`` checks them on every call)."""
-
-    def __init__(self, step: Callable[..., Any], checked: int | None = 1) -> None:
-        self.step, self.checked = step, checked
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.checked is None or self.calls <= self.checked:
-            return self.step(*args, **kwargs)
-        with _skip_guards():
-            return self.step(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _skip_guards() -> Iterator[None]:
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        yield

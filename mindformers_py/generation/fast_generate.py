@@ -34,7 +34,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import logging
 
 from ..errors import ConfigError, MindFormersError
-from .compiled_step import CompiledSteps, compiled_forward, steps_keep_their_shapes, wants_compiled_step
+from .compiled_step import compiled_forward, wants_compiled_step
 from .skinny_linear import skinny_linear_kernels
 from .static_cache import StaticKVCache
 
@@ -285,8 +285,7 @@ def _step_function(model: torch.nn.Module, config: GenerationConfig) -> Callable
     None (the model itself)."""
     if not wants_compiled_step(config):
         return None
-    checked = 1 if steps_keep_their_shapes(model) else None  # MoE: guards checked at every step
-    return CompiledSteps(compiled_forward(model, config.compile_config), checked=checked)
+    return compiled_forward(model, config.compile_config)
 
 
 def _processor_steps(processors: LogitsProcessorList) -> list:
@@ -403,7 +402,7 @@ def _decode(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
-        forward = step or model
+        forward = model if step is None else step
         # The skinny kernels serve compiled steps too: dynamo traces their forwards, taking the per-call weight copies
         # as graph inputs, so later calls reuse the graph.
         with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
@@ -521,7 +520,7 @@ def decode_seq2seq(
 
         out = forward(1)
         with skinny_linear_kernels(_per_step_layers(model), batch, steps=max_length - 2):
-            length = _choose_tokens(out, lambda n: forward(n, step or model), tokens, 1, max_length, steps, do_sample,
+            length = _choose_tokens(out, lambda n: forward(n, model if step is None else step), tokens, 1, max_length, steps, do_sample,
                                     stop, streamer)
     return _finished(tokens, length, max_length, streamer)
 
