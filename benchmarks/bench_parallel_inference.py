@@ -24,6 +24,7 @@ import time
 import torch
 
 import mindformers_py as mf
+from mindformers_py.errors import ConfigError
 from mindformers_py.parallel.inference import cache_bytes, inference_layout, local_bytes
 from mindformers_py.pipelines.parallel_pool import InferencePool
 
@@ -75,7 +76,12 @@ def main() -> None:
         weights, kv = _stand_alone_memory(model)
         alone = {b: _timed(model.generate, _inputs(model, b, args.prompt), args.new, args.repeats) for b in args.batch}
         for layout_name in args.layouts:
-            pool = InferencePool(model, task, inference_layout(LAYOUTS[layout_name], model.config))
+            try:
+                layout = inference_layout(LAYOUTS[layout_name], model.config)
+            except ConfigError as refused:  # e.g. pipeline stages for an encoder-decoder: said, then the next layout
+                print(f"{name:9} {layout_name:7} refused: {refused}")
+                continue
+            pool = InferencePool(model, task, layout)
             try:
                 pool.start()
                 for batch in args.batch:
