@@ -514,14 +514,15 @@ def decode_seq2seq(
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         cache = EncoderDecoderCache(StaticKVCache(layers, max_length), DynamicCache())
 
-        def forward(length: int, call: Callable[..., Any] = model):
+        def forward(length: int, call: Callable[..., Any] = model):  # the prompt's step: the model itself
             return call(encoder_outputs=encoded, attention_mask=keys_mask, decoder_input_ids=tokens[:, length - 1:length],
                         past_key_values=cache, use_cache=True)
 
         out = forward(1)
         with skinny_linear_kernels(_per_step_layers(model), batch, steps=max_length - 2):
-            length = _choose_tokens(out, lambda n: forward(n, model if step is None else step), tokens, 1, max_length, steps, do_sample,
-                                    stop, streamer)
+            one_token = model if step is None else step
+            length = _choose_tokens(out, lambda n: forward(n, one_token), tokens, 1, max_length, steps, do_sample, stop,
+                                    streamer)
     return _finished(tokens, length, max_length, streamer)
 
 
