@@ -8,7 +8,7 @@ processing class (the tokenizer, or the image processor) and the model config, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -52,6 +52,12 @@ def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     if data.objective is not None:
         raise ConfigError(f"data.objective={data.objective!r} is not valid for causal language modelling; choose one "
                           "of: 'instructions', or leave it out for packed text")
+    return _packed_text(data, tokenizer)
+
+
+def _packed_text(data: Any, tokenizer: Any) -> RecipeData:
+    """The recipe's text (the stdlib's source, split by file, or its files) packed into ``block_size``-token blocks,
+    validation capped to ``max_eval_samples``: causal LM pretraining, and the text T5's span corruption corrupts."""
     if data.source == "stdlib":
         train, validation = default_pretraining_data(tokenizer, data.block_size, max_files=data.max_files)
     else:
@@ -225,8 +231,7 @@ def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
         if not sentinels:
             raise ConfigError("data.objective='span_corruption' needs a tokenizer with sentinel tokens (<extra_id_0>, "
                               "...); set tokenizer.type: t5")
-        # Packed text blocks (validation capped to max_eval_samples already), then corrupted.
-        blocks = causal_lm_data(replace(data, objective=None), tokenizer, config)
+        blocks = _packed_text(data, tokenizer)
 
         def corrupt(split: datasets.Dataset) -> datasets.Dataset:
             return span_corruption_dataset(split, sentinels, tokenizer.eos_token_id, data.seed, data.noise_density,
