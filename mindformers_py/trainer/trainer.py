@@ -29,7 +29,7 @@ from transformers.utils.generic import find_labels
 
 from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
-from ..engine.step_loss import MEAN, NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
+from ..engine.step_loss import NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
 from ..parallel.restarts import RestartInfo, restart_info
@@ -126,9 +126,10 @@ class Trainer:
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        self._workers = LocalWorkers.plan(self.args, model, _sequence_length(train_dataset, model), self.task)
+        seq_length = _sequence_length(train_dataset, model)
+        self._workers = LocalWorkers.plan(self.args, model, seq_length, self.task)
         if self._workers is None:
-            self._setup_engine(_sequence_length(train_dataset, model))
+            self._setup_engine(seq_length)
         else:
             self.engine: Engine = self._workers.host_engine(self.args)
             set_seed(self.args.seed)
