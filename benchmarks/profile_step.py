@@ -39,7 +39,7 @@ CATEGORIES = (
                          "aten::matmul", "aten::baddbmm")),
     ("dtype casts and copies", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous")),
     ("optimizer and clipping", ("_fused_adamw", "adam", "linalg_vector_norm", "foreach", "clip")),
-    ("dropout", ("bernoulli", "native_dropout", "dropout")),
+    ("dropout", ("bernoulli", "native_dropout", "dropout", "aten::random_")),
 )
 
 

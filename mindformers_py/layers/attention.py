@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MindFormersError
+from .autocast_input import cast_for_autocast
+from .dropout import cheap_dropout_applies
+from .dropout import dropout as apply_dropout
 from .embedding import apply_rotary
 from .masks import additive_mask
 
@@ -102,6 +105,7 @@ class Attention(nn.Module):
             attention_mask = position_bias if attention_mask is None else additive_mask(position_bias, attention_mask)
         if self.cross_attention:
             return self._cross_attend(hidden_states, attention_mask, past_key_values, key_value_states)
+        hidden_states = cast_for_autocast(hidden_states)
         q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -133,6 +137,7 @@ class Attention(nn.Module):
                                    "keys and values are cached")
         else:
             s = source.shape[1]
+            source = cast_for_autocast(source)
             k = self.k_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hs)
             v = self.v_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)
             if cross is not None:
@@ -164,7 +169,9 @@ def attention_core(
     """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads; returns the
     output (B, nh, T, hs) and, with ``return_weights``, the attention probabilities (B, nh, T, S) computed
     explicitly in fp32 as transformers' eager attention does (else SDPA, and None); ``upcast`` computes those
-    scores in fp32 too (GPT-2's ``reorder_and_upcast_attn``). ``mask`` is boolean (True where a query may look) or
+    scores in fp32 too. Dropout on CPU tensors also takes the explicit path: SDPA would fall back to its math kernel
+    (in fp32 under CPU autocast) with torch's slower dropout, the explicit one multiplies in the autocast dtype and
+    uses :func:`~mindformers_py.layers.dropout.dropout` (GPT-2's ``reorder_and_upcast_attn``). ``mask`` is boolean (True where a query may look) or
     a float term added to the scores (a position bias with the masking folded in).
 
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
@@ -173,7 +180,7 @@ def attention_core(
     if groups > 1:  # (B, nkv, S, hs) -> (B, nh, S, hs)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if not return_weights:
+    if not return_weights and not (dropout > 0 and cheap_dropout_applies(q)):
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             return _cpu_autocast_sdpa(q, k, v, mask, dropout, is_causal, scale), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
@@ -190,8 +197,11 @@ def attention_core(
         scores = scores + mask
     elif mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return F.dropout(weights, p=dropout, training=dropout > 0) @ v, weights
+    if return_weights:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the dropout path: torch's reduced-precision CPU softmax accumulates in fp32 without two casts of (T, S)
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    return apply_dropout(weights, dropout, training=dropout > 0) @ v, weights
 
 
 def _cpu_autocast_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,

@@ -20,6 +20,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import Attention
+from .dropout import Dropout
 from .mlp import MLP
 from .moe import MoE
 from .norms import build_norm
@@ -63,7 +64,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, config.mlp_bias,
                        dropout=getattr(config, "mlp_dropout", 0.0)) if mlp is None else mlp
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
         if post_norm:
             self.post_feedforward_layernorm = norm()
         self.layer_idx = layer_idx

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dropout import Dropout
 from .norms import build_norm
 
 
@@ -120,7 +121,7 @@ class EmbeddingNorm(nn.Module):
                  bias: bool = True) -> None:
         super().__init__()
         self.norm = build_norm(norm_type, hidden_size, eps, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         return self.dropout(self.norm(embeddings))

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..errors import check_choice
+from .dropout import Dropout
 from .norms import build_norm
 
 
@@ -27,7 +28,7 @@ class Pooler(nn.Module):
     def __init__(self, hidden_size: int, dropout: float = 0.0, out_size: int | None = None, act: str = "tanh") -> None:
         super().__init__()
         check_choice("pooler_act", act, sorted(ACT2FN.keys()))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.dense = nn.Linear(hidden_size, out_size or hidden_size)
         self.activation = ACT2FN[act]
 
@@ -80,8 +81,8 @@ class SequenceSummary(nn.Module):
         self.summary_type = summary_type
         self.summary = nn.Linear(hidden_size, num_outputs) if num_outputs else nn.Identity()
         self.activation = ACT2FN[activation] if activation else nn.Identity()
-        self.first_dropout = nn.Dropout(first_dropout)
-        self.last_dropout = nn.Dropout(last_dropout)
+        self.first_dropout = Dropout(first_dropout)
+        self.last_dropout = Dropout(last_dropout)
 
     def forward(self, hidden_states: torch.Tensor, cls_index: torch.Tensor | None = None) -> torch.Tensor:
         """(..., T, C) -> (..., outputs); ``cls_index`` (...) picks each sequence's token with ``"cls_index"``."""

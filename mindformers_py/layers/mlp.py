@@ -14,6 +14,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..errors import check_choice
+from .autocast_input import cast_for_autocast
+from .dropout import Dropout
 
 
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -26,7 +28,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "gelu_new", gated: bool = False, bias: bool = True,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.dropout = Dropout(dropout) if dropout > 0 else None
         check_choice("hidden_act", act, sorted(ACT2FN.keys()))
         self.gated = gated
         if gated:
@@ -37,9 +39,16 @@ class MLP(nn.Module):
         self.act = functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        if self.gated:
+            x = cast_for_autocast(x)  # one cast for the two projections that read it
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
         if self.dropout is not None and self.training:
             h = self.dropout(h)
-        if h.dtype != self.down_proj.weight.dtype and self.down_proj.weight.is_floating_point():
-            h = h.to(self.down_proj.weight.dtype)  # a projection kept in float32 (T5's _keep_in_fp32_modules)
+        if (h.dtype != self.down_proj.weight.dtype and self.down_proj.weight.is_floating_point()
+                and not torch.is_autocast_enabled(h.device.type)):
+            # a projection kept in float32 in a reduced-precision model (T5's _keep_in_fp32_modules); under
+            # autocast the product casts to the autocast dtype anyway, and converting here cost two copies each way
+            h = h.to(self.down_proj.weight.dtype)
         return self.down_proj(h)

@@ -36,6 +36,7 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple
 
 from ..errors import MindFormersError
+from ..layers.dropout import Dropout
 from ..layers.loss import check_class_ids, choice_cross_entropy, question_answering_loss, \
     sequence_classification_loss, token_cross_entropy
 
@@ -156,7 +157,7 @@ class SequenceClassification(TaskHead):
 
     def build_head(self, config: Any) -> None:
         self.num_labels = config.num_labels
-        self.dropout = nn.Dropout(classifier_dropout(config) if self.pooling == "first" else 0.0)
+        self.dropout = Dropout(classifier_dropout(config) if self.pooling == "first" else 0.0)
         setattr(self, self.head_name, nn.Linear(config.hidden_size, self.num_outputs(config), bias=self.head_bias))
 
     def num_outputs(self, config: Any) -> int:
@@ -242,7 +243,7 @@ class TokenClassification(TaskHead):
 
     def build_head(self, config: Any) -> None:
         self.num_labels = config.num_labels
-        self.dropout = nn.Dropout(classifier_dropout(config))
+        self.dropout = Dropout(classifier_dropout(config))
         setattr(self, self.head_name, nn.Linear(config.hidden_size, config.num_labels))
 
     def head_output(self, out: ModelOutput, inputs: dict[str, Any], num_items_in_batch: Any = None,

@@ -35,6 +35,7 @@ from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
 from ...layers.heads import SequenceSummary
+from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
 from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
@@ -88,7 +89,7 @@ class GPTModel(GPTPreTrainedModel):
             self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
         else:
             self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_parameters)
-        self.drop = nn.Dropout(config.embedding_dropout)
+        self.drop = Dropout(config.embedding_dropout)
         moe_layers = set(config.moe_layers())
         self.layers = nn.ModuleList(TransformerBlock(config, i, mlp=MoE.from_config(config) if i in moe_layers else None,
                                                      cross_attention=config.cross_attends)

@@ -37,6 +37,7 @@ from ...errors import ConfigError, MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
+from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
 from ..cache_names import CACHE_NAMES, accepts_cache_argument, cache_output, output_cache
@@ -128,12 +129,12 @@ class T5Stack(T5PreTrainedModel):
         count = config.num_decoder_layers if is_decoder else config.num_hidden_layers
         self.position_bias = RelativePositionBias(config.num_attention_heads, config.relative_attention_num_buckets,
                                                   config.relative_attention_max_distance, bidirectional=not is_decoder)
-        self.drop = nn.Dropout(config.dropout_rate)
+        self.drop = Dropout(config.dropout_rate)
         self.layers = nn.ModuleList(
             TransformerBlock(config, i, is_causal=is_decoder, cross_attention=is_decoder) for i in range(count)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, cast_to_weight_dtype=True)
-        self.final_dropout = nn.Dropout(config.dropout_rate)
+        self.final_dropout = Dropout(config.dropout_rate)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -23,6 +23,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from ...errors import MindFormersError
 from ...layers import TransformerBlock, build_attention_mask, build_norm
+from ...layers.dropout import Dropout
 from ...layers.heads import Pooler
 from ...layers.loss import IGNORE_INDEX, sequence_classification_loss
 from ...layers.patch_embedding import PatchEmbedding
@@ -61,7 +62,7 @@ class ViTModel(ViTPreTrainedModel):
         super().__init__(config)
         self.embeddings = PatchEmbedding(config.image_hw, config.patch_size, config.num_channels, config.hidden_size,
                                          use_mask_token)
-        self.drop = nn.Dropout(config.hidden_dropout)
+        self.drop = Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(config, i, is_causal=False) for i in range(config.num_hidden_layers))
         self.norm = build_norm(config.norm_type, config.hidden_size, config.norm_eps, bias=config.norm_bias)
         self.pooler = Pooler(config.hidden_size, out_size=config.pooler_output_size, act=config.pooler_act) \
