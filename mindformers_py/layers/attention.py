@@ -169,19 +169,23 @@ def attention_core(
     """softmax(q kᵀ · scale + mask) v with grouped-query key/value heads broadcast to the query heads; returns the
     output (B, nh, T, hs) and, with ``return_weights``, the attention probabilities (B, nh, T, S) computed
     explicitly in fp32 as transformers' eager attention does (else SDPA, and None); ``upcast`` computes those
-    scores in fp32 too. Dropout on CPU tensors also takes the explicit path: SDPA would fall back to its math kernel
-    (in fp32 under CPU autocast) with torch's slower dropout, the explicit one multiplies in the autocast dtype and
-    uses :func:`~mindformers_py.layers.dropout.dropout` (GPT-2's ``reorder_and_upcast_attn``). ``mask`` is boolean (True where a query may look) or
+    scores in fp32 too (GPT-2's ``reorder_and_upcast_attn``). ``mask`` is boolean (True where a query may look) or
     a float term added to the scores (a position bias with the masking folded in).
+
+    On the CPU two more cases take the explicit path (see :func:`_explicit_is_faster`): dropout, where SDPA falls
+    back to its math kernel with torch's slower dropout (here :func:`~mindformers_py.layers.dropout.dropout`), and
+    bf16 autocast on short sequences, where torch's flash kernels are slower than three plain products.
 
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
+    if _cpu_autocast_bf16(q):  # rotary positions leave q and k in fp32: cast once, not at every product
+        q, k, v = cast_for_autocast(q), cast_for_autocast(k), cast_for_autocast(v)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # (B, nkv, S, hs) -> (B, nh, S, hs)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if not return_weights and not (dropout > 0 and cheap_dropout_applies(q)):
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if not (return_weights or _explicit_is_faster(q, k, dropout)):
+        if _cpu_autocast_bf16(q):
             return _cpu_autocast_sdpa(q, k, v, mask, dropout, is_causal, scale), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                               scale=scale), None
@@ -199,16 +203,34 @@ def attention_core(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if return_weights:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:  # the dropout path: torch's reduced-precision CPU softmax accumulates in fp32 without two casts of (T, S)
+    else:  # torch's reduced-precision CPU softmax accumulates in fp32 without two casts of (T, S)
         weights = torch.softmax(scores, dim=-1).to(q.dtype)
     return apply_dropout(weights, dropout, training=dropout > 0) @ v, weights
 
 
+# Up to this many scores per (batch, head) the explicit bf16 path beats torch's CPU SDPA kernels under autocast
+# (measured forward + backward, 2 cores: 256 x 256 x 64 dims 10.0 ms vs fp32 SDPA 15.6 / bf16 SDPA 13.2; 128 x 128:
+# 5.7 vs 8.9 / 15.9; ViT's 50 x 50 x 16: 2.2 vs 2.3 / 12.8). Longer sequences keep SDPA, which never holds (T, S).
+_EXPLICIT_MAX_SCORES = 512 * 512
+
+
+def _cpu_autocast_bf16(q: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.is_floating_point() and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
+def _explicit_is_faster(q: torch.Tensor, k: torch.Tensor, dropout: float) -> bool:
+    """Whether the explicit softmax(q kᵀ) v is the faster path for these plain CPU tensors."""
+    if not cheap_dropout_applies(q):  # CUDA, DTensors, compiled code: SDPA
+        return False
+    return dropout > 0 or (_cpu_autocast_bf16(q) and q.shape[-2] * k.shape[-2] <= _EXPLICIT_MAX_SCORES)
+
+
 def _cpu_autocast_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
                        is_causal: bool, scale: float | None) -> torch.Tensor:
-    """SDPA of bf16 autocast on the CPU, computed in fp32 and returned in bf16. torch's CPU flash-attention kernels
-    are slower in bf16 than in fp32 (measured: backward 3-8x for short sequences or small heads, e.g. ViT's 50
-    tokens x 16 dims; equal for GPT's 256 x 64), and fp32 is also the more precise of the two."""
+    """SDPA of bf16 autocast on the CPU for long sequences, computed in fp32 and returned in bf16. torch's CPU
+    flash-attention kernels are slower in bf16 than in fp32 (measured: backward 3-8x for short sequences or small
+    heads; equal for 256 x 64), and fp32 is also the more precise of the two."""
     with torch.autocast("cpu", enabled=False):
         mask = mask.float() if mask is not None and mask.is_floating_point() else mask
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout,

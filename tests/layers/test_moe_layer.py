@@ -262,6 +262,37 @@ def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
         assert (grouped - looped).abs().max().item() <= 1e-5
 
 
+def test_bf16_grouped_products_pad_each_experts_rows_without_changing_results(monkeypatch):
+    """On the CPU in bf16 each expert's rows are padded to a multiple of a granularity (so oneDNN sees few shapes):
+    outputs and gradients equal those of the unpadded grouped products, and the padding really happens."""
+    import mindformers_py.layers.moe as moe_module
+
+    calls = []
+    original_of = moe_module._PaddedGroups.of.__func__
+
+    def recording_of(cls, counts, num_rows):
+        padded = original_of(cls, counts, num_rows)
+        calls.append(padded)
+        return padded
+
+    results = []
+    for pad in (True, False):
+        monkeypatch.setattr(moe_module._PaddedGroups, "MIN_GRANULARITY", 8 if pad else 10**9)
+        monkeypatch.setattr(moe_module._PaddedGroups, "of", classmethod(recording_of))
+        moe = make_moe(routing_policy="dropless")
+        x = torch.randn(4, 64, H, generator=torch.Generator().manual_seed(3), requires_grad=True)  # 512 rows
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = moe(x)
+        (out.float() * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+        results.append((out.detach().float(), x.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
+    padded = calls[0]
+    assert padded is not None and calls[1] is None
+    assert padded.granularity == 16 and bool((padded.padded_counts % 16 == 0).all())
+    assert padded.padded_rows > 512  # rows were added
+    for with_padding, without in zip(*results):
+        torch.testing.assert_close(with_padding, without, rtol=1e-2, atol=1e-3)
+
+
 def test_peft_lora_trains_a_gpt_moe():
     """peft's defaults for our model type (Llama's q_proj/v_proj) apply to GPT-MoE; the router loss trains through
     the adapters and only they get gradients."""
