@@ -42,8 +42,23 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_items_in
     seq2seq use it unshifted. Logits are upcast to fp32, as transformers does."""
     targets = (shift_labels(labels, ignore_index) if shift else labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
+    logits, targets = _scored_rows(logits.flatten(0, -2), targets.flatten(), ignore_index)
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
     return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch, 1)
+
+
+def _scored_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the rows with a target, where most are ignored (masked LM labels 15% of its tokens) on the CPU: the fp32
+    copy and log-softmax of the other rows' logits (and their backward) are work for nothing -- in the BERT MLM
+    benchmark (30,522-word vocabulary) over a third of a bf16 step. Same loss and gradients; elsewhere (CUDA, where
+    the selection would wait for the device; DTensors; mostly scored rows) the rows as given."""
+    if logits.device.type != "cpu" or type(logits) is not torch.Tensor:
+        return logits, targets
+    scored = targets != ignore_index
+    if int(scored.sum()) * 2 > targets.numel():
+        return logits, targets
+    index = scored.nonzero().squeeze(1)
+    return logits.index_select(0, index), targets.index_select(0, index)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
