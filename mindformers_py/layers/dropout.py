@@ -57,8 +57,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """``torch.nn.functional.dropout(x, p, training)`` with a cheaper mask for plain CPU tensors."""
     if not training or p == 0.0:
         return x
-    if not 0.0 < p < 1.0 or not cheap_dropout_applies(x):
-        return F.dropout(x, p, training)
+    if not 0.0 < p < 1.0 or round(p * _LEVELS) == _LEVELS or not cheap_dropout_applies(x):
+        return F.dropout(x, p, training)  # (p within 1/65536 of 1 would keep nothing at 15-bit resolution)
     return _ScaleByMask.apply(x, _keep_mask(x.shape, p, x.dtype))
 
 

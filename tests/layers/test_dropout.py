@@ -51,6 +51,12 @@ def test_eval_mode_and_zero_probability_are_the_identity():
         dropout(x, 1.5)  # torch's own check of p
 
 
+def test_probability_next_to_one_drops_almost_everything():
+    """p within 1/65536 of 1 rounds to 'keep nothing' at 15 bits: torch's dropout takes it (no division by zero)."""
+    x = torch.ones(100_000)
+    assert torch.count_nonzero(dropout(x, 0.99999)).item() < 20
+
+
 def test_attention_dropout_averages_to_attention_without_dropout():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
