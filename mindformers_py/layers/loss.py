@@ -54,10 +54,9 @@ def _scored_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int)
     the selection would wait for the device; DTensors; mostly scored rows) the rows as given."""
     if logits.device.type != "cpu" or type(logits) is not torch.Tensor:
         return logits, targets
-    scored = targets != ignore_index
-    if int(scored.sum()) * 2 > targets.numel():
+    index = (targets != ignore_index).nonzero().squeeze(1)
+    if index.numel() * 2 > targets.numel():
         return logits, targets
-    index = scored.nonzero().squeeze(1)
     return logits.index_select(0, index), targets.index_select(0, index)
 
 
