@@ -41,8 +41,10 @@ def tokenize_instructions(pairs: datasets.Dataset, tokenizer: Any, block_size: i
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        prompts = tokenizer(batch[prompt_column], add_special_tokens=False)["input_ids"]
-        responses = tokenizer(batch[response_column], add_special_tokens=False)["input_ids"]
+        # verbose=False: a response longer than the tokenizer's model_max_length is expected, it is cut to
+        # block_size below (transformers would warn about it once per process)
+        prompts = tokenizer(batch[prompt_column], add_special_tokens=False, verbose=False)["input_ids"]
+        responses = tokenizer(batch[response_column], add_special_tokens=False, verbose=False)["input_ids"]
         out: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
         for prompt, response in zip(prompts, responses):
             if len(prompt) >= block_size:

@@ -77,6 +77,13 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
         register_with_peft()
 
     @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether activation checkpointing is on: transformers' ``is_activation_checkpointing`` under the name
+        peft reads when it wraps a model (``get_peft_model``), which transformers 5 keeps only as a deprecated alias
+        that warned in every process of a LoRA run."""
+        return self.is_activation_checkpointing
+
+    @property
     def task_spec(self) -> TaskSpec | None:
         """The task registry entry of the task this model trains (None for a base model)."""
         return task_of_model(self)

@@ -9,7 +9,6 @@ and which pipeline runs on ``generate.prompts`` after training.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -124,9 +123,11 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
             model_s.setdefault(name, getattr(tokenizer, name))
     datasets = None
     if run_mode != "predict":
+        from ..data.progress import data_progress
         from ..data.recipe_data import RECIPE_DATA
 
-        datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
+        with data_progress():  # datasets' bars from one process: this one, or rank 0 of a job started elsewhere
+            datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
         for key, value in datasets.config_updates.items():
             if key in model_s and model_s[key] != value:
                 raise ConfigError(f"model.{key}={model_s[key]!r} contradicts the data, which gives {key}={value!r}; "
@@ -147,7 +148,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
     from ..adapters.apply import from_pretrained_with_adapter, with_saved_adapter
 
-    args = dataclasses.replace(args, parallel_config=parallel)
+    # Rebuilt from its dict, not dataclasses.replace: bf16="auto" stays "auto" (recorded so, and said so in the run)
+    args = type(args).from_dict({**args.to_dict(), "parallel_config": parallel})
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     model = auto.from_pretrained(name_or_path, **model_s)
@@ -324,10 +326,12 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
 def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts: int = 0) -> dict[str, Any]:
     """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them; after a failure the
     ranks are restarted up to ``max_restarts`` times (each resumes from the latest checkpoint in ``output_dir``)."""
+    from ..data.progress import progress_shown_to_workers
     from ..parallel.launch import launch
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     resolved = Path(output_dir) / RESOLVED_NAME
     dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
-    launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
+    with progress_shown_to_workers():  # this process showed the data's progress: the ranks prepare it quietly
+        launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
     return {}

@@ -288,7 +288,8 @@ class Trainer:
         self.callback_handler.train_dataloader = getattr(source, "loader", source)
 
         self.model_wrapped.train()
-        self.log({"layout": _layout_line(engine)})  # printed once (before the bar), kept in log.jsonl and trainer_state
+        # printed once (before the bar), kept in log.jsonl and trainer_state
+        self.log({"layout": _layout_line(engine), "precision": _precision_line(args, engine.device)})
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
@@ -785,6 +786,35 @@ def _layout_line(engine: Engine) -> str:
     processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
     line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
     return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
+
+
+def _precision_line(args: TrainingArguments, device: torch.device) -> str:
+    """Which precision the run trains in and why, e.g. ``bf16 autocast ..., chosen by bf16='auto': this CPU computes
+    bf16 natively (avx512_bf16)``: the same recipe runs about twice as fast or slow on another machine, and this
+    says which case a run is."""
+    from ..engine.precision import _CPU_BF16_CAPABILITIES, native_bf16
+
+    native = native_bf16(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        hardware = f"this GPU (compute capability {major}.{minor}) {'has' if native else 'has no'} bf16 tensor cores"
+    elif device.type == "cpu":
+        found = [name for name in _CPU_BF16_CAPABILITIES if torch.cpu.get_capabilities().get(name)]
+        hardware = (f"this CPU computes bf16 natively ({', '.join(found)})" if native else
+                    "oneDNN is capped below this CPU's bf16 instructions (ONEDNN_MAX_CPU_ISA)" if found else
+                    "this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16)")
+    else:
+        hardware = f"{device.type} is not known to compute bf16 natively"
+    if args.bf16:
+        what = "bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32)"
+    else:
+        what = "fp16 autocast" if args.fp16 else "fp32"
+    if getattr(args, "_bf16_auto", None) is args.bf16:  # bf16="auto" decided
+        why = "bf16='auto' gives way to fp16=True" if args.fp16 else \
+            f"chosen by bf16='auto': {hardware}" + ("" if native else ", where bf16 would be slower than fp32")
+        return f"precision: {what}, {why}"
+    asked = f"bf16={args.bf16} was asked for"
+    return f"precision: {what}, {asked}" + ("" if native or not args.bf16 else f"; {hardware} (emulated: slower)")
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:

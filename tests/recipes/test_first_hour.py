@@ -1,0 +1,51 @@
+"""The first hour of a new user, as the README tells it: ``make demo`` writes ``runs/demo``, and the LoRA recipe
+starts from there without any flag. One default location for the pretraining output, which the recipes, the
+Makefile and the notebook agree on."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import yaml
+
+import mindformers_py as mf
+from mindformers_py.cli import main
+from mindformers_py.data import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = "runs/demo"
+
+
+def test_the_demo_folder_is_one_place_for_every_reader():
+    pretrain = yaml.safe_load((ROOT / "tasks/gpt/pretrain_tiny.yaml").read_text())
+    lora = yaml.safe_load((ROOT / "tasks/gpt/finetune_lora.yaml").read_text())
+    assert pretrain["training"]["output_dir"] == DEMO == lora["model"]["name_or_path"]
+    demo_target = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert "tasks/gpt/pretrain_tiny.yaml" in demo_target
+    assert "--output_dir" not in demo_target or f"--output_dir {DEMO}" in demo_target
+    notebook = json.loads((ROOT / "notebooks/finetune_gpt.ipynb").read_text())
+    assert any(f'Path("../{DEMO}")' in "".join(cell["source"]) for cell in notebook["cells"])
+
+
+def test_the_lora_recipe_finds_the_demo_output_without_a_flag(tmp_path, monkeypatch, capsys):
+    # A small stand-in for make demo's output (the model and tokenizer in runs/demo), then the README's LoRA line
+    # from that working directory, shortened.
+    monkeypatch.chdir(tmp_path)
+    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20], 300)
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(flavour="gpt2", vocab_size=len(tokenizer), hidden_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128,
+                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(DEMO)
+    tokenizer.save_pretrained(DEMO)
+    code = main(["run", str(ROOT / "tasks/gpt/finetune_lora.yaml"), "--max_steps", "2", "--data.max_files", "20",
+                 "--data.max_eval_samples", "4", "--per_device_train_batch_size", "2", "--eval_strategy", "no",
+                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                 "--generate.max_new_tokens", "2"])
+    assert code == 0, capsys.readouterr().err
+    resolved = yaml.safe_load((tmp_path / "runs/finetune_lora/run_config.yaml").read_text())
+    assert resolved["model"]["name_or_path"] == DEMO
+    assert (tmp_path / "runs/finetune_lora/adapter_model.safetensors").is_file()

@@ -1,0 +1,67 @@
+"""A run says which precision it trains in and why, right under its layout line: the same recipe takes about
+twice as long where bf16 resolves to fp32 (no native bf16), and the user should see which case a run is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mindformers_py as mf
+from mindformers_py.engine import precision
+from mindformers_py.trainer.trainer import _precision_line
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cpu_with(monkeypatch):
+    def pretend(capabilities: dict[str, bool]) -> None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    return pretend
+
+
+def _args(**kwargs):
+    return mf.TrainingArguments(output_dir="unused", use_cpu=True, **kwargs)
+
+
+def test_auto_on_a_cpu_with_native_bf16(cpu_with):
+    cpu_with({"avx512_bf16": True})
+    assert _precision_line(_args(), CPU) == (
+        "precision: bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32), "
+        "chosen by bf16='auto': this CPU computes bf16 natively (avx512_bf16)")
+
+
+def test_auto_on_an_avx2_cpu_says_fp32_and_why(cpu_with):
+    cpu_with({"avx2": True})
+    assert _precision_line(_args(), CPU) == (
+        "precision: fp32, chosen by bf16='auto': this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16), "
+        "where bf16 would be slower than fp32")
+
+
+def test_an_explicit_setting_is_named_as_asked(cpu_with):
+    cpu_with({"avx512_bf16": True})
+    assert _precision_line(_args(bf16=False), CPU) == "precision: fp32, bf16=False was asked for"
+    cpu_with({"avx2": True})
+    assert _precision_line(_args(bf16=True), CPU).endswith(
+        "bf16=True was asked for; this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16) (emulated: slower)")
+
+
+def test_the_line_is_printed_under_the_layout_and_logged(tmp_path, capsys, cpu_with):
+    cpu_with({"avx2": True})
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           max_position_embeddings=16))
+    data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(2)]
+    args = mf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                save_strategy="no", report_to="none", disable_tqdm=True, plot_loss_curve=False,
+                                use_cpu=True)
+    mf.Trainer(model=model, args=args, train_dataset=data).train()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("1 process (stand_alone)") and printed[1].startswith("precision: fp32, chosen by")
+    first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert first["precision"] == printed[1]
+    assert precision.native_bf16(CPU) is False  # what the Trainer saw
