@@ -42,12 +42,13 @@ def test_auto_on_an_avx2_cpu_says_fp32_and_why(cpu_with):
         "where bf16 would be slower than fp32")
 
 
-def test_an_explicit_setting_is_named_as_asked(cpu_with):
+def test_an_explicit_setting_is_named_with_the_hardware(cpu_with):
     cpu_with({"avx512_bf16": True})
-    assert _precision_line(_args(bf16=False), CPU) == "precision: fp32, bf16=False was asked for"
+    assert _precision_line(_args(bf16=False), CPU) == (
+        "precision: fp32; bf16=False: this CPU computes bf16 natively (avx512_bf16)")
     cpu_with({"avx2": True})
     assert _precision_line(_args(bf16=True), CPU).endswith(
-        "bf16=True was asked for; this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16) (emulated: slower)")
+        "; bf16=True: this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16) (bf16 emulated: slower than fp32)")
 
 
 def test_the_line_is_printed_under_the_layout_and_logged(tmp_path, capsys, cpu_with):
