@@ -176,19 +176,33 @@ def attention_core(
     back to its math kernel with torch's slower dropout (here :func:`~mindformers_py.layers.dropout.dropout`), and
     bf16 autocast on short sequences, where torch's flash kernels are slower than three plain products.
 
+    Grouped key/value heads are not repeated to the query heads where that can be avoided: a single query (a decode
+    step) with a mask shared by the heads attends with each key/value head's query heads as rows of one head, and
+    SDPA without a mask takes them as they are (``enable_gqa``, torch >= 2.5; with a mask CUDA's fused kernels would
+    fall back to the math one, so the heads are repeated there, as transformers does). Repeated keys and values
+    would be saved for backward at the query heads' count: 4x the bytes of Llama 3.2 1B's 8 key/value heads.
+
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
     if _cpu_autocast_bf16(q):  # rotary positions leave q and k in fp32: cast once, not at every product
         q, k, v = cast_for_autocast(q), cast_for_autocast(k), cast_for_autocast(v)
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # (B, nkv, S, hs) -> (B, nh, S, hs)
+    if groups > 1 and not return_weights and _one_query_shared_mask(q, mask):
+        b, heads, _, _ = q.shape  # (B, nh, 1, hs) -> (B, nkv, groups, hs): the groups become query rows
+        y, _ = attention_core(q.reshape(b, k.shape[1], groups, q.shape[-1]), k, v, mask, False, dropout, scale,
+                              False, upcast)
+        return y.reshape(b, heads, 1, y.shape[-1]), None
+    explicit = return_weights or _explicit_is_faster(q, k, dropout)
+    native_groups = groups > 1 and not explicit and _sdpa_takes_groups(q, k, v, mask)
+    if groups > 1 and not native_groups:  # (B, nkv, S, hs) -> (B, nh, S, hs)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if not (return_weights or _explicit_is_faster(q, k, dropout)):
+    if not explicit:
+        gqa = {"enable_gqa": True} if native_groups else {}
         if _cpu_autocast_bf16(q):
-            return _cpu_autocast_sdpa(q, k, v, mask, dropout, is_causal, scale), None
+            return _cpu_autocast_sdpa(q, k, v, mask, dropout, is_causal, scale, **gqa), None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                              scale=scale), None
+                                              scale=scale, **gqa), None
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     if upcast:
         with torch.autocast(q.device.type, enabled=False):
@@ -214,6 +228,22 @@ def attention_core(
 _EXPLICIT_MAX_SCORES = 512 * 512
 
 
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # its enable_gqa argument
+_SDPA_GQA_MAX_HEAD_DIM = 256  # the fused kernels' largest head size
+
+
+def _sdpa_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA can take fewer key/value heads than query heads for these plain tensors without falling back
+    to its math kernel (no mask, equal head sizes within the fused kernels' limit)."""
+    return (_SDPA_GQA and mask is None and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and q.shape[-1] == v.shape[-1] <= _SDPA_GQA_MAX_HEAD_DIM)
+
+
+def _one_query_shared_mask(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """A single query position whose mask (if any) is the same for every head and query: (B or 1, 1, 1, S)."""
+    return q.shape[-2] == 1 and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1))
+
+
 def _cpu_autocast_bf16(q: torch.Tensor) -> bool:
     return (q.device.type == "cpu" and q.is_floating_point() and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16)
@@ -227,12 +257,12 @@ def _explicit_is_faster(q: torch.Tensor, k: torch.Tensor, dropout: float) -> boo
 
 
 def _cpu_autocast_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-                       is_causal: bool, scale: float | None) -> torch.Tensor:
+                       is_causal: bool, scale: float | None, **gqa: bool) -> torch.Tensor:
     """SDPA of bf16 autocast on the CPU for long sequences, computed in fp32 and returned in bf16. torch's CPU
     flash-attention kernels are slower in bf16 than in fp32 (measured: backward 3-8x for short sequences or small
     heads; equal for 256 x 64), and fp32 is also the more precise of the two."""
     with torch.autocast("cpu", enabled=False):
         mask = mask.float() if mask is not None and mask.is_floating_point() else mask
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout,
-                                             is_causal=is_causal, scale=scale)
+                                             is_causal=is_causal, scale=scale, **gqa)
     return out.to(q.dtype)
