@@ -56,8 +56,9 @@ class Trainer:
         args: the :class:`TrainingArguments` (default: all defaults, ``output_dir="trainer_output"``).
         data_collator: turns a list of examples into a batch; default: the task's collator (task registry) with
             the tokenizer.
-        train_dataset, eval_dataset: map-style datasets of dicts (lists or tensors) or ``datasets.Dataset``;
-            ``eval_dataset`` may be a dict of named datasets.
+        train_dataset: a map-style dataset of dicts (lists or tensors), a ``datasets.Dataset``, or a stream (an
+            ``IterableDataset``, with ``max_steps``).
+        eval_dataset: as ``train_dataset`` (map-style), or a dict of named datasets.
         processing_class: the tokenizer (or processor), saved with the model; ``tokenizer`` is its old name.
         compute_metrics: ``EvalPrediction -> dict`` called by ``evaluate``/``predict``.
         callbacks: ``TrainerCallback`` instances or classes added after the defaults.
