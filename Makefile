@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch: an unpinned `torch` pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The documentation site into site/ (mkdocs.yml); strict: a broken link, anchor or API reference fails the build.
+$(VENV)/.docs-installed: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: setup
 	$(PY) benchmarks/bench_generate.py
