@@ -14,6 +14,9 @@ cache), so it runs only when asked, with transformers' switch: ``generate(..., c
 (where transformers compiles its forward on accelerators; here on CPU too, where it is measured faster),
 ``compile_config`` giving the ``torch.compile`` options and ``disable_compile=True`` turning it off.
 
+On a CUDA device the step is instead compiled for fixed shapes and captured in a CUDA graph
+(:mod:`.graphed_step`), unless ``model.cuda_graph_decode`` is False.
+
 Every step evaluates dynamo's guards. Skipping them after the first step
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``) saved some host overhead but is unsafe: when the
 forward's code already has other cache entries (another model of the class compiled earlier in the process) or a
@@ -44,10 +47,12 @@ def wants_compiled_step(config: GenerationConfig) -> bool:
     return config.cache_implementation == "static" and not config.disable_compile
 
 
-def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | None) -> Callable[..., Any]:
+def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | None,
+                     static_shapes: bool = False) -> Callable[..., Any]:
     """``model``'s forward compiled with ``compile_config``'s options (dynamic shapes unless it says otherwise;
     ``mode`` only when a config is given, since transformers' default ``"reduce-overhead"`` records CUDA graphs,
-    one per cache length here). Compiled once per model and options, then reused."""
+    one per cache length here). ``static_shapes``: for the step :mod:`.graphed_step` captures in a CUDA graph
+    (:func:`graph_compile_options`). Compiled once per model and options, then reused."""
     if compile_config is None:
         options: dict[str, Any] = {"fullgraph": False, "dynamic": True, "backend": "inductor", "mode": None}
     else:
@@ -57,6 +62,8 @@ def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | Non
         if compile_config.options:
             options["options"] = dict(compile_config.options)
             options.pop("mode")  # torch.compile takes one of mode and options
+    if static_shapes:
+        options = graph_compile_options(options)
     key = tuple(sorted((k, repr(v)) for k, v in options.items()))
     per_model = _COMPILED.setdefault(model, {})
     if key not in per_model:
@@ -64,3 +71,20 @@ def compiled_forward(model: torch.nn.Module, compile_config: CompileConfig | Non
                     type(model).__name__)
         per_model[key] = torch.compile(model, **options)
     return per_model[key]
+
+
+def graph_compile_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` options of a step that :mod:`.graphed_step` captures in a CUDA graph: static shapes,
+    and no CUDA graphs of inductor's own inside the captured one (``"reduce-overhead"`` becomes the default mode, ``"max-autotune"`` its
+    variant without CUDA graphs)."""
+    options = {**options, "dynamic": False}
+    mode = options.get("mode")
+    if mode in ("reduce-overhead", "default"):
+        options["mode"] = None
+    elif mode == "max-autotune":
+        options["mode"] = "max-autotune-no-cudagraphs"
+    inductor = dict(options.get("options") or {})
+    if inductor:
+        inductor["triton.cudagraphs"] = False
+        options["options"] = inductor
+    return options

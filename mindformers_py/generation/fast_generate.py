@@ -35,6 +35,7 @@ from transformers.utils import logging
 
 from ..errors import ConfigError, MindFormersError
 from .compiled_step import compiled_forward, wants_compiled_step
+from .graphed_step import StaticShapeStep, graph_capacity, wants_cuda_graph
 from .skinny_linear import skinny_linear_kernels
 from .static_cache import StaticKVCache
 
@@ -92,6 +93,10 @@ class FastGenerationMixin(GenerationMixin):
 
     fast_generate: bool = True
     """Use the lean decode loop for the requests it supports (otherwise always ``GenerationMixin``'s loop)."""
+    cuda_graph_decode: bool = True
+    """On a CUDA device, capture the compiled decode step (``cache_implementation="static"``) in a CUDA graph and
+    replay it for every token (:mod:`mindformers_py.generation.graphed_step`); False runs the compiled step
+    without a graph."""
 
     @torch.no_grad()
     def generate(
@@ -129,7 +134,8 @@ class FastGenerationMixin(GenerationMixin):
             config, model_kwargs, has_default_max_length = request
             if set(model_kwargs) <= _LEAN_MODEL_KWARGS and _lean_supports(self, config, input_ids, model_kwargs):
                 mask, tokenizer = model_kwargs.get("attention_mask"), kwargs.get("tokenizer")
-                step = _step_function(self, config)
+                graphed = wants_cuda_graph(self, config, input_ids.device)
+                step = _step_function(self, config, static_shapes=graphed)
                 if self.config.is_encoder_decoder:
                     plan = _guarded(seq2seq_setup, self, input_ids, mask, config, has_default_max_length, tokenizer)
                     if plan is not None:
@@ -137,7 +143,7 @@ class FastGenerationMixin(GenerationMixin):
                 else:
                     plan = _guarded(self._lean_setup, input_ids, mask, config, has_default_max_length, tokenizer)
                     if plan is not None:
-                        return _decode(self, *plan, streamer, step)
+                        return _decode(self, *plan, streamer, step, static_shapes=graphed, capture=graphed)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn, synced_gpus,
             assistant_model, streamer, negative_prompt_ids, negative_prompt_attention_mask, custom_generate, **kwargs,
@@ -280,12 +286,13 @@ def _lean_supports(
     )
 
 
-def _step_function(model: torch.nn.Module, config: GenerationConfig) -> Callable[..., Any] | None:
-    """The compiled forward the decode steps call when the request asks for it (:mod:`.compiled_step`), else
-    None (the model itself)."""
+def _step_function(model: torch.nn.Module, config: GenerationConfig,
+                   static_shapes: bool = False) -> Callable[..., Any] | None:
+    """The compiled forward the decode steps call when the request asks for it (:mod:`.compiled_step`; with
+    ``static_shapes``, the one a CUDA graph captures), else None (the model itself)."""
     if not wants_compiled_step(config):
         return None
-    return compiled_forward(model, config.compile_config)
+    return compiled_forward(model, config.compile_config, static_shapes=static_shapes)
 
 
 def _processor_steps(processors: LogitsProcessorList) -> list:
@@ -382,11 +389,15 @@ def _decode(
     pad: torch.Tensor | None,
     streamer,
     step: Callable[..., Any] | None = None,
+    static_shapes: bool = False,
+    capture: bool = False,
 ) -> torch.LongTensor:
     """The decode loop: the same token choice, eos/pad handling and stopping rule as ``GenerationMixin._sample``.
 
     ``attention_mask`` is None when no row is padded; ``position_ids`` (B, prompt) are the prompt positions.
-    ``step`` replaces the model for the one-token steps after the prompt (the compiled forward).
+    ``step`` replaces the model for the one-token steps after the prompt (the compiled forward). With
+    ``static_shapes`` those steps see fixed shapes and addresses (:class:`~.graphed_step.StaticShapeStep`: the
+    whole cache, masked), and with ``capture`` they are replayed from a CUDA graph.
     """
     batch, prompt_length = input_ids.shape
     if streamer is not None:
@@ -397,17 +408,22 @@ def _decode(
     tokens = inputs.tokens
     steps = _processor_steps(processors)
     with torch.inference_mode():
-        cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, max_length)
+        capacity = graph_capacity(max_length) if static_shapes else max_length
+        cache = StaticKVCache(model.config.get_text_config().num_hidden_layers, capacity)
         out = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.positions[:, :prompt_length],
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         forward = model if step is None else step
+        if static_shapes:
+            one_token = StaticShapeStep(forward, cache, tokens, inputs.positions, attention_mask, capture)
+        else:
+            one_token = lambda n: forward(**inputs.step(n), past_key_values=cache, use_cache=True)  # noqa: E731
         # The skinny kernels serve compiled steps too: dynamo traces their forwards, taking the per-call weight copies
         # as graph inputs, so later calls reuse the graph.
         with skinny_linear_kernels(model, batch, steps=max_length - prompt_length - 1):
-            length = _choose_tokens(out, lambda n: forward(**inputs.step(n), past_key_values=cache, use_cache=True),
-                                    tokens, prompt_length, max_length, steps, do_sample, stop, streamer)
+            length = _choose_tokens(out, one_token, tokens, prompt_length, max_length, steps, do_sample, stop,
+                                    streamer)
     return _finished(tokens, length, max_length, streamer)
 
 

@@ -30,6 +30,7 @@ class PreallocatedLayer(CacheLayerMixin):
         super().__init__()
         self.max_cache_len = max_cache_len
         self.length = 0
+        self.slot: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the buffers with the batch size, heads, dtype and device of the first keys/values."""
@@ -42,7 +43,12 @@ class PreallocatedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new (B, nkv, T, hs) keys/values after the cached ones; return views of everything cached."""
+        """Write the new (B, nkv, T, hs) keys/values after the cached ones; return views of everything cached. In
+        slot mode (:meth:`StaticKVCache.write_at`) write them at the slot and return the whole buffers."""
+        if self.slot is not None:
+            self.keys.index_copy_(2, self.slot, key_states)
+            self.values.index_copy_(2, self.slot, value_states)
+            return self.keys, self.values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.length
@@ -58,20 +64,25 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Keys seen by the next forward: the cached ones plus the new ones, starting at position 0."""
+        """Keys seen by the next forward: the cached ones plus the new ones, starting at position 0 (in slot mode
+        the whole buffers)."""
+        if self.slot is not None:
+            return self.max_cache_len, 0
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
-        """Number of cached tokens (a Python int: reading it never waits on the device)."""
-        return self.length
+        """Number of cached tokens (a Python int: reading it never waits on the device); in slot mode the capacity
+        (the fill then lives on the device, and compiled code must not specialise on it)."""
+        return self.max_cache_len if self.slot is not None else self.length
 
     def get_max_length(self) -> int:
         """Capacity of the buffers in tokens."""
         return self.max_cache_len
 
     def reset(self) -> None:
-        """Forget the cached tokens (the buffers are kept for reuse)."""
+        """Forget the cached tokens (the buffers are kept for reuse) and leave slot mode."""
         self.length = 0
+        self.slot = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
@@ -124,8 +135,21 @@ class StaticKVCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of tokens cached in layer ``layer_idx``."""
-        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
+        """Number of tokens cached in layer ``layer_idx`` (its capacity in slot mode, see :meth:`write_at`)."""
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def write_at(self, slot: torch.Tensor) -> None:
+        """Slot mode, for a decode step of fixed shapes (a CUDA graph): from now on every layer writes one token's
+        keys and values at the position held in ``slot`` (a one-element long tensor on the cache's device, updated
+        by the caller between steps) and returns its whole buffers, which the caller masks (the unwritten slots
+        hold zeros: attention multiplies every key, and a NaN among the masked ones would poison the row). The
+        buffers must exist (a prompt was written)."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                raise MindFormersError("write_at needs the cache's buffers: write the prompt first")
+            layer.keys[:, :, layer.length:].zero_()
+            layer.values[:, :, layer.length:].zero_()
+            layer.slot = slot
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """(keys seen by the next forward, position of the first key) for layer ``layer_idx``."""

@@ -154,8 +154,11 @@ class GPTModel(GPTPreTrainedModel):
             position_ids = torch.arange(past_length, past_length + length, device=hidden_states.device)[None]
             self._check_context(past_length + length, f"sequence of {past_length + length} tokens ({past_length} cached + "
                                                       f"{length} new)")
-        elif not torch.compiler.is_compiling():  # the positions decide (packed rows restart them): a data check
-            self._check_context(int(position_ids.max()) + 1, f"position id {int(position_ids.max())}")
+        elif self.config.position_limit is not None and not torch.compiler.is_compiling():
+            # the positions decide (packed rows restart them): a data check, which waits for the device, so only
+            # where there is a limit (learned positions; rotary ones have none): a decode step on a GPU must not wait
+            last = int(position_ids.max())
+            self._check_context(last + 1, f"position id {last}")
         if self_cache is not None:
             kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
         else:
