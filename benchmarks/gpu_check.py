@@ -14,9 +14,11 @@ Sections (``--sections`` picks some; each has a time budget, ``--budget SECTION=
   not exceed the largest gap between the fp32 runs of different seeds, measured in the same run: a bound with a
   measured basis (a fixed 3% failed on the first GPU run while the CPU's seed-to-seed spread reached 31%).
 * ``train``: the ``llama_1b`` preset's shape (Llama 3.2 1B, random weights), batch 4 x 2048, one device:
-  transformers' Trainer (``bf16=True``), ours in bf16 eager and ours with ``torch_compile=True`` (what
-  ``torch_compile="auto"`` resolves to on CUDA): seconds per step, tokens/s, MFU against the datasheet and the
-  measured peak (FLOPs counted from the shape: :func:`flops.llama_step_flops`), first-step time, peak memory.
+  transformers' Trainer (``bf16=True``), ours in bf16 eager, ours with ``torch_compile=True`` (what
+  ``torch_compile="auto"`` resolves to on CUDA) and ours eager with ``fused_loss=True``: seconds per step, tokens/s,
+  MFU against the datasheet and the measured peak (FLOPs counted from the shape: :func:`flops.llama_step_flops`),
+  first-step time, peak memory; then the bytes each side saves for backward per token on the device
+  (``benchmarks/saved_activations.py``'s count), which says where the eager step's memory goes.
 * ``layouts``: with two or more GPUs, FSDP2 (ZeRO-3), tensor parallel and pipeline stages over them against one
   GPU's losses (fp32, TF32 off), each with its peak memory per rank; with one GPU a row says they were not run.
 * ``decode``: correctness first, in fp32 on a model trained for a few steps (random weights give near-flat logits,
@@ -45,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import importlib
 import io
 import signal
 import sys
@@ -78,8 +82,9 @@ LAYOUT_LOSS_RTOL = 1e-3  # fp32 with TF32 off: only the order of the reductions 
 SECTIONS = ("peak", "parity", "curve", "train", "layouts", "decode")
 # Seconds per section. On one H100 (layouts not run) they add up to 7.3 minutes; the checkpoint of the 1B model,
 # made once, is paid in the first section that needs it.
-BUDGETS = {"peak": 15, "parity": 45, "curve": 45, "train": 130, "layouts": 150, "decode": 200}
-SMOKE_BUDGETS = {"peak": 10, "parity": 30, "curve": 25, "train": 40, "layouts": 60, "decode": 40}
+BUDGETS = {"peak": 15, "parity": 45, "curve": 45, "train": 150, "layouts": 150, "decode": 180}
+# The smoke's sections take 1-20 s each on a busy 2-core CPU; their budgets add up to the 3 minutes it must hold.
+SMOKE_BUDGETS = {"peak": 5, "parity": 25, "curve": 20, "train": 40, "layouts": 45, "decode": 45}
 
 
 # -- rows, sections and their budgets ---------------------------------------------------------------------------
@@ -536,9 +541,11 @@ def timed_args(out: str, sizes: Sizes, device: str) -> dict:
                 disable_tqdm=True, bf16=True, use_cpu=device == "cpu", seed=0, dataloader_num_workers=0)
 
 
-def train_timed(folder: str, sizes: Sizes, device: str, ours: bool, compile_backend: str | None) -> tuple[float, float]:
+def train_timed(folder: str, sizes: Sizes, device: str, ours: bool, compile_backend: str | None,
+                fused_loss: bool = False) -> tuple[float, float]:
     """(steady seconds per step, seconds from the Trainer's creation to the end of its first step) of one side:
-    ours (compiled with ``compile_backend``, eager when None) or transformers' Trainer."""
+    ours (compiled with ``compile_backend``, eager when None; with the fused linear cross-entropy when
+    ``fused_loss``) or transformers' Trainer."""
     data = progressions(sizes.big_batch * (sizes.big_warmup + sizes.big_steps), sizes.big_seq, 256, seed=1)
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
@@ -548,7 +555,8 @@ def train_timed(folder: str, sizes: Sizes, device: str, ours: bool, compile_back
             start = time.perf_counter()
             compile_args = dict(torch_compile=True, torch_compile_backend=compile_backend) if compile_backend \
                 else dict(torch_compile=False)
-            args = TrainingArguments(**timed_args(out, sizes, device), plot_loss_curve=False, **compile_args)
+            args = TrainingArguments(**timed_args(out, sizes, device), plot_loss_curve=False, fused_loss=fused_loss,
+                                     **compile_args)
             trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                               callbacks=[clock])
         else:
@@ -578,19 +586,45 @@ def check_big_training(ctx: Context, sec: Section) -> None:
         shares = [f"{flops / seconds / peak:.1%} of {name}" for name, peak in peaks.items() if peak]
         return ", MFU " + " / ".join(shares) if shares else ", MFU not given (no native bf16 peak)"
 
-    runs = [("transformers Trainer, bf16=True", False, None), ("ours, bf16, eager", True, None),
-            (f"ours, bf16, torch_compile=True ({ctx.backend})", True, ctx.backend)]
+    runs = [("transformers Trainer, bf16=True", False, None, False), ("ours, bf16, eager", True, None, False),
+            (f"ours, bf16, torch_compile=True ({ctx.backend})", True, ctx.backend, False),
+            ("ours, bf16, eager, fused_loss=True", True, None, True)]
     reference = None
-    for name, ours, backend in runs:
+    for name, ours, backend, fused in runs:
         if sec.out_of_time(name):
             return
         with peak_memory(device) as mem:
-            seconds, first = train_timed(folder, sizes, device, ours, backend)
+            seconds, first = train_timed(folder, sizes, device, ours, backend, fused)
         release_memory()
         ratio = "" if reference is None else f" ({reference / seconds:.2f}x transformers)"
         reference = seconds if reference is None else reference
         sec.row(name, f"{seconds:.4f} s/step, {tokens / seconds:,.0f} tok/s{ratio}{mfu(seconds)}, "
                 f"1st step {first:.1f} s", memory=mem[0])
+    if not sec.out_of_time("saved-for-backward bytes"):
+        check_saved_bytes(ctx, sec, folder)
+
+
+def check_saved_bytes(ctx: Context, sec: Section, folder: str) -> None:
+    """Bytes saved for backward per token in one bf16 forward of one row (benchmarks/saved_activations.py), ours
+    against transformers' on the device: where the eager step's memory goes, with the device's attention kernels."""
+    from saved_activations import ATTENTION_CORE, WEIGHT_COPIES, measure
+
+    ids = torch.stack([r["input_ids"] for r in progressions(1, ctx.sizes.big_seq, 256, seed=1)]).to(ctx.device)
+    batch = {"input_ids": ids, "labels": ids}
+    saved = {}
+    for side, auto in (("ours", mf.AutoModelForCausalLM), ("transformers", transformers.AutoModelForCausalLM)):
+        model = auto.from_pretrained(folder, dtype=torch.float32).to(ctx.device)
+        saved[side] = measure(model, batch, bf16=True, device=ctx.device)
+        del model
+        release_memory()
+    per_token = {side: {k: v / ids.numel() for k, v in roles.items() if k != WEIGHT_COPIES}
+                 for side, roles in saved.items()}
+    totals = {side: sum(roles.values()) for side, roles in per_token.items()}
+    cores = {side: roles.get(ATTENTION_CORE, 0) for side, roles in per_token.items()}
+    sec.row("saved for backward per token (bf16, 1 row)",
+            f"ours {totals['ours']:,.0f} B, transformers {totals['transformers']:,.0f} B "
+            f"({totals['ours'] / totals['transformers']:.3f}x; attention core {cores['ours']:,.0f} / "
+            f"{cores['transformers']:,.0f} B)")
 
 
 # -- layouts: FSDP2, TP, PP against one device --------------------------------------------------------------------
@@ -662,10 +696,15 @@ def check_layouts(ctx: Context, sec: Section) -> None:
     sec.row(f"one {'GPU' if ctx.cuda else 'process'}: {len(reference)} fp32 steps",
             f"loss {reference[0]:.4f} -> {reference[-1]:.4f}", memory=mem[0])
     release_memory()
-    from mindformers_py.parallel.launch import launch
+    from mindformers_py.parallel.launch import launch_from_python
 
     deadline = time.time() + sec.left() - 5.0
-    results = launch(layouts_worker, ctx.world, ctx.sizes, ctx.device, ctx.world, deadline)
+    # Workers fork from a server that imported torch, transformers and the package once (spawned ones would each
+    # import them: ~10 s apiece on a busy 2-core machine).
+    # Workers unpickle the function and the sizes by module name: this file's, also when it runs as a script.
+    module = importlib.import_module("gpu_check") if __name__ == "__main__" else sys.modules[__name__]
+    sizes = module.Sizes(**dataclasses.asdict(ctx.sizes))
+    results = launch_from_python(module.layouts_worker, ctx.world, sizes, ctx.device, ctx.world, deadline)
     for name in layout_configs(ctx.world):
         outcomes = [results[rank][name] for rank in sorted(results)]
         if any(o is None for o in outcomes):

@@ -96,13 +96,14 @@ class SavedBytes:
                 handle.remove()
 
 
-def measure(model: torch.nn.Module, batch: dict, bf16: bool, loss_fn=None) -> dict[str, int]:
-    """Bytes saved per role in one forward (+ loss) of ``model`` on ``batch``; runs the backward too, so the step
-    is a real one."""
+def measure(model: torch.nn.Module, batch: dict, bf16: bool, loss_fn=None, device: str = "cpu") -> dict[str, int]:
+    """Bytes saved per role in one forward (+ loss) of ``model`` on ``batch`` (on ``device``); runs the backward
+    too, so the step is a real one."""
     model.train()
     recorder = SavedBytes(model)
     _mark_attention_core(model, recorder)
-    with recorder.recording(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+    with recorder.recording(), autocast:
         loss = loss_fn(batch) if loss_fn is not None else model(**batch).loss
     loss.backward()
     model.zero_grad(set_to_none=True)

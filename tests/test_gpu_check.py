@@ -34,7 +34,8 @@ def test_smoke_passes_every_check_and_streams_its_rows(gpu_check):
     for family in ("gpt2", "llama", "gpt_moe", "bert", "t5", "vit"):
         assert f"{family} fp32 cpu vs cpu" in streamed and f"{family} bf16 cpu vs cpu fp32" in streamed
     assert "bf16 vs fp32 of the same seed: largest gap" in streamed
-    assert len([r for r in rows_of(streamed, "train") if "tok/s" in r]) == 3  # transformers, eager, compiled
+    assert len([r for r in rows_of(streamed, "train") if "tok/s" in r]) == 4  # transformers, eager, compiled, fused
+    assert "saved for backward per token" in streamed
     layouts = rows_of(streamed, "layouts")
     for name in ("FSDP2 (ZeRO-3) over 2", "tensor parallel over 2", "pipeline over 2 stages"):
         assert any(name in r and r.endswith(" ok") for r in layouts), layouts
