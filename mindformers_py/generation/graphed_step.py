@@ -25,7 +25,8 @@ forward runs as before (eager, writing the cache by slices).
 
 Only where it can work: a CUDA device, a compiled step asked for (``cache_implementation="static"`` without
 ``disable_compile``), a decoder-only model without a sliding window (whose 2-D window mask the model builds per
-step), and ``model.cuda_graph_decode`` left True. Elsewhere (the CPU among them) the compiled step of
+step), without routed experts and without dynamic or long rope (both read values from the device between tokens),
+and ``model.cuda_graph_decode`` left True. Elsewhere (the CPU among them) the compiled step of
 :mod:`.compiled_step` runs as before. If the capture fails (an operation the graph cannot hold), the step runs
 uncaptured and says so once.
 """
@@ -55,12 +56,17 @@ _capture_failure_reported = False
 def wants_cuda_graph(model: torch.nn.Module, config: GenerationConfig, device: torch.device) -> bool:
     """Whether the one-token steps of this request run as a captured CUDA graph (see the module docstring)."""
     text = model.config.get_text_config()
+    rope = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
     return (
         device.type == "cuda"
         and wants_compiled_step(config)
         and getattr(model, "cuda_graph_decode", True)
         and not model.config.is_encoder_decoder
         and getattr(text, "sliding_window", None) is None
+        # routed experts take data-dependent rows, and dynamic or long rope rescales by the positions' values: both
+        # read the device between tokens, which a graph cannot hold
+        and getattr(text, "moe", None) is None
+        and "dynamic" not in rope and rope != "longrope"
     )
 
 

@@ -111,11 +111,17 @@ def test_the_graph_is_chosen_only_for_a_compiled_static_step_on_cuda(models):
     assert not graphed_step.wants_cuda_graph(ours, static, cuda)
 
 
-def test_no_graph_for_sliding_windows_or_encoder_decoders():
+def test_no_graph_for_sliding_windows_experts_dynamic_rope_or_encoder_decoders():
     static, cuda = GenerationConfig(cache_implementation="static"), torch.device("cuda")
     small = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     windowed = mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", sliding_window=8, **small))
     assert not graphed_step.wants_cuda_graph(windowed, static, cuda)
+    assert graphed_step.wants_cuda_graph(mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", **small)), static, cuda)
+    routed = mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", moe_config=dict(expert_num=2), **small))
+    assert not graphed_step.wants_cuda_graph(routed, static, cuda)
+    dynamic = mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, **small))
+    assert not graphed_step.wants_cuda_graph(dynamic, static, cuda)
     t5 = mf.AutoModelForSeq2SeqLM.from_config(mf.AutoConfig.from_pretrained("t5_tiny", vocab_size=32))
     assert not graphed_step.wants_cuda_graph(t5, static, cuda)
 
