@@ -53,10 +53,12 @@ class SavedBytes:
         self.seen: set[int] = set()
         self.by_role: dict[str, int] = collections.Counter()
         self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        # Autocast's bf16 copies of the weights are saved too: per step, not per token (told apart by shape: no
-        # activation of this script's shapes is a 2-D tensor of a weight's shape).
+        # Autocast's bf16 copies of the weights are saved too: per step, not per token. Told apart by shape and
+        # dtype: a 2-D tensor of a weight's shape (or its transpose) in another dtype than the weights'; callers
+        # keep the token count off the weights' sizes (a flattened (tokens, vocabulary) activation would match).
         self.weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
         self.weight_shapes |= {shape[::-1] for shape in self.weight_shapes}
+        self.weight_dtypes = {p.dtype for p in model.parameters()}
         self.handles = []
 
     @staticmethod
@@ -72,7 +74,8 @@ class SavedBytes:
         ptr = storage.data_ptr()
         if ptr not in self.weights and ptr not in self.seen and storage.nbytes():
             self.seen.add(ptr)
-            copy = tensor.dim() == 2 and tuple(tensor.shape) in self.weight_shapes
+            copy = (tensor.dim() == 2 and tuple(tensor.shape) in self.weight_shapes
+                    and tensor.dtype not in self.weight_dtypes)
             role = WEIGHT_COPIES if copy else self.stack[-1] if self.stack else "loss"
             self.by_role[role] += storage.nbytes()
         return tensor
