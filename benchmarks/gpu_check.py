@@ -161,21 +161,36 @@ class BudgetSpent(BaseException):
 @contextlib.contextmanager
 def hard_deadline(seconds: float):
     """Raise :class:`BudgetSpent` in the main thread after ``seconds`` (SIGALRM; no-op off the main thread or
-    where the signal does not exist). Interrupts Python code, including a compilation, between bytecodes."""
+    where the signal does not exist). Interrupts Python code, including a compilation, between bytecodes.
+
+    An alarm already set (pytest-timeout's, in the test suite) is kept: if it is due first its handler runs, and it
+    is set again, for the time it had left, when the block ends."""
     if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
         yield
         return
+    now = time.monotonic()
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_at = now + outer_left if outer_left > 0 else None
+    previous = signal.getsignal(signal.SIGALRM)
+    outer_fired = []
 
     def on_alarm(signum, frame):
+        if outer_at is not None and time.monotonic() >= outer_at - 1e-3 and callable(previous):
+            outer_fired.append(True)
+            previous(signum, frame)  # the outer alarm was due first
+            return
         raise BudgetSpent()
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+    signal.signal(signal.SIGALRM, on_alarm)
+    due = now + seconds if outer_at is None else min(now + seconds, outer_at)
+    signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-3))
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_at is not None and not outer_fired:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_at - time.monotonic(), 1e-3), outer_interval)
 
 
 class Section:

@@ -73,6 +73,26 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_runs(gpu_check):
     assert "1 section(s) stopped at their budget" in out.getvalue()
 
 
+def test_an_alarm_set_outside_is_kept(gpu_check):
+    import signal
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100.0)  # pytest-timeout's, say
+        gpu_check.run_section("curve", lambda section: section.row("quick", "measured"), 5.0, gpu_check.Report(io.StringIO()))
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 90 < left <= 100 and signal.getsignal(signal.SIGALRM) is not None and not fired
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # an outer alarm due before the section's budget runs its handler
+        report = gpu_check.Report(io.StringIO())
+        gpu_check.run_section("curve", lambda section: time.sleep(1.0), 5.0, report)
+        time.sleep(0.05)
+        assert len(fired) == 1 and not report.rows  # once, and not set again after the section
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_a_spent_budget_stops_starting_measurements(gpu_check):
     report = gpu_check.Report(io.StringIO())
     section = gpu_check.Section("curve", 0.0, report)
