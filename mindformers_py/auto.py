@@ -15,7 +15,6 @@ import difflib
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -24,10 +23,10 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from .errors import CheckpointError, ConfigError, MindFormersError, MismatchedSizesError, check_choice
 from .models import registry
+from .models.hf_config import own_config
 from .models.packaged import resolve_checkpoint_name
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
-from .utils.safetensors_io import load_state_dict
 from .utils.typed_values import coerce_fields
 
 if TYPE_CHECKING:  # transformers' modeling module costs seconds; it loads with the first model
@@ -150,9 +149,34 @@ class _AutoModel:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
-        """A randomly initialised model for ``config``."""
+        """A randomly initialised model for ``config`` (ours or a transformers config of an architecture we convert),
+        as transformers' ``from_config``: ``dtype`` (or ``torch_dtype``) and ``attn_implementation`` are taken, and
+        ``device_map`` too. The model is built on ``meta`` and each module's weights are drawn once, in that dtype on
+        that device (a large preset is never materialised in float32 on the host first); under
+        :func:`~mindformers_py.loading.deferred_loading` they are left to a layout to fill shard by shard. Under a
+        ``torch.device("meta")`` block the model stays on ``meta`` with nothing drawn."""
         family = _family_of(getattr(config, "model_type", None), type(config).__name__)
-        return cls._model_class(family)(config, **kwargs)
+        model_class = cls._model_class(family)
+        unknown = sorted(set(kwargs) - {"dtype", "torch_dtype", "attn_implementation", "device_map"})
+        if unknown:
+            raise ConfigError(f"from_config got {unknown[0]!r}; it takes dtype, attn_implementation and device_map "
+                              "(set model fields on the config)")
+        if torch.get_default_device().type == "meta":
+            return model_class(config)
+        from .loading import deferred
+
+        config = own_config(family.config_class, config)
+        if kwargs.get("attn_implementation") is not None:
+            check_choice("attn_implementation", kwargs["attn_implementation"], ATTN_IMPLEMENTATIONS)
+            config._attn_implementation = kwargs["attn_implementation"]
+        dtype = kwargs.get("dtype") or kwargs.get("torch_dtype")
+        dtype = None if dtype in (None, "auto") else _resolve_dtype(dtype, Path(), None)
+        model = deferred.build_empty(model_class, config)
+        record = deferred.DeferredWeights(folder=None, from_hf=False, sources={}, seed=deferred.draw_seed(),
+                                          dtype=dtype, keep_fp32=_kept_in_fp32(model, dtype))
+        model.__dict__[deferred.RECORD_ATTR] = record
+        deferred.give_dtypes(model, record, {})
+        return model if deferred.loading_is_deferred() else _place(model, kwargs.get("device_map"))
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any) -> Any:
@@ -168,7 +192,13 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
                     *model_args: Any, caller: str = "from_pretrained", **kwargs: Any) -> Any:
     """The loading behind every ``from_pretrained`` of ours (see :meth:`_AutoModel.from_pretrained`): the config of
     the preset or checkpoint, the model class ``choose_class`` picks for its family, the weights (converted from an
-    HF checkpoint), transformers' loading options."""
+    HF checkpoint), transformers' loading options.
+
+    The model is built on the ``meta`` device and each tensor is then read (lazily, from the memory-mapped files),
+    converted and placed one at a time in the requested dtype on the requested device; what the checkpoint lacks
+    (a new head, every weight of a preset) gets the model's own init (:mod:`mindformers_py.loading.deferred`). Under
+    :func:`~mindformers_py.loading.deferred_loading` the model is returned with its parameters still on ``meta``,
+    for a layout to fill only its shards."""
     if model_args:
         raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
                           f"(got {len(model_args)}); pass config fields as keywords")
@@ -189,16 +219,39 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
         config._attn_implementation = attn
     model_class = choose_class(family)  # a head the family lacks is refused before any weight is read
-    state = load_state_dict(folder) if folder.is_dir() else None
-    if state is not None and from_hf:  # before the model is built: the weights may settle the config (T5's tying)
-        state = family.converter.state_dict_from_hf(state, config)
-    model = model_class(config)
-    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-    if state is not None:
-        info.update(_load_into(model, state, folder, bool(options.get("ignore_mismatched_sizes"))))
-        if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-            model.generation_config = _generation_config(folder)
-    model = apply_loading_options(model.eval(), options, folder)
+    from .loading import deferred, load_plan
+    from .loading.checkpoint_reader import CheckpointReader
+    from .loading.conversion_trace import ConversionTrace
+
+    trace = None
+    if folder.is_dir():
+        reader = CheckpointReader(folder)
+        convert = (lambda state: family.converter.state_dict_from_hf(state, config)) if from_hf else None
+        trace = ConversionTrace(reader, convert)  # before the model is built: the weights may settle the config
+    model = deferred.build_empty(model_class, config)
+    plan = (load_plan.plan_load(model, trace.shapes, folder, bool(options.get("ignore_mismatched_sizes")))
+            if trace is not None else None)
+    dtype = _resolve_dtype(options.get("dtype") or options.get("torch_dtype") or "auto", folder, trace)
+    if dtype is not None:
+        config.dtype = dtype  # as transformers records the dtype it loaded in
+    record = deferred.DeferredWeights(
+        folder=str(folder) if trace is not None else None, from_hf=from_hf,
+        sources=dict(plan.sources) if plan is not None else {}, seed=deferred.draw_seed(), dtype=dtype,
+        keep_fp32=_kept_in_fp32(model, dtype))
+    model.__dict__[deferred.RECORD_ATTR] = record
+    deferred.give_dtypes(model, record, {k: trace.dtypes[v] for k, v in record.sources.items()} if trace else {})
+    device_map = options.get("device_map")
+    if deferred.loading_is_deferred():
+        if device_map is not None:
+            raise ConfigError(f"device_map={device_map!r} cannot be used while loading is deferred (the layout "
+                              "places the shards); leave it out")
+    else:
+        model = _place(model, device_map)
+    if trace is not None and (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+        model.generation_config = _generation_config(folder)
+    model.eval()
+    info = plan.loading_info() if plan is not None else \
+        {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return (model, info) if options.get("output_loading_info") else model
 
 
@@ -257,26 +310,25 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
     return ours, family, from_hf
 
 
-def apply_loading_options(model: PreTrainedModel, options: dict[str, Any], folder: Path) -> PreTrainedModel:
-    """Apply transformers' ``dtype``/``torch_dtype`` (a dtype, its name, or ``"auto"``: the checkpoint's) and
-    ``device_map`` (a device, ``{"": device}``, a per-module dict, or a strategy such as ``"auto"``, placed with
-    accelerate) to a loaded model. As transformers does, the modules a model keeps in float32
-    (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16) stay so."""
-    dtype = options.get("dtype") or options.get("torch_dtype")
-    if dtype is not None:
-        dtype = _resolve_dtype(dtype, model, folder)
-        model = model.to(dtype)
-        keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
-        if dtype == torch.float16:
-            keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-        for name, module in model.named_modules():
-            if keep and name.rsplit(".", 1)[-1] in keep:
-                module.float()
-    device_map = options.get("device_map")
+def _kept_in_fp32(model: PreTrainedModel, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """The module names whose parameters stay float32 in ``dtype``, by transformers' rules:
+    ``_keep_in_fp32_modules_strict`` under float16 and bfloat16, ``_keep_in_fp32_modules`` under float16."""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(keep))
+
+
+def _place(model: PreTrainedModel, device_map: Any) -> PreTrainedModel:
+    """Give the ``meta``-built model its weights where transformers' ``device_map`` says: a device, ``{"": device}``,
+    a per-module dict, or a strategy such as ``"auto"`` (planned with accelerate on the empty model, then each weight
+    is loaded straight onto its device and accelerate's hooks move activations between devices)."""
+    from .loading.deferred import materialize
+
     if device_map is None:
-        return model
+        return materialize(model, "cpu")
     if isinstance(device_map, (int, torch.device)) or (isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES):
-        return model.to(device_map)
+        return materialize(model, torch.device(device_map))
     from accelerate import dispatch_model, infer_auto_device_map
 
     if isinstance(device_map, str):
@@ -284,92 +336,40 @@ def apply_loading_options(model: PreTrainedModel, options: dict[str, Any], folde
     if not isinstance(device_map, dict):
         raise ConfigError(f"device_map={device_map!r} is not valid; expected a device, a dict of module -> device, or "
                           f"one of: {', '.join(DEVICE_MAP_STRATEGIES)}")
+    device_map = dict(device_map)
+    where = lambda d: torch.device("cpu") if d == "disk" else torch.device(d)
     devices = set(device_map.values())
-    if len(devices) == 1:  # one device: a plain move, no dispatch hooks
-        model = model.to(next(iter(devices)) if next(iter(devices)) != "disk" else "cpu")
+    if len(devices) == 1:  # one device: a plain placement, no dispatch hooks
+        model = materialize(model, where(next(iter(devices))))
     else:
-        model = dispatch_model(model, device_map)
-    model.hf_device_map = dict(device_map)
+        def device_of(name: str) -> torch.device:
+            parts = name.split(".")
+            for i in range(len(parts), -1, -1):
+                if ".".join(parts[:i]) in device_map:
+                    return where(device_map[".".join(parts[:i])])
+            return torch.device("cpu")
+
+        model = dispatch_model(materialize(model, device_of), device_map)
+    model.hf_device_map = device_map
     return model
 
 
-def _resolve_dtype(dtype: torch.dtype | str, model: PreTrainedModel, folder: Path) -> torch.dtype:
-    """A torch dtype from ``dtype``; ``"auto"`` is the dtype the checkpoint was saved in (its config's ``dtype``, else
-    its first floating-point tensor's), or the model's own for a preset."""
+def _resolve_dtype(dtype: torch.dtype | str, folder: Path, trace: Any) -> torch.dtype | None:
+    """A torch dtype from ``dtype`` (transformers 5's default is ``"auto"``): ``"auto"`` is the dtype the checkpoint
+    was saved in (its ``config.json``'s ``dtype``, else its first floating-point tensor's); for a preset None (the
+    model's own float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        stored = getattr(model.config, "dtype", None)
-        if isinstance(stored, torch.dtype):
-            return stored
+        if trace is None:
+            return None
+        stored = _read_config_json(folder).get("dtype") or _read_config_json(folder).get("torch_dtype")
         if isinstance(stored, str) and isinstance(getattr(torch, stored, None), torch.dtype):
             return getattr(torch, stored)
-        if folder.is_dir():
-            floating = [t.dtype for t in load_state_dict(folder).values() if t.is_floating_point()]
-            if floating:
-                return floating[0]
-        return next(model.parameters()).dtype
+        return trace.reader.floating_dtype()
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
         return getattr(torch, dtype)
     raise ConfigError(f"dtype={dtype!r} is not valid; expected a torch dtype, its name (e.g. 'bfloat16') or 'auto'")
-
-
-def _load_into(model: PreTrainedModel, state: dict[str, torch.Tensor], folder: Path,
-               ignore_mismatched_sizes: bool = False) -> dict[str, list]:
-    """Load a state dict saved by a base model or by any head model of the family into ``model`` (a base model or
-    one with a head), checking every tensor. As in transformers, a head the checkpoint lacks (a classifier on a
-    pretrained LM) keeps its random init, and another head's weights in the checkpoint are skipped; with
-    ``ignore_mismatched_sizes`` a tensor of another shape (a classifier with other labels) is re-initialised too.
-    Extra tensors matching the model's ``_keys_to_ignore_on_load_unexpected`` (transformers' attribute: a BERT base
-    checkpoint's pooler, which an MLM head does not hold) are skipped as well, and body tensors matching
-    ``_keys_to_ignore_on_load_missing`` (a pooler an MLM checkpoint lacks) are initialised like a new head.
-    Returns transformers' loading info (missing, unexpected and mismatched keys)."""
-    prefix = f"{model.base_model_prefix}."
-    if not any(k.startswith(prefix) for k in state):  # saved by a base model: its keys lack the prefix
-        state = {f"{prefix}{k}": v for k, v in state.items()}
-    is_base = not any(k.startswith(prefix) for k in model.state_dict())
-    if is_base:
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    in_body = (lambda k: True) if is_base else (lambda k: k.startswith(prefix))
-    expected = model.state_dict()
-    for alias, source in _tied_keys(model).items():
-        if alias in expected and source in state:
-            state[alias] = state[source]
-    mismatched = [k for k, v in state.items() if k in expected and v is not None and v.shape != expected[k].shape]
-    if mismatched and not ignore_mismatched_sizes:
-        k = mismatched[0]
-        raise MismatchedSizesError(f"weights in {folder} do not match the config: {k}: checkpoint "
-                                   f"{tuple(state[k].shape)} vs model {tuple(expected[k].shape)} ({len(mismatched)} "
-                                   "tensors differ); pass "
-                                   "ignore_mismatched_sizes=True to re-initialise them")
-    state = {k: v for k, v in state.items() if k not in mismatched}
-    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-    unexpected = sorted(k for k in set(state) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
-    missing = sorted(set(expected) - set(state))
-    # transformers' list of keys a checkpoint may lack (initialised instead, e.g. a pooler the checkpoint's head had not)
-    optional = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
-    missing_body = [k for k in missing if in_body(k) and k not in mismatched and not any(p.search(k) for p in optional)]
-    if missing_body:
-        raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} ({len(missing_body)} tensors missing)")
-    if unexpected:
-        raise CheckpointError(f"weights in {folder} do not match the config: unexpected {unexpected[0]} ({len(unexpected)} extra tensors)")
-    if missing:
-        logger.warning("%s: %s not in %s, newly initialised; train it before use", type(model).__name__,
-                       ", ".join(missing), folder)
-    with torch.no_grad():
-        for key, value in state.items():
-            if key in expected and value is not None:
-                expected[key].copy_(value)
-    skipped = sorted(k for k in set(state) - set(expected))
-    return {"missing_keys": missing, "unexpected_keys": skipped, "mismatched_keys": sorted(mismatched)}
-
-
-def _tied_keys(model: PreTrainedModel) -> dict[str, str]:
-    """Tied weight key -> the key it shares its tensor with, when the config ties them."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return {}
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return dict(tied) if isinstance(tied, dict) else {}
 
 
 class AutoModel(_AutoModel):

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model, load_adapter_weights, write_adapter
 from ..errors import ConfigError
+from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
 from ..parallel.config import ParallelConfig
 from ..parallel.recompute import apply_recompute
@@ -128,6 +129,7 @@ class Engine:
         """
         self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
                                           per_device_batch=self.args.per_device_train_batch_size)
+        materialize(model, self.device)  # a model built on meta for a layout: one process holds it all
         model.to(self.device)
         apply_recompute(model, self.parallel_config.recompute)
         if not self.args.torch_compile:

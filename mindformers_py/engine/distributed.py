@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
 from ..errors import CheckpointError, ConfigError, MindFormersError
+from ..loading.deferred import has_meta_parameters, materialize
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
 from ..parallel.context import ContextParallel
@@ -152,7 +153,8 @@ class DistributedEngine(Engine):
         refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
         if self.context is not None:
             self.context.task = task
-        model.to(self.device)
+        if not has_meta_parameters(model):  # a model built on meta for its layout gets only its shards, below
+            model.to(self.device)
         model = self.parallelize(model)
         if self.context is not None:
             self.context.prepare(model)
@@ -169,7 +171,8 @@ class DistributedEngine(Engine):
                            param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
                            compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
                            compile_backend=self.args.torch_compile_backend,
-                           stage=stage, context=self.context)
+                           stage=stage, context=self.context,
+                           materialize=(lambda part: materialize(part, self.device)) if has_meta_parameters(module) else None)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The stand-alone optimizer over the parallelized parameters (whose state is then sharded like them),

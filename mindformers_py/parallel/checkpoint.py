@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
+from ..utils.streamed_safetensors import DEFAULT_MAX_SHARD_SIZE
 from ..utils.safetensors_io import atomic_folder
 from .adapter_layers import is_peft_model
 
@@ -299,55 +301,97 @@ def consolidated_model(checkpoint_dir: str | os.PathLike, model_factory: ModelFa
     """A fresh single-process model holding the weights of a sharded checkpoint written under any layout; runs in
     one process without collectives. ``model_factory(folder)`` builds the model (default:
     :func:`model_from_config_file`, the class the checkpoint's ``config.json`` names)."""
-    return _load_whole(checkpoint_dir, model_factory, on_meta=False)
-
-
-def _load_whole(checkpoint_dir: str | os.PathLike, model_factory: ModelFactory | None, on_meta: bool) -> nn.Module:
-    """The checkpoint's model with its weights. ``on_meta``: built on the meta device, initialising nothing (no random
-    draws: building a model the usual way advances the global RNG, so a run that saved would differ from one that
-    resumed), for writing its weights only: buffers that are not saved (rotary frequencies) stay unset."""
-    src = Path(checkpoint_dir)
-    _check_folder(src)
-    if not (src / CONFIG_NAME).is_file():
-        raise CheckpointError(
-            f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
-        )
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model = (model_factory or model_from_config_file)(src)
-    if on_meta:
-        model.to_empty(device="cpu")
+    src = _model_folder(checkpoint_dir)
+    model = (model_factory or model_from_config_file)(src)
     state = {MODEL_KEY: model.state_dict()}
     _dcp_io(dcp.load, state, src, no_dist=True)
     model.load_state_dict(state[MODEL_KEY])
     return model
 
 
+def _model_folder(checkpoint_dir: str | os.PathLike) -> Path:
+    src = Path(checkpoint_dir)
+    _check_folder(src)
+    if not (src / CONFIG_NAME).is_file():
+        raise CheckpointError(
+            f"checkpoint {src} has no {CONFIG_NAME}; it cannot be consolidated without the model config"
+        )
+    return src
+
+
+_FETCH_BYTES = 256 * 2**20
+"""How many bytes of tensors one ``dcp.load`` call of a streamed consolidation reads at most (beside one tensor)."""
+
+
 def write_consolidated(checkpoint_dir: str | os.PathLike, folder: str | os.PathLike,
-                       model_factory: ModelFactory | None = None) -> None:
-    """Write the whole weights of a sharded checkpoint into ``folder`` in ``save_pretrained`` format (safetensors +
-    config), in this process alone, without touching the random number generators. ``model_factory`` as for
-    :func:`consolidated_model`."""
-    _load_whole(checkpoint_dir, model_factory, on_meta=True).save_pretrained(folder)
+                       model_factory: ModelFactory | None = None,
+                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write the whole weights of a sharded checkpoint into ``folder`` in ``save_pretrained`` format (safetensors,
+    size-bounded shards with an index as transformers' ``max_shard_size``, config), in this process alone, without
+    touching the random number generators. The weights stream: they are read from the shards a few at a time and
+    written one tensor at a time, so the process never holds the whole model. ``model_factory`` as for
+    :func:`consolidated_model` (built on ``meta``, for the config and the tensors' names only)."""
+    from ..models.tied_weights import tied_keys
+    from ..utils.streamed_safetensors import write_shards
+
+    src = _model_folder(checkpoint_dir)
+    with torch.device("meta"):
+        model = (model_factory or model_from_config_file)(src)
+    stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    tied = set(tied_keys(model))
+    entries = []
+    for key, value in model.state_dict().items():  # the order transformers saves in
+        if key in tied or f"{MODEL_KEY}.{key}" not in stored:  # a tied alias (saved once), a buffer not saved
+            continue
+        entries.append((key, tuple(value.shape), value.dtype))
+    cache: dict[str, torch.Tensor] = {}
+    position = {name: i for i, (name, _, _) in enumerate(entries)}
+
+    def fetch(key: str) -> torch.Tensor:
+        if key not in cache:  # read this tensor and the next few with one dcp.load
+            cache.clear()
+            batch, size = {}, 0
+            for name, shape, dtype in entries[position[key]:]:
+                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                if batch and size + nbytes > _FETCH_BYTES:
+                    break
+                batch[name] = torch.empty(shape, dtype=dtype)
+                size += nbytes
+            _dcp_io(dcp.load, {MODEL_KEY: batch}, src, no_dist=True)
+            cache.update(batch)
+        return cache.pop(key)
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_shards(folder, entries, fetch, max_shard_size)
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records the class and the dtype
+    model.config.dtype = next((dtype for _, _, dtype in entries if dtype.is_floating_point), model.config.dtype)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
 
 
 def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                           model_factory: ModelFactory | None = None) -> Path:
+                           model_factory: ModelFactory | None = None,
+                           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Turn a sharded checkpoint (any layout) into one safetensors checkpoint that
     ``mindformers_py.AutoModelForCausalLM.from_pretrained`` loads and ``convert_checkpoint(..., to="hf")``
     exports; runs in a single process (offline, or rank 0 of a job). ``output_dir`` is replaced, and appears
     under its final name only when complete. ``model_factory`` as for :func:`consolidated_model`."""
     with atomic_folder(output_dir) as tmp:
-        write_consolidated(checkpoint_dir, tmp, model_factory)
+        write_consolidated(checkpoint_dir, tmp, model_factory, max_shard_size)
     return Path(output_dir)
 
 
 def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.PathLike,
-                      processing_class: Any = None, model_factory: ModelFactory | None = None) -> None:
+                      processing_class: Any = None, model_factory: ModelFactory | None = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write whole weights (``save_pretrained`` format: safetensors + config) of a model trained under any layout
     into ``folder``, beside whatever it already holds; collective.
 
-    The ranks write a sharded checkpoint of the weights into a temporary folder and rank 0 consolidates it into a
-    fresh model, so pipeline stages on other ranks are included too. ``model_factory(folder)`` builds that model
+    The ranks write a sharded checkpoint of the weights into a temporary folder and rank 0 streams it into
+    safetensors shards of at most ``max_shard_size`` (:func:`write_consolidated`), so pipeline stages on other ranks
+    are included too and no rank ever holds the whole model. ``model_factory(folder)`` builds that model
     (default: a model of ``model``'s own class and config, :func:`same_class_factory`).
     """
     folder = Path(folder)
@@ -360,7 +404,7 @@ def save_consolidated(model: nn.Module | Sequence[nn.Module], folder: str | os.P
         if _is_rank0():
             _write_config(_as_list(model)[0], tmp)
             folder.mkdir(parents=True, exist_ok=True)
-            write_consolidated(tmp, folder, model_factory or same_class_factory(_as_list(model)[0]))
+            write_consolidated(tmp, folder, model_factory or same_class_factory(_as_list(model)[0]), max_shard_size)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(folder)
         _barrier()

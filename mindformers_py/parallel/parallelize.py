@@ -17,12 +17,14 @@ first and calls :func:`parallelize` on each stage module (``stage`` its index, f
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from .adapter_layers import adapted_model
 from .compile import compile_layers as compile_each_layer
-from .config import ParallelConfig
+from .config import FSDP, ParallelConfig
 from .context import ContextParallel, apply_context_parallel
 from .context_config import check_compile
 from .data import apply_data_parallel
@@ -43,6 +45,7 @@ def parallelize(
     compile_backend: str | None = None,
     stage: int = 0,
     context: ContextParallel | None = None,
+    materialize: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
 
@@ -59,6 +62,9 @@ def parallelize(
         context: the run's :class:`~.context.ContextParallel` when ``context_parallel > 1`` (one for all pipeline
             stages; the engine cuts batches and turns it on for training steps with it); None makes one, kept on
             the model as ``model.context_parallel``.
+        materialize: for a model whose weights are still on ``meta`` (built for its layout to fill only its shards),
+            what gives them values; called once the shards are laid out: after FSDP2 has sharded them (ZeRO 2/3),
+            before the data-parallel engines that hold whole replicas (DDP, replicate), which need values to start.
     """
     # A peft model's adapters live inside its base model, under the base model's module names (which the plans
     # name); data parallelism wraps the peft model itself, so adapters outside the base (prompts) are reduced too.
@@ -77,6 +83,11 @@ def parallelize(
     apply_recompute(inner, parallel_config.recompute, stage, context_fn=context_fn)
     if compile_layers:
         compile_each_layer(inner, compile_mode, compile_backend or "inductor")
+    sharded_by_fsdp = parallel_config.data_parallel_engine == FSDP
+    if materialize is not None and not sharded_by_fsdp:
+        materialize(model)
     apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
     apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
+    if materialize is not None and sharded_by_fsdp:
+        materialize(model)
     return model

@@ -499,7 +499,8 @@ def build_pipeline(
     num_chunks = pp * vpp
     chunk_ids = stage_ids_for_rank(pp_rank, pp, vpp)
     tied_names = _tied_weight_names(model) if pp > 1 else []
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):  # weights still on meta are filled stage by stage
+        model.to(device)
     parts: list[nn.Module] = []
     for part in split_model(model, num_chunks, chunk_ids, pp, task=task):
         part.sequence_shards = parallel_config.tp if parallel_config.sequence_parallel else 1

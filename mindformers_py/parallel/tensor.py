@@ -230,7 +230,8 @@ def apply_tensor_parallel(
                     # DTensor's embedding backward yields a whole (Replicate) gradient for a vocabulary-sharded
                     # table; keep only this rank's rows at once instead of holding the full gradient.
                     for param in module.parameters(recurse=False):
-                        param.register_hook(functools.partial(_to_placements, placements=param.placements))
+                        if param.requires_grad:  # (a frozen table, under an adapter, has no gradient)
+                            param.register_hook(functools.partial(_to_placements, placements=param.placements))
                 elif kind == "colwise_gather_output" and not gather_logits:
                     module.register_forward_hook(_full_logits_outside_training)
     return model

@@ -1,0 +1,7 @@
+"""Loading weights at real size: lazily read checkpoints, models built on ``meta`` and filled tensor by tensor (or
+shard by shard), streamed saving. See :mod:`.deferred` for the model side, :mod:`.checkpoint_reader` and
+:mod:`.conversion_trace` for the checkpoint side."""
+
+from .deferred import deferred_loading, materialize
+
+__all__ = ["deferred_loading", "materialize"]

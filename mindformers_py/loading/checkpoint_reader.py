@@ -1,0 +1,149 @@
+"""Reading a safetensors checkpoint folder one tensor at a time, without loading it.
+
+A folder holds ``model.safetensors`` or HF-style shards listed in ``model.safetensors.index.json``. Only the headers
+are read up front (names, shapes, dtypes); :meth:`CheckpointReader.tensor` returns a tensor that is a view of the
+memory-mapped file (safetensors maps it privately: nothing is read from disk until the values are touched, and
+writing to the view never changes the file). So a caller that copies only a slice of a tensor reads only that slice's
+pages, and one that keeps the view as a parameter (same dtype, on the CPU) holds no second copy of it, as
+transformers' own loader does.
+
+Damaged or missing files are one-line :class:`~mindformers_py.errors.CheckpointError`\\ s naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+from ..utils.damaged_files import unreadable_safetensors
+from ..utils.safetensors_io import INDEX_NAME, WEIGHTS_NAME
+
+# safetensors' dtype names -> torch dtypes (the header spells them this way)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint folder (the index's shards, or ``model.safetensors``); a folder without
+    weights, a damaged index or a shard it lists but the folder lacks is a one-line CheckpointError."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is damaged ({e}); re-save or re-download the checkpoint") from None
+        files = [folder / name for name in names]
+        for path in files:
+            if not path.is_file():
+                raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    raise CheckpointError(f"no weights in {folder}: expected {WEIGHTS_NAME} or {INDEX_NAME} (found: "
+                          f"{', '.join(found) or 'nothing'}); only safetensors checkpoints are loaded")
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint folder by name, read lazily (see the module docstring).
+
+    Use as a context manager (or call :meth:`close`): the files stay open until then. Tensors handed out stay valid
+    after closing (each keeps its file's mapping alive for as long as it lives)."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.files = checkpoint_files(self.folder)
+        self._where: dict[str, Path] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for path in self.files:
+            for key, (shape, dtype) in _read_header(path).items():
+                self._where[key] = path
+                self._meta[key] = (shape, dtype)
+        self._open: dict[Path, Any] = {}
+
+    # -- what the checkpoint holds (headers only) ---------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every tensor name, in file order."""
+        return list(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key``."""
+        return self._meta[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype of ``key``."""
+        return self._meta[key][1]
+
+    def meta_tensor(self, key: str) -> torch.Tensor:
+        """An empty tensor on the ``meta`` device with ``key``'s shape and dtype (for planning without reading)."""
+        shape, dtype = self._meta[key]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def floating_dtype(self) -> torch.dtype | None:
+        """The dtype of the first floating-point tensor (what ``dtype="auto"`` loads a checkpoint in when its config
+        names none), or None."""
+        return next((dtype for _, dtype in self._meta.values() if dtype.is_floating_point), None)
+
+    # -- values ---------------------------------------------------------------------------------------------------
+    def tensor(self, key: str) -> torch.Tensor:
+        """``key``'s tensor as a view of the mapped file (CPU, stored dtype); nothing is read until it is touched."""
+        path = self._where[key]
+        handle = self._open.get(path)
+        try:
+            if handle is None:
+                handle = self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            return handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(unreadable_safetensors(path, e)) from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, lazy view) of every tensor."""
+        for key in self._where:
+            yield key, self.tensor(key)
+
+    def close(self) -> None:
+        """Close the files (tensors already handed out stay valid)."""
+        self._open.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) from a safetensors file's header alone; a damaged file is one CheckpointError line."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or not 0 < length <= size - 8:
+                raise ValueError("header too large or missing")
+            header = json.loads(f.read(length))
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        end = 0
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            out[key] = (tuple(info["shape"]), _DTYPES[info["dtype"]])
+            end = max(end, info["data_offsets"][1])
+        if size < 8 + length + end:
+            raise ValueError("incomplete file")
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointError(unreadable_safetensors(path, e)) from None

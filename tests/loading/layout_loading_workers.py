@@ -1,0 +1,63 @@
+"""Worker functions of ``test_layout_loading.py`` (importable by the spawned gloo processes)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import mindformers_py as mf
+from mindformers_py.loading import deferred_loading
+from mindformers_py.parallel import ParallelConfig
+from mindformers_py.trainer.arguments import TrainingArguments
+
+WRAPPER = "_checkpoint_wrapped_module."
+
+
+def layout(**fields) -> ParallelConfig:
+    return ParallelConfig(parallel_mode="semi_auto_parallel", micro_batch_num=2, **fields)
+
+
+def held_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+    """(every parameter this rank holds, whole (gathered from its shards) by its name in the built model; the number
+    of values this rank holds itself)."""
+    out, local = {}, 0
+    for name, param in model.named_parameters():
+        name = name.replace(WRAPPER, "")
+        if isinstance(param, DTensor):
+            local += param.to_local().numel()
+            out[name] = param.full_tensor().detach().clone()
+        else:
+            local += param.numel()
+            out[name] = param.detach().clone()
+    return out, local
+
+
+def load_under_layouts(rank: int, world_size: int, source: str, task: str, layouts: dict[str, dict],
+                       overrides: dict | None = None) -> dict[str, tuple[dict[str, torch.Tensor], int, bool]]:
+    """For each named layout: load ``source`` (a checkpoint folder or a preset, seed 0) deferred, let the layout's
+    engine fill its shards; returns (whole weights this rank holds, values it holds itself, whether the model was
+    still all on meta before the engine filled it)."""
+    from mindformers_py.auto import auto_class_for
+    from mindformers_py.engine import build_engine
+
+    results = {}
+    for name, fields in layouts.items():
+        parallel = layout(**fields)
+        torch.manual_seed(0)
+        with deferred_loading():
+            model = auto_class_for(task).from_pretrained(source, **(overrides or {}))
+        all_meta = all(p.is_meta for p in model.parameters())
+        args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, use_cpu=True,
+                                 parallel_config=parallel, report_to=[], bf16=False)
+        engine = build_engine(parallel, args)
+        engine.setup()
+        prepared = engine.prepare_model(model)
+        parts = getattr(prepared, "model_parts", [prepared])
+        weights, local = {}, 0
+        for part in parts:
+            held, count = held_weights(part)
+            weights.update(held)
+            local += count
+        results[name] = (weights, local, all_meta)
+        engine.teardown()
+    return results

@@ -1,0 +1,102 @@
+"""Every layout fills only its own shards: each rank builds the model on ``meta`` (``deferred_loading``), its engine
+applies the layout, then reads only its parameters' slices from the checkpoint (or draws the inits of what the
+checkpoint lacks, whole from each module's seed, then sliced). The weights each rank ends up holding are exactly the
+stand-alone ones, and a sharding layout holds a fraction of them.
+
+Two-rank layouts run in one spawn per checkpoint: ZeRO-3, ZeRO-2 and ZeRO-1 (DDP: filled before it starts), tp2 with
+and without sequence parallelism, pp2, context parallel, ep2 (an MoE checkpoint); GPT-2's fused q/k/v (a derived
+tensor, not only a slice) under tp2; a preset's random init and a new head's; dp2 x tp2 on four ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import mindformers_py as mf
+from dist_utils import run_workers
+from layout_loading_workers import load_under_layouts
+
+TWO_RANKS = {
+    "zero3": dict(data_parallel=2, optimizer_shard=3),
+    "zero2": dict(data_parallel=2, optimizer_shard=2),
+    "zero1": dict(data_parallel=2, optimizer_shard=1),
+    "tp2": dict(model_parallel=2),
+    "tp2_sp": dict(model_parallel=2, use_seq_parallel=True),
+    "pp2": dict(pipeline_stage=2),
+    "cp2": dict(context_parallel=2),
+}
+# fraction of the whole model's values one rank may hold (pp2 and tp2 keep replicated norms and, for tp2, embeddings)
+SHARDED = {"zero3": 0.55, "zero2": 0.55, "tp2": 0.9, "tp2_sp": 0.9, "pp2": 0.55}
+
+
+def _checkpoint(tmp_path, kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                          tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                                                     n_positions=64, bos_token_id=0, eos_token_id=0))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, num_local_experts=4, num_experts_per_tok=2))
+    folder = tmp_path / kind
+    model.save_pretrained(folder, max_shard_size="60KB")  # several shards: each rank reads across them
+    return str(folder)
+
+
+def _check(results, source: str, task: str, layouts, overrides=None, sharded=SHARDED) -> None:
+    torch.manual_seed(0)  # the seed every rank loaded under: a preset's (or a new head's) init follows it
+    reference = {k: v.detach() for k, v in
+                 mf.auto.auto_class_for(task).from_pretrained(source, **(overrides or {})).named_parameters()}
+    total = sum(v.numel() for v in reference.values())
+    for name in layouts:
+        for rank, per_rank in enumerate(results):
+            weights, local, all_meta = per_rank[name]
+            assert all_meta, f"{name} rank {rank}: the model was not built on meta"
+            assert weights, name
+            for key, value in weights.items():
+                assert torch.equal(value, reference[key]), f"{name} rank {rank}: {key} differs from stand-alone"
+            if name in sharded:
+                assert local <= sharded[name] * total, f"{name} rank {rank} holds {local} of {total} values"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_each_rank_reads_its_shards_of_an_hf_checkpoint_and_holds_the_stand_alone_weights(tmp_path, kind):
+    folder = _checkpoint(tmp_path, kind)
+    layouts = TWO_RANKS if kind == "llama" else {k: TWO_RANKS[k] for k in ("tp2", "tp2_sp", "zero3")}
+    _check(run_workers(load_under_layouts, 2, folder, "causal_lm", layouts), folder, "causal_lm", layouts)
+
+
+def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path):
+    folder = _checkpoint(tmp_path, "mixtral")
+    layouts = {"ep2": dict(data_parallel=2, expert_parallel=2),
+               "ep2_zero3": dict(data_parallel=2, expert_parallel=2, optimizer_shard=3)}
+    _check(run_workers(load_under_layouts, 2, folder, "causal_lm", layouts), folder, "causal_lm", layouts,
+           sharded={"ep2": 0.7, "ep2_zero3": 0.55})
+
+
+def test_random_inits_are_the_same_under_every_layout(tmp_path):
+    """A preset (every weight initialised) and a new classification head on a checkpoint: each module's init is
+    drawn whole from its own seed and sliced, so every layout holds stand-alone's values."""
+    layouts = {k: TWO_RANKS[k] for k in ("zero3", "tp2", "pp2")}
+    overrides = {"num_hidden_layers": 2, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2}
+    _check(run_workers(load_under_layouts, 2, "llama_tiny", "causal_lm", layouts, overrides), "llama_tiny",
+           "causal_lm", layouts, overrides)
+    folder = _checkpoint(tmp_path, "llama")
+    head = {"num_labels": 3}
+    layouts = {k: TWO_RANKS[k] for k in ("zero3", "tp2")}
+    _check(run_workers(load_under_layouts, 2, folder, "sequence_classification", layouts, head), folder,
+           "sequence_classification", layouts, head)
+
+
+def test_fsdp_over_tensor_parallel_shards_on_four_ranks(tmp_path):
+    folder = _checkpoint(tmp_path, "llama")
+    layouts = {"dp2_tp2_zero3": dict(data_parallel=2, model_parallel=2, optimizer_shard=3)}
+    _check(run_workers(load_under_layouts, 4, folder, "causal_lm", layouts), folder, "causal_lm", layouts,
+           sharded={"dp2_tp2_zero3": 0.4})
