@@ -7,9 +7,10 @@ layers it has), and a rank larger than the layer it adapts. Everything else is p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name
     from peft import get_peft_model
 
     _check_targets(model, config, name)
+    _check_init_without_weights(model, config, name)
     try:
-        wrapped = get_peft_model(model, config)
+        with adapters_on_host(model):
+            wrapped = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{name}: peft cannot apply {type(config).__name__} to {type(model).__name__}: {first}") \
@@ -44,6 +47,46 @@ def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name
         wrapped.unload()  # leave the caller's model as it was
         raise ConfigError(problem)
     return wrapped
+
+
+@contextlib.contextmanager
+def adapters_on_host(model: nn.Module) -> Iterator[None]:
+    """While peft adds adapters to ``model``: a base weight still on ``meta`` (a model loaded for a layout to fill
+    only its shards) stands in as a CPU tensor of its shape and dtype that holds no memory (stride 0), so peft makes
+    each adapter on the CPU with its init, as beside a loaded weight (peft would otherwise put the adapter on
+    ``meta`` too, losing its values). The meta weights are put back afterwards, frozen or not as peft left the
+    stand-ins; they are filled later and the adapters sharded with them. A model with no ``meta`` weight, or one
+    built under a ``torch.device("meta")`` block (for counting), is left as it is."""
+    if torch.get_default_device().type == "meta" or not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                stand_in = torch.empty((), dtype=param.dtype).expand(param.shape)
+                module._parameters[attr] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
+                swapped.append((module, attr, param))
+    try:
+        yield
+    finally:
+        for module, attr, param in swapped:  # (a tied weight gets its one object back in each place)
+            param.requires_grad_(module._parameters[attr].requires_grad)
+            module._parameters[attr] = param
+
+
+# LoRA inits that draw only random numbers (the others read the base weights: PiSSA, OLoRA, EVA, LoftQ, CorDA)
+_INITS_WITHOUT_WEIGHTS = (True, False, "gaussian")
+
+
+def _check_init_without_weights(model: nn.Module, config: Any, name: str) -> None:
+    """Refuse an adapter init that reads the base weights for a model whose weights are not loaded yet (a layout
+    fills them shard by shard after the adapter is added)."""
+    init = getattr(config, "init_lora_weights", True)
+    if init not in _INITS_WITHOUT_WEIGHTS and any(p.is_meta for p in model.parameters()):
+        raise ConfigError(f"{name}.init_lora_weights={init!r} reads the base weights, which a multi-process layout "
+                          "loads shard by shard after the adapter is added; use true or 'gaussian', or train "
+                          "stand-alone")
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -221,7 +264,8 @@ def with_saved_adapter(model: nn.Module, folder: str | Path, trainable: bool = F
     from peft import PeftModel
 
     try:
-        return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+        with adapters_on_host(model):
+            return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
     except (ValueError, KeyError, RuntimeError) as err:
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
         # torch's load error lists the mismatches below a header line: name the first one

@@ -72,6 +72,19 @@ def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any =
     return config
 
 
+def generation_layout(model_config: Any, world_size: int) -> ParallelConfig | None:
+    """A layout sharding the model over all ``world_size`` ranks for generation: tensor parallel with the vocabulary
+    sharded too (embedding and head split like the rest), else tensor parallel alone, else pipeline stages; None when
+    none of them fits the model (heads, vocabulary or layers that do not divide)."""
+    for fields in (dict(model_parallel=world_size, vocab_emb_dp=False), dict(model_parallel=world_size),
+                   dict(pipeline_stage=world_size)):
+        try:
+            return inference_layout({"parallel_mode": "semi_auto_parallel", **fields}, model_config)
+        except ConfigError:
+            continue
+    return None
+
+
 def shard_for_inference(model: nn.Module, layout: ParallelConfig, mesh: ParallelMesh) -> nn.Module:
     """Shard ``model`` (on this rank's device, in eval mode, the same weights on every rank) for generation under
     ``layout``, in place: its pipeline stage's layers only, then tensor and expert parallelism. Returns ``model``."""

@@ -132,6 +132,9 @@ def recipe_inputs(tmp_path_factory) -> Path:
     return folder
 
 
+PROMPT = "# Write the function number 3:\n"
+
+
 def recipe_flags(inputs: Path, out: Path, *extra: str) -> list[str]:
     """The recipe at test size: the tiny base, 32-token pairs, 4 steps of 8, LoRA without dropout."""
     return [str(RECIPE), "--model.name_or_path", str(inputs / "base"), "--data.source", "files",
@@ -140,7 +143,8 @@ def recipe_flags(inputs: Path, out: Path, *extra: str) -> list[str]:
             "--peft.r", "4", "--peft.lora_dropout", "0.0", "--max_steps", "4", "--per_device_train_batch_size", "8",
             "--warmup_steps", "0", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "steps",
             "--save_steps", "2", "--save_total_limit", "null", "--report_to", "[]", "--disable_tqdm", "true",
-            "--generate.prompts", "[]", "--bf16", "false", "--output_dir", str(out), *extra]
+            "--generate.prompts", json.dumps([PROMPT]), "--generate.max_new_tokens", "8", "--generate.do_sample", "false",
+            "--bf16", "false", "--output_dir", str(out), *extra]
 
 
 def losses(out: Path) -> list[float]:
@@ -179,6 +183,15 @@ def test_adapter_gradients_equal_stand_alone(job, name):
     for key, grad in expected.items():
         assert grad.abs().max() > 0, key
         torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(RECIPE_LAYOUTS))
+def test_samples_after_a_layout_are_stand_alones(job, stand_alone_recipe, name):
+    """After training under a layout the ranks load the saved adapter on its base sharded for generation (tensor
+    parallel over both ranks, each reading only its shards) and generate together: the same greedy samples as the
+    stand-alone run."""
+    work, _ = job
+    assert (work / name / "samples.txt").read_text() == (stand_alone_recipe / "samples.txt").read_text()
 
 
 def test_recipe_trains_only_the_adapter_and_saves_it_in_peft_format(stand_alone_recipe, recipe_inputs):
