@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from ..errors import MindFormersError
+from ..loading.deferred import deferred_loading, materialize
+from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
 from ..parallel.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \
     quiet_agent, threads_per_worker
@@ -49,7 +51,8 @@ class InferencePool:
     """Workers holding a model sharded by ``layout`` that run ``generate`` on request (see the module docstring).
 
     Args:
-        source: a checkpoint folder (each worker loads it) or a model object (sent to the workers pickled).
+        source: a checkpoint folder (each worker loads it) or a model object (sent to the workers pickled, its
+            weights by reference: :mod:`~mindformers_py.loading.handover`). Each worker reads only its shards.
         task: the task registry name whose Auto class loads a folder (``"causal_lm"``, ``"seq2seq_lm"``).
         layout: the layout, as :func:`~mindformers_py.parallel.inference.inference_layout` returns it.
         load_kwargs: ``from_pretrained`` arguments for a folder (``dtype``).
@@ -60,9 +63,10 @@ class InferencePool:
         self.layout = layout
         self.world_size = layout.required_world_size()
         self._folder = Path(tempfile.mkdtemp(prefix="mindformers-pool-"))
-        if isinstance(source, nn.Module):
+        if isinstance(source, nn.Module):  # its weights by reference: each worker reads only its shards
             model_file = self._folder / "model.pkl"
-            model_file.write_bytes(cloudpickle.dumps(source))
+            with weights_by_reference(source, self._folder / "weights") as by_reference:
+                model_file.write_bytes(dumps(source, by_reference))
             self._source: dict[str, Any] = {"pickled": str(model_file)}
         else:
             self._source = {"folder": os.fspath(source), "task": task, "load_kwargs": dict(load_kwargs or {})}
@@ -300,8 +304,10 @@ def _serve(source: dict[str, Any], layout: dict[str, Any], requests: list, repli
         config = ParallelConfig.from_dict(layout)
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         mesh = build_mesh(config, device_type=device.type)
-        model = _load(source).to(device).eval()
+        with deferred_loading():  # built on meta: the layout is applied first, then only this rank's shards are read
+            model = _load(source).eval()
         shard_for_inference(model, config, mesh)
+        materialize(model, device).to(device)
         replies.put(("ready", rank, os.getpid()))
         while True:
             kind, data = requests[rank].get()

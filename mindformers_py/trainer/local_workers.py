@@ -10,7 +10,10 @@ starts the workers on the same launch machinery as ``mindformers-py run`` (torch
 collator, tokenizer, ``compute_metrics``, callbacks, arguments, and the Trainer subclass itself) is pickled with
 cloudpickle into a temporary file that every worker reads. cloudpickle sends functions and classes defined in the
 script or notebook (lambdas, local classes, a ``Trainer`` subclass written in a cell) by value, and everything
-importable by reference. Each worker gets its own copy; the parent's objects are not shared.
+importable by reference. Each worker gets its own copy; the parent's objects are not shared. The model's weights are
+the exception: they travel as a reference (:mod:`~mindformers_py.loading.handover`), to the checkpoint they were
+loaded from when unchanged since, else to one copy written once for the call, and each worker reads only its own
+shards, so none holds a whole copy of a model its layout shards.
 
 **What cannot reach them**, refused before any worker starts, in one line naming the argument: objects that do not
 pickle (open files, sockets, locks, generators, a ``torch.utils.data.DataLoader`` iterator, ...), and
@@ -60,6 +63,7 @@ from ..engine import Engine
 from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
+from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
 from ..parallel.context_config import check_compile
 from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
@@ -69,7 +73,7 @@ from .callbacks import ProgressCallback
 
 ERRORS_DIR = "worker_errors"
 """Folder of ``output_dir`` where a failed worker leaves its traceback (``rank<N>.txt``)."""
-_JOB_NAME, _WEIGHTS_DIR = "job.pkl", "weights"
+_JOB_NAME, _WEIGHTS_DIR, _PARENT_WEIGHTS_DIR = "job.pkl", "weights", "parent_weights"
 # The callback events a progress display reacts to; rank 0 relays them to the parent.
 _RELAYED_EVENTS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_predict", "on_prediction_step",
                    "on_train_end")
@@ -135,8 +139,10 @@ class LocalWorkers:
             job = _Job(trainer=trainer, function=function, args=args, kwargs=kwargs, env=dict(os.environ),
                        threads=threads_per_worker(self.world_size), weights=str(weights) if weights else None,
                        folder=str(folder))
-            with self._as_sent(trainer):
-                _write_job(job, folder / _JOB_NAME, self.world_size)
+            # The model's weights are not pickled: each worker reads only its shards from their checkpoint (or from
+            # one copy written here), so no worker holds a whole copy of a model its layout shards.
+            with self._as_sent(trainer), weights_by_reference(trainer.model, folder / _PARENT_WEIGHTS_DIR) as by_ref:
+                _write_job(job, folder / _JOB_NAME, self.world_size, by_ref)
             if relay is not None:
                 relay.start()
             try:
@@ -187,10 +193,11 @@ class _Job:
     """The call's temporary folder (exceptions of the workers are pickled there)."""
 
 
-def _write_job(job: _Job, path: Path, world_size: int) -> None:
-    """Pickle ``job`` with cloudpickle; an object that does not pickle is refused in one line naming it."""
+def _write_job(job: _Job, path: Path, world_size: int, by_reference: set[int] = frozenset()) -> None:
+    """Pickle ``job`` with cloudpickle (the parameters ``by_reference`` as empty ``meta`` ones,
+    :mod:`~mindformers_py.loading.handover`); an object that does not pickle is refused in one line naming it."""
     try:
-        data = cloudpickle.dumps(job)
+        data = dumps(job, set(by_reference))
     except Exception:  # noqa: BLE001 - pickling raises many types; the culprit is found below
         name, value, err = _unpicklable_part(job.trainer)
         raise ConfigError(
