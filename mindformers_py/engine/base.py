@@ -26,7 +26,7 @@ from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model,
 from ..errors import ConfigError
 from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
-from ..parallel.config import ParallelConfig
+from ..parallel.config import FSDP, ParallelConfig
 from ..parallel.recompute import apply_recompute
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import manifest_problem
@@ -93,12 +93,18 @@ class Engine:
                 )
             self.scaler = torch.amp.GradScaler("cuda")
 
+    @property
+    def keeps_freed_cpu_memory(self) -> bool:
+        """Whether this engine's layout gains from ``cpu_keep_freed_memory`` (not where FSDP2 shards the model:
+        see :attr:`~mindformers_py.trainer.arguments.TrainingArguments.cpu_keep_freed_memory`)."""
+        return self.parallel_config.data_parallel_engine != FSDP
+
     def _pick_device(self) -> None:
         """This process's device: the current CUDA device when visible and not ``use_cpu``, else the CPU (whose
         allocator then keeps freed memory, per ``cpu_keep_freed_memory``). Every engine's setup calls it."""
         use_cuda = torch.cuda.is_available() and not self.args.use_cpu
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        if self.device.type == "cpu" and self.args.cpu_keep_freed_memory:
+        if self.device.type == "cpu" and self.args.cpu_keep_freed_memory and self.keeps_freed_cpu_memory:
             keep_freed_cpu_memory()
 
     def teardown(self) -> None:

@@ -32,3 +32,17 @@ def keep_freed_cpu_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and \
         bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+
+
+def return_freed_cpu_memory() -> bool:
+    """Give the memory freed so far back to the OS (glibc ``malloc_trim``), however :func:`keep_freed_cpu_memory`
+    set the heap: for the moment a process has dropped something large it will not allocate again in the same
+    sizes (a trained model's shards, before the model is loaded again for generation). Returns whether it applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

@@ -63,10 +63,12 @@ class CheckpointReader:
         self.files = checkpoint_files(self.folder)
         self._where: dict[str, Path] = {}
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._offset: dict[str, int] = {}  # where each tensor's bytes start in its file
         for path in self.files:
-            for key, (shape, dtype) in _read_header(path).items():
+            for key, (shape, dtype, offset) in _read_header(path).items():
                 self._where[key] = path
                 self._meta[key] = (shape, dtype)
+                self._offset[key] = offset
         self._open: dict[Path, Any] = {}
 
     # -- what the checkpoint holds (headers only) ---------------------------------------------------------------
@@ -110,6 +112,30 @@ class CheckpointReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(unreadable_safetensors(path, e)) from None
 
+    def read_rows(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Read rows ``start .. start + len(out)`` of ``key`` (along its first dimension: contiguous bytes in the file)
+        straight into ``out`` (a contiguous CPU tensor of ``key``'s dtype and row shape) with plain file reads, so
+        the process maps no page of the file and holds no copy beyond ``out``."""
+        shape, dtype = self._meta[key]
+        if out.dtype != dtype or tuple(out.shape[1:]) != tuple(shape[1:]) or not out.is_contiguous() or \
+                out.device.type != "cpu" or start + out.shape[0] > shape[0]:
+            raise ValueError(f"{key}: cannot read rows {start}..{start + out.shape[0]} of {shape} {dtype} into "
+                             f"{tuple(out.shape)} {out.dtype}")
+        row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
+        path = self._where[key]
+        target = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(self._offset[key] + start * row_bytes)
+                done = 0
+                while done < len(target):
+                    n = f.readinto(target[done:])
+                    if not n:
+                        raise OSError("unexpected end of file")
+                    done += n
+        except OSError as e:
+            raise CheckpointError(unreadable_safetensors(path, e)) from None
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, lazy view) of every tensor."""
         for key in self._where:
@@ -126,8 +152,9 @@ class CheckpointReader:
         self.close()
 
 
-def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) from a safetensors file's header alone; a damaged file is one CheckpointError line."""
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    """name -> (shape, dtype, where its bytes start in the file) from a safetensors file's header alone; a damaged
+    file is one CheckpointError line."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -135,12 +162,12 @@ def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
             if size < 8 or not 0 < length <= size - 8:
                 raise ValueError("header too large or missing")
             header = json.loads(f.read(length))
-        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        out: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
         end = 0
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            out[key] = (tuple(info["shape"]), _DTYPES[info["dtype"]])
+            out[key] = (tuple(info["shape"]), _DTYPES[info["dtype"]], 8 + length + info["data_offsets"][0])
             end = max(end, info["data_offsets"][1])
         if size < 8 + length + end:
             raise ValueError("incomplete file")

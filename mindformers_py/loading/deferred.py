@@ -303,7 +303,11 @@ def materialize(model: nn.Module, device: torch.device | str | Callable[[str], t
                 name = entry[0]
                 if name in record.sources and trace is not None:
                     key = record.sources[name]
+                    if sharded and _read_own_rows(entry[3], trace, key):
+                        continue
                     _fill(entry, lambda key=key: trace.value(key), place(name))
+                    if sharded:  # unmap the file now: the pages read for this slice stop counting as this process's
+                        reader.close()
                 elif name in tied:
                     by_module[id(entry)].append(entry)  # alone: its owner's other weights are not held here
                 else:
@@ -332,6 +336,29 @@ def materialize(model: nn.Module, device: torch.device | str | Callable[[str], t
                 if buffer.device != target or buffer.dtype != dtype:
                     module._buffers[attr] = buffer.to(target, dtype)
     return model
+
+
+def _read_own_rows(param: torch.Tensor, trace: ConversionTrace, key: str) -> bool:
+    """Fill the DTensor ``param`` by reading only its own rows of checkpoint tensor ``key`` straight from the file,
+    when it is a stored tensor renamed, held in its stored dtype, and this rank's part is a run of whole rows (a
+    replica, or a shard along the first dimension: FSDP2's, a column-parallel or vocabulary-parallel weight); returns
+    whether it did. No page of the file is mapped and nothing beyond the shard is allocated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor) or not trace.is_renamed(key) or not all(
+            type(p) in (Shard, Replicate) for p in param.placements):
+        return False
+    local = param.to_local()
+    stored = trace.reader
+    name = trace.sources[key].key
+    if local.dtype != stored.dtype(name) or local.device.type != "cpu" or not local.is_contiguous() or local.dim() == 0:
+        return False
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(o != 0 or n != full for o, n, full in zip(offset[1:], shape[1:], param.shape[1:])):
+        return False
+    stored.read_rows(name, offset[0], local)
+    return True
 
 
 def local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:

@@ -89,6 +89,25 @@ def layer_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def vocabulary_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(input embedding, output head) of ``model`` (or of the model a peft model adapts) when they are separate
+    weights, each then an FSDP unit of its own, as torchtitan shards them: at a 128K vocabulary the two are a fifth to
+    a third of a 1-8B model, and in the root's unit both would be gathered whole for the whole step. Tied, they stay
+    in the root's unit (one tensor); a pipeline stage without one of them gets None for it."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        embedding = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+        head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):  # a stage whose embeddings were cut away
+        return None, None
+    embedding = embedding if isinstance(embedding, nn.Module) and any(True for _ in embedding.parameters()) else None
+    head = head if isinstance(head, nn.Module) and any(True for _ in head.parameters()) else None
+    if embedding is not None and head is not None and \
+            {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}:
+        return None, None
+    return embedding, head
+
+
 def _wrapped_name(module: nn.Module) -> str:
     inner = getattr(module, "_checkpoint_wrapped_module", None)
     return type(inner).__name__ if inner is not None else ""
@@ -133,6 +152,11 @@ def apply_data_parallel(
     reshard = config.zero_stage == 3
     for unit in units:
         fully_shard(unit, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    embedding, head = vocabulary_units(model) if layers is None else (None, None)
+    if embedding is not None:  # gathered at the start of forward only (its gradient needs no whole weight)
+        fully_shard(embedding, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if head is not None:  # used last in forward and first in backward: kept whole between them, as the root
+        fully_shard(head, mesh=mesh.fsdp_mesh, reshard_after_forward=False, mp_policy=policy)
     # The root's parameters (embeddings, head) are needed first in backward: never reshard them after forward.
     fully_shard(model, mesh=mesh.fsdp_mesh, reshard_after_forward=False, mp_policy=policy)
     return model

@@ -185,11 +185,13 @@ def _samples_on_every_rank(task: TaskSpec, auto: Any, args: Any, tokenizer: Any,
     import torch.distributed as dist
 
     from ..adapters.apply import adapted_model, from_pretrained_with_adapter, is_peft_model
+    from ..engine.cpu_memory import return_freed_cpu_memory
     from ..loading import deferred_loading, materialize
     from ..parallel.inference import generation_layout, shard_for_inference
     from ..parallel.mesh import build_mesh, init_distributed
 
-    gc.collect()  # the Trainer's engine and the training model's shards
+    gc.collect()  # the Trainer's engine and the training model's shards,
+    return_freed_cpu_memory()  # given back rather than kept in the heap beside the model loaded next
     use_cuda = torch.cuda.is_available() and not args.use_cpu
     owns_group = not dist.is_initialized()  # (the engine left the group it joined; one given to us stays)
     init_distributed(backend=None if use_cuda else "gloo")

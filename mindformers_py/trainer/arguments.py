@@ -205,7 +205,9 @@ class TrainingArguments:
     """On CPU, keep memory freed by one step in the process heap for the next (glibc ``mallopt``) instead of
     returning it to the OS: large activations and gradients are reused rather than page-faulted in again every
     step (about 25% of a small GPT's CPU step). Resident memory stays at its peak. Applies to the whole process
-    once a CPU Trainer is created."""
+    once a CPU Trainer is created, except under ZeRO-2/3 (FSDP2), whose gather buffers of changing sizes would
+    fragment a heap that is never trimmed, against the point of sharding (a 1.5 B LoRA step on two ranks: 5.9 GiB
+    peak per rank with it, 3.2 GiB without)."""
 
     dataloader_num_workers: int = 0
     """Worker processes that load and collate batches; 0 loads in the main process."""
