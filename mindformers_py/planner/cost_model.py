@@ -49,11 +49,16 @@ class MemoryEstimate:
     """Activations re-materialised for one layer at a time during backward under full recompute."""
     context: int = 0
     """Key/value blocks a context-parallel attention holds in flight for one layer at a time."""
+    logits_gradient: int = 0
+    """The gradient of one micro-batch's logits as backward starts, in fp32 and again in the compute dtype, beside
+    everything saved: at a 128K vocabulary the largest single term of a 1B model's step (8 bytes of 6 per token and
+    vocabulary entry under bf16)."""
 
     @property
     def total(self) -> int:
         """Sum of all kinds."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.context
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.context
+                + self.logits_gradient)
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
@@ -131,7 +136,8 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
                     act_bytes: int = FP32_BYTES, attention_scores: bool = False,
-                    kv_exchange: str = "ring", trainable_params: int | None = None) -> MemoryEstimate:
+                    kv_exchange: str = "ring", trainable_params: int | None = None,
+                    param_bytes: int = FP32_BYTES) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -144,7 +150,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     one layer's key/value blocks in flight are added (``kv_exchange`` as :attr:`Runtime.context_kv`; see
     :mod:`.context_cost`). ``trainable_params`` (a peft adapter's trainable parameters) keeps gradients and AdamW
     state for those alone, spread over the ranks like the model's own (the frozen base is held and sharded as
-    before).
+    before). ``param_bytes`` is the size the parameters are held in (2 for a model loaded in bf16; gradients and
+    AdamW state stay fp32).
     """
     shape = as_shape(model_config)
     pc = parallel_config
@@ -182,13 +189,15 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
             acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
         experts = int(stage_layers * layer_experts)
         estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
-                                accumulating=micro > 1, compute_bytes=act_bytes)
+                                accumulating=micro > 1, compute_bytes=act_bytes, param_bytes=param_bytes)
         estimate.recompute = rematerialised
         if trainable_params is not None:  # an adapter: only its parameters have gradients and optimizer state
             share = min(1.0, trainable_params / max(shape.total_params(), 1))
             estimate.gradients, estimate.optimizer = int(estimate.gradients * share), int(estimate.optimizer * share)
         estimate.context = context_buffer_bytes(shape, pc, per_device_batch // micro, seq_length, act_bytes,
                                                 kv_exchange)
+        if last and shape.head != "classifier":
+            estimate.logits_gradient = tokens * shape.vocab // vocab_tp * (FP32_BYTES + act_bytes)
         if best is None or estimate.total > best.total:
             best = estimate
     assert best is not None
@@ -206,33 +215,35 @@ def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_by
 
 
 def _state_bytes(params: int, expert_params: int, layer_params: int, dp: int, ep: int, zero: int,
-                 activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES) -> MemoryEstimate:
+                 activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES,
+                 param_bytes: int = FP32_BYTES) -> MemoryEstimate:
     """Parameters, gradients and AdamW state of ``params`` fp32 parameters sharded by ZeRO ``zero`` over ``dp``
     ranks, and of ``expert_params`` (already split over ``ep``) sharded over the ``dp / ep`` ranks holding the same
     experts. ``accumulating``: gradients of several micro-batches are summed before they are reduced (pipeline
     schedules); ``compute_bytes`` is the size of the parameters gathered for compute."""
-    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes)
+    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes, param_bytes)
     if not expert_params:
         return MemoryEstimate(*dense, activations)
-    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes)
+    expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes, param_bytes)
     return MemoryEstimate(*(a + b for a, b in zip(dense, expert)), activations)
 
 
 def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating: bool = False,
-                compute_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks."""
-    full = params * FP32_BYTES
+                compute_bytes: int = FP32_BYTES, param_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks; the parameters
+    are held in ``param_bytes`` each (a frozen base loaded in bf16: 2), gradients in fp32."""
+    full, grad_full = params * param_bytes, params * FP32_BYTES
     if dp == 1 or zero == 0:
-        return full, full, params * ADAM_STATE_BYTES
+        return full, grad_full, params * ADAM_STATE_BYTES
     optimizer = params * ADAM_STATE_BYTES // dp
     if zero == 1:
-        return full, full, optimizer
+        return full, grad_full, optimizer
     # Under a pipeline schedule torch.distributed.pipelining turns FSDP's gradient reduction off until the last
     # micro-batch (set_requires_gradient_sync(False)): gradients accumulate whole beside their shards, and ZeRO-3
     # keeps the parameters it gathered for backward (set_reshard_after_backward(False)).
-    grads = full + full // dp if accumulating else full // dp
+    grads = grad_full + grad_full // dp if accumulating else grad_full // dp
     if zero == 2:  # sharded storage + whole parameters kept from forward through backward
         return full + full // dp, grads, optimizer
     # zero 3: shards + two layers gathered at a time (the running one and the prefetched one)
-    gathered = params * compute_bytes if accumulating else 2 * layer_params * FP32_BYTES
+    gathered = params * compute_bytes if accumulating else 2 * layer_params * param_bytes
     return full // dp + gathered, grads, optimizer

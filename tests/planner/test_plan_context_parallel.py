@@ -100,11 +100,11 @@ def test_the_planner_proposes_context_parallelism_for_long_sequences_only():
     long = plan(shape, 8, per_device_batch=1, seq_length=262144, device=device, act_bytes=2)
     assert long.chosen.fits and long.config.cp > 1 and long.config.required_world_size() == 8
     assert f"cp={long.config.cp}" in long.table()
-    # 64K tokens is long for 8B (attention's FLOPs per token pass the matrix products' from ~29K): context
-    # parallelism is searched, and chosen, although layouts without it fit (tensor + pipeline parallel, slower).
+    # 64K tokens on an 80 GB H100: a layout keeping whole sequences holds the logits' gradient of 64K tokens x 128K
+    # vocabulary (fp32 and bf16, 48 GiB beside the saved log-softmax) and fits nowhere; splitting the context does.
     fixed = plan(shape, 8, global_batch=8, seq_length=65536, device=load_device("h100_80gb"), act_bytes=2)
-    assert fixed.config.cp > 1 and any(c.fits for c in fixed.candidates if c.config.cp == 1)
-    assert fixed.chosen.time.total < min(c.time.total for c in fixed.candidates if c.config.cp == 1 and c.fits)
+    assert fixed.config.cp > 1 and fixed.chosen.fits
+    assert not any(c.fits for c in fixed.candidates if c.config.cp == 1)
 
 
 def test_activations_fall_with_the_context_parallel_size_and_traffic_hides_behind_attention():
