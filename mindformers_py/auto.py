@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from .errors import CheckpointError, ConfigError, MindFormersError, MismatchedSizesError, check_choice
+from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
 from .models.hf_config import own_config
 from .models.packaged import resolve_checkpoint_name

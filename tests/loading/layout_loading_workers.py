@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-import mindformers_py as mf
 from mindformers_py.loading import deferred_loading
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.trainer.arguments import TrainingArguments
