@@ -36,3 +36,15 @@ def resolve_torch_compile(torch_compile: bool | str, use_cpu: bool, parallel_con
     if parallel_config is None:
         return True
     return parallel_config.parallel_mode != "auto_parallel" and parallel_config.cp == 1
+
+
+def auto_reason(use_cpu: bool, parallel_config: Any = None) -> str:
+    """Why ``"auto"`` decided as :func:`resolve_torch_compile` did, in words for the run's log."""
+    device = training_device(use_cpu).type
+    if device != "cuda":
+        return f"training on {device}, where compiled layers are slower than eager ones"
+    if parallel_config is not None and parallel_config.parallel_mode == "auto_parallel":
+        return "the auto_parallel planner may choose context parallelism, which compiled layers do not support"
+    if parallel_config is not None and parallel_config.cp > 1:
+        return "context parallelism exchanges keys and values inside each layer, which compiled layers do not support"
+    return "training on CUDA, where compiled layers are faster and leaner than eager ones"

@@ -56,8 +56,8 @@ class ProgressCallback(TrainerCallback):
                     postfix[key] = f"{logs[key]:.4g}"
             self.bar.set_postfix(postfix, refresh=False)
             return
-        if "layout" in logs and set(logs) <= {"layout", "precision", "epoch"}:  # the run's layout (and precision)
-            line = "\n".join(str(logs[key]) for key in ("layout", "precision") if key in logs)
+        if "layout" in logs and set(logs) <= {"layout", "precision", "compile", "epoch"}:  # what the run started
+            line = "\n".join(str(logs[key]) for key in ("layout", "precision", "compile") if key in logs)
         else:
             line = f"step {state.global_step}: " + ", ".join(f"{k}={_short(v)}" for k, v in logs.items())
         if self.bar is not None:

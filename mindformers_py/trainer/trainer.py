@@ -290,7 +290,8 @@ class Trainer:
 
         self.model_wrapped.train()
         # printed once (before the bar), kept in log.jsonl and trainer_state
-        self.log({"layout": _layout_line(engine), "precision": _precision_line(args, engine.device)})
+        self.log({"layout": _layout_line(engine), "precision": _precision_line(args, engine.device),
+                  "compile": _compile_line(args)})
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
@@ -787,6 +788,17 @@ def _layout_line(engine: Engine) -> str:
     processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
     line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
     return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
+
+
+def _compile_line(args: TrainingArguments) -> str:
+    """Whether the run compiles its layers and why, e.g. ``compile: off, chosen by torch_compile='auto': training on
+    cpu, where compiled layers are slower than eager ones``: a compiled run's first step takes much longer."""
+    from ..engine.compile_policy import auto_reason
+
+    what = ("each transformer layer (the first step pays the compilation)" if args.torch_compile else "off (eager)")
+    if getattr(args, "_torch_compile_auto", None) is args.torch_compile:  # "auto" decided
+        return f"compile: {what}, chosen by torch_compile='auto': {auto_reason(args.use_cpu, args.parallel_config)}"
+    return f"compile: {what}; torch_compile={args.torch_compile}"
 
 
 def _precision_line(args: TrainingArguments, device: torch.device) -> str:

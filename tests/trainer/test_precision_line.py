@@ -66,3 +66,40 @@ def test_the_line_is_printed_under_the_layout_and_logged(tmp_path, capsys, cpu_w
     first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert first["precision"] == printed[1]
     assert precision.native_bf16(CPU) is False  # what the Trainer saw
+
+
+def test_the_compile_line_says_what_auto_decided_and_why(tmp_path, capsys):
+    """torch_compile="auto" is off on the CPU (compiled layers are slower there): the run says so under the
+    precision line; an explicit setting is named as given."""
+    from mindformers_py.trainer.trainer import _compile_line
+
+    assert _compile_line(_args()) == ("compile: off (eager), chosen by torch_compile='auto': training on cpu, "
+                                      "where compiled layers are slower than eager ones")
+    assert _compile_line(_args(torch_compile=True)) == (
+        "compile: each transformer layer (the first step pays the compilation); torch_compile=True")
+    assert _compile_line(_args(torch_compile=False)) == "compile: off (eager); torch_compile=False"
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           max_position_embeddings=16))
+    data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(2)]
+    args = mf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                save_strategy="no", report_to="none", disable_tqdm=True, plot_loss_curve=False,
+                                use_cpu=True)
+    mf.Trainer(model=model, args=args, train_dataset=data).train()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2] == _compile_line(args)
+    assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["compile"] == printed[2]
+
+
+def test_auto_gives_its_reason_on_cuda_for_each_layout(monkeypatch):
+    """What "auto" says on a CUDA device (decided without one: the training device is what the policy asks)."""
+    from mindformers_py.engine import compile_policy
+
+    monkeypatch.setattr(compile_policy, "training_device", lambda use_cpu: torch.device("cuda"))
+    assert compile_policy.resolve_torch_compile("auto", False) is True
+    assert "faster and leaner" in compile_policy.auto_reason(False)
+    cp2 = mf.ParallelConfig(parallel_mode="semi_auto_parallel", context_parallel=2)
+    assert compile_policy.resolve_torch_compile("auto", False, cp2) is False
+    assert compile_policy.auto_reason(False, cp2).startswith("context parallelism")
+    planned = mf.ParallelConfig(parallel_mode="auto_parallel")
+    assert compile_policy.auto_reason(False, planned).startswith("the auto_parallel planner")
