@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from .config import DDP_ZERO1, NONE, REPLICATE, ParallelConfig
+from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
 
 logger = logging.getLogger(__name__)
@@ -150,15 +151,21 @@ def apply_data_parallel(
         logger.info("optimizer_shard=1 with model_parallel=%d runs as ZeRO-2 (FSDP2 reshard_after_forward=False): "
                     "ZeroRedundancyOptimizer cannot update tensor-parallel DTensor parameters", config.tp)
     reshard = config.zero_stage == 3
+
+    def shard(module: nn.Module, reshard_after_forward: bool) -> None:
+        fully_shard(module, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        if mesh.fsdp_mesh.device_type == "cpu":  # gloo: its tensor-form collectives stage through a whole copy
+            use_in_place_collectives(module)
+
     for unit in units:
-        fully_shard(unit, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        shard(unit, reshard)
     embedding, head = vocabulary_units(model) if layers is None else (None, None)
     if embedding is not None:  # gathered at the start of forward only (its gradient needs no whole weight)
-        fully_shard(embedding, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        shard(embedding, reshard)
     if head is not None:  # used last in forward and first in backward: kept whole between them, as the root
-        fully_shard(head, mesh=mesh.fsdp_mesh, reshard_after_forward=False, mp_policy=policy)
+        shard(head, False)
     # The root's parameters (embeddings, head) are needed first in backward: never reshard them after forward.
-    fully_shard(model, mesh=mesh.fsdp_mesh, reshard_after_forward=False, mp_policy=policy)
+    shard(model, False)
     return model
 
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from ..layers.moe import GroupedExperts
 from .config import FSDP, NONE, ParallelConfig
 from .data import mixed_precision_policy
+from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
 
 # The dimension of each stacked expert weight that tensor parallelism splits: the intermediate one.
@@ -75,6 +76,8 @@ def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: Par
     for experts in grouped_experts(model):
         if engine == FSDP:
             fully_shard(experts, mesh=mesh.expert_dp_mesh, reshard_after_forward=config.zero_stage == 3, mp_policy=policy)
+            if mesh.expert_dp_mesh.device_type == "cpu":
+                use_in_place_collectives(experts)
         else:
             fsdp_replicate(experts, mesh=mesh.expert_dp_mesh, mp_policy=policy)
         experts.set_gradient_divide_factor(float(mesh.dp * mesh.cp))
