@@ -28,6 +28,19 @@ def _args(**kwargs):
     return mf.TrainingArguments(output_dir="unused", use_cpu=True, **kwargs)
 
 
+def _train_one_step(tmp_path, capsys):
+    """One step of a tiny GPT on the CPU: its arguments and the lines it printed."""
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           max_position_embeddings=16))
+    data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(2)]
+    args = mf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                save_strategy="no", report_to="none", disable_tqdm=True, plot_loss_curve=False,
+                                use_cpu=True)
+    mf.Trainer(model=model, args=args, train_dataset=data).train()
+    return args, capsys.readouterr().out.splitlines()
+
+
 def test_auto_on_a_cpu_with_native_bf16(cpu_with):
     cpu_with({"avx512_bf16": True})
     assert _precision_line(_args(), CPU) == (
@@ -53,15 +66,7 @@ def test_an_explicit_setting_is_named_with_the_hardware(cpu_with):
 
 def test_the_line_is_printed_under_the_layout_and_logged(tmp_path, capsys, cpu_with):
     cpu_with({"avx2": True})
-    torch.manual_seed(0)
-    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                           max_position_embeddings=16))
-    data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(2)]
-    args = mf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
-                                save_strategy="no", report_to="none", disable_tqdm=True, plot_loss_curve=False,
-                                use_cpu=True)
-    mf.Trainer(model=model, args=args, train_dataset=data).train()
-    printed = capsys.readouterr().out.splitlines()
+    args, printed = _train_one_step(tmp_path, capsys)
     assert printed[0].startswith("1 process (stand_alone)") and printed[1].startswith("precision: fp32, chosen by")
     first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert first["precision"] == printed[1]
@@ -78,15 +83,7 @@ def test_the_compile_line_says_what_auto_decided_and_why(tmp_path, capsys):
     assert _compile_line(_args(torch_compile=True)) == (
         "compile: each transformer layer (the first step pays the compilation); torch_compile=True")
     assert _compile_line(_args(torch_compile=False)) == "compile: off (eager); torch_compile=False"
-    torch.manual_seed(0)
-    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                           max_position_embeddings=16))
-    data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(2)]
-    args = mf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
-                                save_strategy="no", report_to="none", disable_tqdm=True, plot_loss_curve=False,
-                                use_cpu=True)
-    mf.Trainer(model=model, args=args, train_dataset=data).train()
-    printed = capsys.readouterr().out.splitlines()
+    args, printed = _train_one_step(tmp_path, capsys)
     assert printed[2] == _compile_line(args)
     assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["compile"] == printed[2]
 
