@@ -19,6 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = "runs/demo"
 
 
+_LORA_LINE = ["run", str(ROOT / "tasks/gpt/finetune_lora.yaml"), "--max_steps", "2", "--data.max_files", "20",
+              "--data.max_eval_samples", "4", "--per_device_train_batch_size", "2", "--eval_strategy", "no",
+              "--save_strategy", "no", "--report_to", "none", "--generate.max_new_tokens", "2"]
+
+
+def _demo_stand_in() -> None:
+    """A small stand-in for make demo's output: a tiny GPT and its tokenizer in runs/demo (of the working directory)."""
+    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20], 300)
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(flavour="gpt2", vocab_size=len(tokenizer), hidden_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128,
+                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(DEMO)
+    tokenizer.save_pretrained(DEMO)
+
+
 def test_the_demo_folder_is_one_place_for_every_reader():
     pretrain = yaml.safe_load((ROOT / "tasks/gpt/pretrain_tiny.yaml").read_text())
     lora = yaml.safe_load((ROOT / "tasks/gpt/finetune_lora.yaml").read_text())
@@ -34,18 +50,28 @@ def test_the_lora_recipe_finds_the_demo_output_without_a_flag(tmp_path, monkeypa
     # A small stand-in for make demo's output (the model and tokenizer in runs/demo), then the README's LoRA line
     # from that working directory, shortened.
     monkeypatch.chdir(tmp_path)
-    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20], 300)
-    torch.manual_seed(0)
-    model = mf.GPTForCausalLM(mf.GPTConfig(flavour="gpt2", vocab_size=len(tokenizer), hidden_size=32,
-                                           num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128,
-                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    model.save_pretrained(DEMO)
-    tokenizer.save_pretrained(DEMO)
-    code = main(["run", str(ROOT / "tasks/gpt/finetune_lora.yaml"), "--max_steps", "2", "--data.max_files", "20",
-                 "--data.max_eval_samples", "4", "--per_device_train_batch_size", "2", "--eval_strategy", "no",
-                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-                 "--generate.max_new_tokens", "2"])
+    _demo_stand_in()
+    code = main(_LORA_LINE + ["--disable_tqdm", "true"])
     assert code == 0, capsys.readouterr().err
     resolved = yaml.safe_load((tmp_path / "runs/finetune_lora/run_config.yaml").read_text())
     assert resolved["model"]["name_or_path"] == DEMO
     assert (tmp_path / "runs/finetune_lora/adapter_model.safetensors").is_file()
+
+
+def test_a_two_process_lora_run_prints_one_set_of_data_bars_and_no_warnings(tmp_path, monkeypatch, capfd):
+    """The LoRA recipe on two processes prints datasets' Map bars once (as many as one process prints: the
+    parent's, not a set per rank; the data is prepared before the layout line), no FutureWarning and no
+    sequence-length warning (the recipe cuts its sequences itself)."""
+    monkeypatch.chdir(tmp_path)
+    _demo_stand_in()
+    capfd.readouterr()
+    printed = {}
+    for name, layout in (("one", []), ("two", ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2"])):
+        assert main(_LORA_LINE + ["--output_dir", f"runs/{name}"] + layout) == 0
+        out, err = capfd.readouterr()
+        printed[name] = (out + err).replace("\r", "\n")
+    assert "2 processes (semi_auto_parallel)" in printed["two"]
+    bars = {name: re.findall(r"^Map[^\n]*100%", text, re.M) for name, text in printed.items()}
+    assert bars["one"] and len(bars["two"]) == len(bars["one"]), bars
+    for text in printed.values():
+        assert "FutureWarning" not in text and "Token indices sequence length" not in text, text
