@@ -62,4 +62,5 @@ def use_in_place_collectives(unit: torch.nn.Module) -> None:
     which FSDP2 waits for at once, takes its path that frees the buffer right after the copy."""
     unit.set_custom_all_gather(InPlaceAllGather())
     unit.set_custom_reduce_scatter(InPlaceReduceScatter())
-    unit._set_unshard_async_op(True)
+    if hasattr(unit, "_set_unshard_async_op"):  # FSDPModule's (private) setter in the torch we pin; without it
+        unit._set_unshard_async_op(True)        # only the memory saving of the buffer's early free is lost
