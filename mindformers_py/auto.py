@@ -172,10 +172,9 @@ class _AutoModel:
         dtype = kwargs.get("dtype") or kwargs.get("torch_dtype")
         dtype = None if dtype in (None, "auto") else _resolve_dtype(dtype, Path(), None)
         model = deferred.build_empty(model_class, config)
-        record = deferred.DeferredWeights(folder=None, from_hf=False, sources={}, seed=deferred.draw_seed(),
-                                          dtype=dtype, keep_fp32=_kept_in_fp32(model, dtype))
-        model.__dict__[deferred.RECORD_ATTR] = record
-        deferred.give_dtypes(model, record, {})
+        deferred.give_record(model, deferred.DeferredWeights(folder=None, from_hf=False, sources={},
+                                                             seed=deferred.draw_seed(), dtype=dtype,
+                                                             keep_fp32=_kept_in_fp32(model, dtype)))
         return model if deferred.loading_is_deferred() else _place(model, kwargs.get("device_map"))
 
     @classmethod
@@ -238,8 +237,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         folder=str(folder) if trace is not None else None, from_hf=from_hf,
         sources=dict(plan.sources) if plan is not None else {}, seed=deferred.draw_seed(), dtype=dtype,
         keep_fp32=_kept_in_fp32(model, dtype))
-    model.__dict__[deferred.RECORD_ATTR] = record
-    deferred.give_dtypes(model, record, {k: trace.dtypes[v] for k, v in record.sources.items()} if trace else {})
+    deferred.give_record(model, record, {k: trace.dtypes[v] for k, v in record.sources.items()} if trace else {})
     device_map = options.get("device_map")
     if deferred.loading_is_deferred():
         if device_map is not None:
@@ -363,7 +361,8 @@ def _resolve_dtype(dtype: torch.dtype | str, folder: Path, trace: Any) -> torch.
     if dtype == "auto":
         if trace is None:
             return None
-        stored = _read_config_json(folder).get("dtype") or _read_config_json(folder).get("torch_dtype")
+        saved = _read_config_json(folder)
+        stored = saved.get("dtype") or saved.get("torch_dtype")
         if isinstance(stored, str) and isinstance(getattr(torch, stored, None), torch.dtype):
             return getattr(torch, stored)
         return trace.reader.floating_dtype()

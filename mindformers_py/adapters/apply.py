@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..loading.deferred import has_meta_parameters
 from ..parallel.adapter_layers import adapted_model, is_peft_model
 from .config import SECTION, as_peft_config
 from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder
@@ -57,7 +58,7 @@ def adapters_on_host(model: nn.Module) -> Iterator[None]:
     ``meta`` too, losing its values). The meta weights are put back afterwards, frozen or not as peft left the
     stand-ins; they are filled later and the adapters sharded with them. A model with no ``meta`` weight, or one
     built under a ``torch.device("meta")`` block (for counting), is left as it is."""
-    if torch.get_default_device().type == "meta" or not any(p.is_meta for p in model.parameters()):
+    if torch.get_default_device().type == "meta" or not has_meta_parameters(model):
         yield
         return
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -83,7 +84,7 @@ def _check_init_without_weights(model: nn.Module, config: Any, name: str) -> Non
     """Refuse an adapter init that reads the base weights for a model whose weights are not loaded yet (a layout
     fills them shard by shard after the adapter is added)."""
     init = getattr(config, "init_lora_weights", True)
-    if init not in _INITS_WITHOUT_WEIGHTS and any(p.is_meta for p in model.parameters()):
+    if init not in _INITS_WITHOUT_WEIGHTS and has_meta_parameters(model):
         raise ConfigError(f"{name}.init_lora_weights={init!r} reads the base weights, which a multi-process layout "
                           "loads shard by shard after the adapter is added; use true or 'gaussian', or train "
                           "stand-alone")

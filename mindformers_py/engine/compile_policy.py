@@ -31,20 +31,22 @@ def resolve_torch_compile(torch_compile: bool | str, use_cpu: bool, parallel_con
     context parallelism nor is left to the ``auto_parallel`` planner."""
     if torch_compile != AUTO:
         return bool(torch_compile)
-    if training_device(use_cpu).type != "cuda":
-        return False
-    if parallel_config is None:
-        return True
-    return parallel_config.parallel_mode != "auto_parallel" and parallel_config.cp == 1
+    return _auto_decision(use_cpu, parallel_config)[0]
 
 
 def auto_reason(use_cpu: bool, parallel_config: Any = None) -> str:
     """Why ``"auto"`` decided as :func:`resolve_torch_compile` did, in words for the run's log."""
+    return _auto_decision(use_cpu, parallel_config)[1]
+
+
+def _auto_decision(use_cpu: bool, parallel_config: Any) -> tuple[bool, str]:
+    """What ``"auto"`` decides, and why (one place for both, so the log cannot say other than what was done)."""
     device = training_device(use_cpu).type
     if device != "cuda":
-        return f"training on {device}, where compiled layers are slower than eager ones"
+        return False, f"training on {device}, where compiled layers are slower than eager ones"
     if parallel_config is not None and parallel_config.parallel_mode == "auto_parallel":
-        return "the auto_parallel planner may choose context parallelism, which compiled layers do not support"
+        return False, "the auto_parallel planner may choose context parallelism, which compiled layers do not support"
     if parallel_config is not None and parallel_config.cp > 1:
-        return "context parallelism exchanges keys and values inside each layer, which compiled layers do not support"
-    return "training on CUDA, where compiled layers are faster and leaner than eager ones"
+        return False, ("context parallelism exchanges keys and values inside each layer, which compiled layers do not "
+                       "support")
+    return True, "training on CUDA, where compiled layers are faster and leaner than eager ones"

@@ -22,13 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
 from ..utils.damaged_files import unreadable_safetensors
-from ..utils.safetensors_io import INDEX_NAME, WEIGHTS_NAME
-
-# safetensors' dtype names -> torch dtypes (the header spells them this way)
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
+from ..utils.safetensors_io import INDEX_NAME, SAFETENSORS_DTYPES, WEIGHTS_NAME
 
 def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint folder (the index's shards, or ``model.safetensors``); a folder without
@@ -167,7 +161,7 @@ def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, in
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            out[key] = (tuple(info["shape"]), _DTYPES[info["dtype"]], 8 + length + info["data_offsets"][0])
+            out[key] = (tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]], 8 + length + info["data_offsets"][0])
             end = max(end, info["data_offsets"][1])
         if size < 8 + length + end:
             raise ValueError("incomplete file")

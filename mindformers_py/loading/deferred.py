@@ -179,10 +179,12 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def give_dtypes(model: nn.Module, record: DeferredWeights, stored: dict[str, torch.dtype]) -> None:
-    """Give ``model``'s ``meta`` parameters the dtypes they will be loaded in (``stored``: the checkpoint dtype of
-    each loaded parameter), so what is planned or wrapped before loading (a layout, peft's adapters, which follow
-    their base layer's dtype) sees the final dtypes."""
+def give_record(model: nn.Module, record: DeferredWeights, stored: dict[str, torch.dtype] | None = None) -> None:
+    """Attach ``record`` to ``model`` (built by :func:`build_empty`) and give its ``meta`` parameters the dtypes they
+    will be loaded in (``stored``: the checkpoint dtype of each loaded parameter), so what is planned or wrapped
+    before loading (a layout, peft's adapters, which follow their base layer's dtype) sees the final dtypes."""
+    model.__dict__[RECORD_ATTR] = record
+    stored = stored or {}
     for name, _, _, param in _param_names(model):
         dtype = record.dtype_of(name, stored.get(name))
         if param.is_meta and param.dtype != dtype:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -53,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
-from ..utils.streamed_safetensors import DEFAULT_MAX_SHARD_SIZE
+from ..utils.streamed_safetensors import DEFAULT_MAX_SHARD_SIZE, tensor_bytes
 from ..utils.safetensors_io import atomic_folder
 from .adapter_layers import is_peft_model
 
@@ -352,7 +351,7 @@ def write_consolidated(checkpoint_dir: str | os.PathLike, folder: str | os.PathL
             cache.clear()
             batch, size = {}, 0
             for name, shape, dtype in entries[position[key]:]:
-                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                nbytes = tensor_bytes(shape, dtype)
                 if batch and size + nbytes > _FETCH_BYTES:
                     break
                 batch[name] = torch.empty(shape, dtype=dtype)

@@ -150,8 +150,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     from ..adapters.apply import with_saved_adapter
     from ..loading import deferred_loading
 
-    # Rebuilt from its dict, not dataclasses.replace: bf16="auto" stays "auto" (recorded so, and said so in the run)
-    args = type(args).from_dict({**args.to_dict(), "parallel_config": parallel})
+    args = args.with_layout(parallel)  # bf16="auto" stays "auto" (recorded so, and said so in the run)
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     # A worker of a multi-process layout builds the model on meta: its engine fills only this rank's shards.

@@ -259,6 +259,11 @@ class TrainingArguments:
             out["torch_compile"] = AUTO
         return out
 
+    def with_layout(self, parallel_config: ParallelConfig) -> TrainingArguments:
+        """These arguments under another layout, rebuilt from :meth:`to_dict` rather than ``dataclasses.replace``:
+        ``bf16="auto"`` and ``torch_compile="auto"`` stay ``"auto"`` and are decided again for that layout."""
+        return type(self).from_dict({**self.to_dict(), "parallel_config": parallel_config})
+
     def to_json_string(self) -> str:
         """The fields as indented JSON (saved beside checkpoints as ``training_args.json``)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)

@@ -168,8 +168,7 @@ class LocalWorkers:
         not a copy, so what refers to it (its bound methods held by the loss, the callbacks) refers to the one the
         workers set up."""
         sent = {"_workers": None, "engine": None, "model_wrapped": None,
-                # rebuilt from its dict, not dataclasses.replace: bf16="auto" and torch_compile="auto" stay "auto"
-                "args": type(trainer.args).from_dict({**trainer.args.to_dict(), "parallel_config": self.layout})}
+                "args": trainer.args.with_layout(self.layout)}
         kept = {name: getattr(trainer, name) for name in sent}
         vars(trainer).update(sent)
         try:

@@ -25,6 +25,10 @@ from .manifest import write_manifest
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+"""The dtype names of a safetensors header -> torch dtypes (read by the lazy reader, written by the streamed writer)."""
 
 
 def has_weights(folder: str | os.PathLike) -> bool:

@@ -9,6 +9,7 @@ the model or of a shard (transformers' default ``max_shard_size`` of 50 GB is on
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -16,14 +17,12 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..errors import ConfigError
-from .safetensors_io import INDEX_NAME, WEIGHTS_NAME
+from .safetensors_io import INDEX_NAME, SAFETENSORS_DTYPES, WEIGHTS_NAME
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 """transformers 5's default ``max_shard_size``."""
 
-_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 _UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
@@ -43,11 +42,9 @@ def shard_bytes(max_shard_size: int | str) -> int:
                       "'5GB', '500MB' or '2GiB'")
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """The bytes a tensor of ``shape`` and ``dtype`` holds."""
+    return math.prod(shape) * dtype.itemsize
 
 
 def plan_shards(entries: Iterable[tuple[str, Sequence[int], torch.dtype]], max_bytes: int) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
@@ -56,7 +53,7 @@ def plan_shards(entries: Iterable[tuple[str, Sequence[int], torch.dtype]], max_b
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
     for name, shape, dtype in entries:
-        nbytes = _nbytes(shape, dtype)
+        nbytes = tensor_bytes(shape, dtype)
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -70,7 +67,7 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtyp
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in entries:
-        nbytes = _nbytes(shape, dtype)
+        nbytes = tensor_bytes(shape, dtype)
         header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -105,6 +102,6 @@ def write_shards(folder: str | os.PathLike, entries: Sequence[tuple[str, Sequenc
         names.append(name)
         for key, shape, dtype in shard:
             weight_map[key] = name
-            total += _nbytes(shape, dtype)
+            total += tensor_bytes(shape, dtype)
     (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names + [INDEX_NAME]
