@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from .errors import MindFormersError
 
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERROR_GRACE_S = 20.0
+"""Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 user error)."""
     parser = build_parser()
@@ -110,16 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MindFormersError as e:
-        if _reports_user_errors():
-            print(f"error: {e}", file=sys.stderr)
+        if not _reports_user_errors():
+            # The node's first rank meets the same error and prints it. Leaving at once could let the launcher see
+            # this rank fail first and stop the first one before it has printed (CI saw a run end with no error
+            # line). The launcher's SIGTERM ends this wait once the first rank has failed; if it does not come, the
+            # error is this rank's own, and it says so itself.
+            time.sleep(USER_ERROR_GRACE_S)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         if not _lost_a_peer(e):
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
-        import time
-
         from .parallel.launch import PEER_GRACE_S
 
         time.sleep(PEER_GRACE_S)  # the launcher sees the failed rank first (its SIGTERM ends the wait)
