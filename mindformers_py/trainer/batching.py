@@ -19,6 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_utils import RemoveColumnsCollator
 
+from ..errors import MindFormersError
+
 
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields one data-parallel rank's sample indices for each global micro-batch of an epoch.
@@ -189,3 +191,12 @@ def is_stream(dataset: Any) -> bool:
     except TypeError:
         return hasattr(dataset, "__iter__")
     return False
+
+
+def map_style_length(dataset: Any, name: str) -> int:
+    """``len(dataset)``, or an error naming ``name`` for a dataset without one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
+                               "iterable datasets are not supported") from None

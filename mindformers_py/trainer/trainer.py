@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import itertools
 import json
 import logging
@@ -22,9 +21,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
-from transformers.trainer_pt_utils import nested_concat, nested_numpify
-from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, set_seed, \
-    speed_metrics
+from transformers.trainer_utils import EvalPrediction, TrainOutput, set_seed, speed_metrics
 from transformers.utils.generic import find_labels
 
 from ..adapters.apply import apply_peft, is_peft_model
@@ -36,18 +33,21 @@ from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
-    forward_columns, is_stream
+    forward_columns, is_stream, map_style_length
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
     rotate_checkpoints, save_trainer_state
+from .evaluation import EvaluationMixin
 from .fused_loss import FusedCausalLMLoss
 from .local_workers import LocalWorkers
+from .run_description import compile_line, layout_line, precision_line
 from .scheduler import create_scheduler, steps_on_metric
 
 logger = logging.getLogger(__name__)
 
-class Trainer:
+
+class Trainer(EvaluationMixin):
     """Train, evaluate and predict with a HuggingFace-style model (``model(**batch)`` returns ``.loss`` /
     ``.logits``), with transformers' callbacks, ``TrainerState`` and checkpoint layout.
 
@@ -127,7 +127,7 @@ class Trainer:
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        seq_length = _sequence_length(train_dataset, model)
+        seq_length = _sequencemap_style_length(train_dataset, model)
         self._workers = LocalWorkers.plan(self.args, model, seq_length, self.task)
         if self._workers is None:
             self._setup_engine(seq_length)
@@ -251,7 +251,7 @@ class Trainer:
             num_samples, max_steps, num_epochs = 0, args.max_steps, math.inf
             source: Any = StreamBatches(dataset, global_batch, engine.shard_indices, collate)
         else:
-            num_samples = _length(dataset, "train_dataset")
+            num_samples = map_style_length(dataset, "train_dataset")
             if num_samples < global_batch:
                 raise MindFormersError(
                     f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
@@ -290,8 +290,8 @@ class Trainer:
 
         self.model_wrapped.train()
         # printed once (before the bar), kept in log.jsonl and trainer_state
-        self.log({"layout": _layout_line(engine), "precision": _precision_line(args, engine.device),
-                  "compile": _compile_line(args)})
+        self.log({"layout": layout_line(engine), "precision": precision_line(args, engine.device),
+                  "compile": compile_line(args)})
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
@@ -646,133 +646,6 @@ class Trainer:
         if self.engine.is_main_process:
             (folder / ARGS_NAME).write_text(self.args.to_json_string(), encoding="utf-8")
 
-    # -- evaluation and prediction ---------------------------------------------------------------------------------
-
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate on ``eval_dataset`` (default: the Trainer's); returns ``{prefix}_loss`` (mean over label
-        tokens), ``{prefix}_perplexity`` for language-modelling tasks, ``compute_metrics``' results and speed.
-        A dict of datasets is evaluated one by one with prefixes ``{prefix}_{name}``."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise MindFormersError("evaluate needs an eval_dataset (pass one to the Trainer or to evaluate)")
-        if self._workers is not None:
-            return self._workers.run(self, Trainer.evaluate, eval_dataset, ignore_keys, metric_key_prefix)
-        if isinstance(dataset, dict):
-            metrics: dict[str, float] = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        loss_only = self.compute_metrics is None or self.args.prediction_loss_only
-        output = self._evaluation_loop(dataset, "eval_dataset", loss_only, ignore_keys, metric_key_prefix)
-        self.log(output.metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
-        return output.metrics
-
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
-        """Predictions (logits, or ``preprocess_logits_for_metrics`` of them) for ``test_dataset`` as NumPy
-        arrays, its label ids when it has labels, and metrics (loss, ``compute_metrics``, speed)."""
-        if self._workers is not None:
-            return self._workers.run(self, Trainer.predict, test_dataset, ignore_keys, metric_key_prefix)
-        output = self._evaluation_loop(test_dataset, "test_dataset", False, ignore_keys, metric_key_prefix)
-        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
-        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
-
-    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None, num_items_in_batch: Any = None
-                        ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
-        """``(loss, logits, labels)`` of one batch without gradients (HF's signature). The loss is normalised
-        by ``num_items_in_batch`` when given (and the loss accepts it), else a mean over the batch."""
-        has_labels = all(isinstance(inputs.get(k), torch.Tensor) for k in self.label_names)
-        labels = inputs.get(self.label_names[0]) if has_labels else None
-        if prediction_loss_only and has_labels:
-            fused = self._fused_for(inputs)
-            if fused is not None:
-                return fused(inputs, num_items_in_batch), None, None
-        kwargs: dict[str, Any] = {}
-        if has_labels and num_items_in_batch is not None and self.model_accepts_loss_kwargs:
-            kwargs["num_items_in_batch"] = num_items_in_batch
-        if _accepts(self.model, "use_cache"):
-            kwargs["use_cache"] = False
-        if has_labels and self._loss_override() is not None:  # the user's loss, as transformers evaluates it
-            extra = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
-            loss, outputs = self.compute_loss(model, {**inputs, **extra}, return_outputs=True,
-                                              num_items_in_batch=num_items_in_batch)
-        else:
-            outputs = self.engine.forward(model, inputs, **kwargs)
-            loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
-        if prediction_loss_only:
-            return loss, None, None
-        if ignore_keys is None:
-            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
-        if isinstance(outputs, Mapping):
-            logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
-        else:
-            logits = tuple(outputs[1:] if has_labels else outputs)
-        return loss, logits[0] if len(logits) == 1 else logits, labels
-
-    def _evaluation_loop(self, dataset: Any, description: str, prediction_loss_only: bool,
-                         ignore_keys: list[str] | None, metric_key_prefix: str) -> EvalLoopOutput:
-        args, engine = self.args, self.engine
-        dataset, collate = self._prepared(dataset, description)
-        if is_stream(dataset):  # evaluation reads every sample once, in order: a stream is read whole first
-            dataset = list(dataset)
-        num_samples = _length(dataset, description)
-        if num_samples == 0:
-            raise MindFormersError(f"{description} is empty")
-        sampler = GlobalBatchSampler(num_samples, args.per_device_eval_batch_size * engine.dp_size,
-                                     engine.shard_indices, shuffle=False)
-        loader = build_dataloader(dataset, sampler, collate, args.dataloader_num_workers,
-                                  args.dataloader_pin_memory and engine.device.type == "cuda",
-                                  args.dataloader_prefetch_factor, args.seed, persistent=False)
-        model = self.model_wrapped
-        was_training = model.training
-        model.eval()
-        start = time.time()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-        items = 0
-        predictions: Any = None
-        label_ids: Any = None
-        try:
-            with torch.no_grad():
-                for batch in loader:
-                    engine.beat(self.state.global_step)
-                    n_items = self._count_items(batch)
-                    inputs = engine.to_device(batch)
-                    with engine.autocast():
-                        loss, logits, labels = self.prediction_step(
-                            model, inputs, prediction_loss_only, ignore_keys,
-                            torch.tensor(n_items, device=engine.device) if n_items else None)
-                    if loss is not None and n_items:
-                        loss_sum += loss.double() * n_items
-                        items += n_items
-                    if logits is not None:
-                        if self.preprocess_logits_for_metrics is not None:
-                            logits = self.preprocess_logits_for_metrics(logits, labels)
-                        predictions = _concat(predictions, engine.gather_for_metrics(_to_cpu(logits)))
-                    if labels is not None and not prediction_loss_only:
-                        label_ids = _concat(label_ids, engine.gather_for_metrics(labels.cpu()))
-        finally:
-            model.train(was_training)
-        loss_sum = engine.all_reduce_sum(loss_sum)
-        items = int(engine.all_reduce_sum(torch.tensor(items, device=engine.device)))
-        metrics: dict[str, float] = {}
-        if items:
-            mean = float(loss_sum) / items
-            metrics[f"{metric_key_prefix}_loss"] = mean
-            if self.task_spec is not None and self.task_spec.perplexity:
-                metrics[f"{metric_key_prefix}_perplexity"] = math.exp(mean) if mean < 700 else math.inf
-        predictions = nested_numpify(predictions) if predictions is not None else None
-        label_ids = nested_numpify(label_ids) if label_ids is not None else None
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
-            for key, value in (computed or {}).items():
-                name = key if key.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{key}"
-                metrics[name] = value.item() if hasattr(value, "item") else value
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples, num_steps=len(loader)))
-        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=num_samples)
-
     # -- data -----------------------------------------------------------------------------------------------------
 
     def _prepared(self, dataset: Any, description: str) -> tuple[Any, Callable]:
@@ -780,54 +653,6 @@ class Trainer:
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
-
-
-def _layout_line(engine: Engine) -> str:
-    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
-    for ``auto_parallel`` what the planner chose and why."""
-    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
-    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
-    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
-
-
-def _compile_line(args: TrainingArguments) -> str:
-    """Whether the run compiles its layers and why, e.g. ``compile: off, chosen by torch_compile='auto': training on
-    cpu, where compiled layers are slower than eager ones``: a compiled run's first step takes much longer."""
-    from ..engine.compile_policy import auto_reason
-
-    what = ("each transformer layer (the first step pays the compilation)" if args.torch_compile else "off (eager)")
-    if getattr(args, "_torch_compile_auto", None) is args.torch_compile:  # "auto" decided
-        return f"compile: {what}, chosen by torch_compile='auto': {auto_reason(args.use_cpu, args.parallel_config)}"
-    return f"compile: {what}; torch_compile={args.torch_compile}"
-
-
-def _precision_line(args: TrainingArguments, device: torch.device) -> str:
-    """Which precision the run trains in and why, e.g. ``bf16 autocast ..., chosen by bf16='auto': this CPU computes
-    bf16 natively (avx512_bf16)``: the same recipe runs about twice as fast or slow on another machine, and this
-    says which case a run is."""
-    from ..engine.precision import _CPU_BF16_CAPABILITIES, native_bf16
-
-    native = native_bf16(device)
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        hardware = f"this GPU (compute capability {major}.{minor}) {'has' if native else 'has no'} bf16 tensor cores"
-    elif device.type == "cpu":
-        found = [name for name in _CPU_BF16_CAPABILITIES if torch.cpu.get_capabilities().get(name)]
-        hardware = (f"this CPU computes bf16 natively ({', '.join(found)})" if native else
-                    "oneDNN is capped below this CPU's bf16 instructions (ONEDNN_MAX_CPU_ISA)" if found else
-                    "this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16)")
-    else:
-        hardware = f"{device.type} is not known to compute bf16 natively"
-    if args.bf16:
-        what = "bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32)"
-    else:
-        what = "fp16 autocast" if args.fp16 else "fp32"
-    if getattr(args, "_bf16_auto", None) is args.bf16:  # bf16="auto" decided (known where the arguments were made)
-        why = "bf16='auto' gives way to fp16=True" if args.fp16 else \
-            f"chosen by bf16='auto': {hardware}" + ("" if native else ", where bf16 would be slower than fp32")
-        return f"precision: {what}, {why}"
-    slower = "" if native or not args.bf16 else " (bf16 emulated: slower than fp32)"
-    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}"
 
 
 def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
@@ -841,7 +666,7 @@ def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[A
     return DataCollatorWithPadding(tokenizer) if has_pad else default_data_collator
 
 
-def _sequence_length(dataset: Any, model: nn.Module) -> int | None:
+def _sequencemap_style_length(dataset: Any, model: nn.Module) -> int | None:
     """Length of the first training example's model input (what the ``auto_parallel`` planner plans for), else
     the model's context length."""
     if dataset is not None and not is_stream(dataset):
@@ -853,33 +678,3 @@ def _sequence_length(dataset: Any, model: nn.Module) -> int | None:
         except (TypeError, KeyError, IndexError, NotImplementedError):
             pass
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _length(dataset: Any, name: str) -> int:
-    try:
-        return len(dataset)
-    except TypeError:
-        raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
-                               "iterable datasets are not supported") from None
-
-
-def _concat(done: Any, parts: list[Any]) -> Any:
-    """``done`` followed by ``parts`` along the batch dimension (ragged sequence lengths padded with -100)."""
-    for part in parts:
-        done = part if done is None else nested_concat(done, part, padding_index=-100)
-    return done
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value

@@ -10,7 +10,7 @@ import torch
 
 import mindformers_py as mf
 from mindformers_py.engine import precision
-from mindformers_py.trainer.trainer import _precision_line
+from mindformers_py.trainer.run_description import precision_line
 
 CPU = torch.device("cpu")
 
@@ -43,24 +43,24 @@ def _train_one_step(tmp_path, capsys):
 
 def test_auto_on_a_cpu_with_native_bf16(cpu_with):
     cpu_with({"avx512_bf16": True})
-    assert _precision_line(_args(), CPU) == (
+    assert precision_line(_args(), CPU) == (
         "precision: bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32), "
         "chosen by bf16='auto': this CPU computes bf16 natively (avx512_bf16)")
 
 
 def test_auto_on_an_avx2_cpu_says_fp32_and_why(cpu_with):
     cpu_with({"avx2": True})
-    assert _precision_line(_args(), CPU) == (
+    assert precision_line(_args(), CPU) == (
         "precision: fp32, chosen by bf16='auto': this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16), "
         "where bf16 would be slower than fp32")
 
 
 def test_an_explicit_setting_is_named_with_the_hardware(cpu_with):
     cpu_with({"avx512_bf16": True})
-    assert _precision_line(_args(bf16=False), CPU) == (
+    assert precision_line(_args(bf16=False), CPU) == (
         "precision: fp32; bf16=False: this CPU computes bf16 natively (avx512_bf16)")
     cpu_with({"avx2": True})
-    assert _precision_line(_args(bf16=True), CPU).endswith(
+    assert precision_line(_args(bf16=True), CPU).endswith(
         "; bf16=True: this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16) (bf16 emulated: slower than fp32)")
 
 
@@ -76,15 +76,15 @@ def test_the_line_is_printed_under_the_layout_and_logged(tmp_path, capsys, cpu_w
 def test_the_compile_line_says_what_auto_decided_and_why(tmp_path, capsys):
     """torch_compile="auto" is off on the CPU (compiled layers are slower there): the run says so under the
     precision line; an explicit setting is named as given."""
-    from mindformers_py.trainer.trainer import _compile_line
+    from mindformers_py.trainer.run_description import compile_line
 
-    assert _compile_line(_args()) == ("compile: off (eager), chosen by torch_compile='auto': training on cpu, "
+    assert compile_line(_args()) == ("compile: off (eager), chosen by torch_compile='auto': training on cpu, "
                                       "where compiled layers are slower than eager ones")
-    assert _compile_line(_args(torch_compile=True)) == (
+    assert compile_line(_args(torch_compile=True)) == (
         "compile: each transformer layer (the first step pays the compilation); torch_compile=True")
-    assert _compile_line(_args(torch_compile=False)) == "compile: off (eager); torch_compile=False"
+    assert compile_line(_args(torch_compile=False)) == "compile: off (eager); torch_compile=False"
     args, printed = _train_one_step(tmp_path, capsys)
-    assert printed[2] == _compile_line(args)
+    assert printed[2] == compile_line(args)
     assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["compile"] == printed[2]
 
 

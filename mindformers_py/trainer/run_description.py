@@ -1,0 +1,57 @@
+"""The lines a run prints when it starts, saying what it is doing: the layout it started (and what the
+``auto_parallel`` planner chose), the precision it trains in and why, whether it compiles its layers and why."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import Engine
+from .arguments import TrainingArguments
+
+
+def layout_line(engine: Engine) -> str:
+    """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
+    for ``auto_parallel`` what the planner chose and why."""
+    processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
+    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
+
+
+def compile_line(args: TrainingArguments) -> str:
+    """Whether the run compiles its layers and why, e.g. ``compile: off, chosen by torch_compile='auto': training on
+    cpu, where compiled layers are slower than eager ones``: a compiled run's first step takes much longer."""
+    from ..engine.compile_policy import auto_reason
+
+    what = ("each transformer layer (the first step pays the compilation)" if args.torch_compile else "off (eager)")
+    if getattr(args, "_torch_compile_auto", None) is args.torch_compile:  # "auto" decided
+        return f"compile: {what}, chosen by torch_compile='auto': {auto_reason(args.use_cpu, args.parallel_config)}"
+    return f"compile: {what}; torch_compile={args.torch_compile}"
+
+
+def precision_line(args: TrainingArguments, device: torch.device) -> str:
+    """Which precision the run trains in and why, e.g. ``bf16 autocast ..., chosen by bf16='auto': this CPU computes
+    bf16 natively (avx512_bf16)``: the same recipe runs about twice as fast or slow on another machine, and this
+    says which case a run is."""
+    from ..engine.precision import _CPU_BF16_CAPABILITIES, native_bf16
+
+    native = native_bf16(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        hardware = f"this GPU (compute capability {major}.{minor}) {'has' if native else 'has no'} bf16 tensor cores"
+    elif device.type == "cpu":
+        found = [name for name in _CPU_BF16_CAPABILITIES if torch.cpu.get_capabilities().get(name)]
+        hardware = (f"this CPU computes bf16 natively ({', '.join(found)})" if native else
+                    "oneDNN is capped below this CPU's bf16 instructions (ONEDNN_MAX_CPU_ISA)" if found else
+                    "this CPU has no native bf16 (AVX-512 BF16, AMX or ARM's BF16)")
+    else:
+        hardware = f"{device.type} is not known to compute bf16 natively"
+    if args.bf16:
+        what = "bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32)"
+    else:
+        what = "fp16 autocast" if args.fp16 else "fp32"
+    if getattr(args, "_bf16_auto", None) is args.bf16:  # bf16="auto" decided (known where the arguments were made)
+        why = "bf16='auto' gives way to fp16=True" if args.fp16 else \
+            f"chosen by bf16='auto': {hardware}" + ("" if native else ", where bf16 would be slower than fp32")
+        return f"precision: {what}, {why}"
+    slower = "" if native or not args.bf16 else " (bf16 emulated: slower than fp32)"
+    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}"
