@@ -1,4 +1,5 @@
-"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts.
+"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts,
+``preprocess`` text into Megatron's indexed format.
 
 User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2; anything else is a bug
 and keeps its traceback.
@@ -52,6 +53,44 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preprocess(args: argparse.Namespace) -> int:
+    from .data.preprocess import load_preprocess_tokenizer, preprocess
+
+    tokenizer = load_preprocess_tokenizer(args.tokenizer or args.tokenizer_model, args.tokenizer_type, args.vocab_file,
+                                          args.merge_file)
+    result = preprocess(args.input, args.output_prefix, tokenizer, args.json_keys, args.workers, args.append_eod,
+                        args.format)
+    for prefix in result.prefixes.values():
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    print(f"{result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s "
+          f"({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)")
+    return 0
+
+
+def _add_preprocess_parser(sub: argparse._SubParsersAction) -> None:
+    pre = sub.add_parser("preprocess", help="tokenise text into Megatron's indexed format (.bin/.idx)",
+                         description="Tokenise JSONL / Parquet / CSV / text files or a saved datasets folder into "
+                         "Megatron's indexed format, with the flags and file names of Megatron-LM's "
+                         "tools/preprocess_data.py: writes <output-prefix>_<key>_document.bin/.idx per json key.")
+    pre.add_argument("--input", nargs="+", required=True, help="input files or glob patterns (jsonl/json, parquet, csv, "
+                     "text: one document per file), or a datasets save_to_disk folder")
+    pre.add_argument("--output-prefix", required=True, help="path prefix of the output files")
+    pre.add_argument("--json-keys", nargs="+", default=["text"], help="columns to tokenise, one indexed dataset each "
+                     "(default: text)")
+    pre.add_argument("--workers", type=int, default=1, help="tokenising processes (datasets.map's num_proc)")
+    pre.add_argument("--append-eod", action="store_true", help="add the tokenizer's eos token after every document")
+    pre.add_argument("--tokenizer", help="a tokenizer folder or hub name (transformers' AutoTokenizer)")
+    pre.add_argument("--tokenizer-type", default="HuggingFaceTokenizer",
+                     help="Megatron's tokenizer type: HuggingFaceTokenizer (with --tokenizer-model or --tokenizer) or "
+                     "GPT2BPETokenizer (with --vocab-file and --merge-file)")
+    pre.add_argument("--tokenizer-model", help="Megatron's name for --tokenizer")
+    pre.add_argument("--vocab-file", help="GPT2BPETokenizer: the vocabulary (vocab.json)")
+    pre.add_argument("--merge-file", help="GPT2BPETokenizer: the merges (merges.txt)")
+    pre.add_argument("--format", choices=["json", "parquet", "csv", "text"],
+                     help="input format (default: from the extension)")
+    pre.set_defaults(func=_cmd_preprocess)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindformers-py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="layouts listed (0: every one that fits)")
     plan.add_argument("--json", action="store_true", help="print every candidate as JSON")
     plan.set_defaults(func=_cmd_plan)
+    _add_preprocess_parser(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ from .autocast_input import cast_for_autocast
 from .dropout import cheap_dropout_applies
 from .dropout import dropout as apply_dropout
 from .embedding import apply_rotary
+from .document_mask import DocumentMask
 from .masks import additive_mask
 
 
@@ -182,8 +183,15 @@ def attention_core(
     fall back to the math one, so the heads are repeated there, as transformers does). Repeated keys and values
     would be saved for backward at the query heads' count: 4x the bytes of Llama 3.2 1B's 8 key/value heads.
 
+    A :class:`~mindformers_py.layers.document_mask.DocumentMask` (packed documents) runs block-sparse, or as its
+    dense mask where the block path does not apply (returned weights, dropout, DTensors, other devices).
+
     A free function so recompute (``selective``) can checkpoint exactly this part of the layer.
     """
+    if isinstance(mask, DocumentMask):
+        if not (return_weights or dropout > 0) and mask.runs_on(q, k, v):
+            return mask.attend(q, k, v, scale), None
+        mask = mask.dense(q.device)
     if _cpu_autocast_bf16(q):  # rotary positions leave q and k in fp32: cast once, not at every product
         q, k, v = cast_for_autocast(q), cast_for_autocast(k), cast_for_autocast(v)
     groups = q.shape[1] // k.shape[1]

@@ -5,7 +5,10 @@
 
 Padding-free packed rows (several sequences in one row, ``position_ids`` restarting at 0 for each, as trl's packing
 and transformers' ``DataCollatorWithFlattening`` send them without an attention mask) get a block-diagonal causal
-mask, so no token attends across a sequence boundary: transformers' rule (``find_packed_sequence_indices``).
+mask, so no token attends across a sequence boundary: transformers' rule (``find_packed_sequence_indices``). It comes
+as a :class:`~mindformers_py.layers.document_mask.DocumentMask` (each token's document, O(T)), which attention runs
+block-sparse; the boolean matrix is built only where something else must be folded into it (padding, a sliding
+window, a cache) or under ``torch.compile``.
 
 Under ``torch.compile`` the checks that look at tensor values (is there padding? are rows packed?) are skipped
 and the general mask is built, so the graph has no data-dependent branch.
@@ -14,6 +17,8 @@ and the general mask is built, so the graph has no data-dependent branch.
 from __future__ import annotations
 
 import torch
+
+from .document_mask import DocumentMask
 
 
 def build_attention_mask(
@@ -28,7 +33,8 @@ def build_attention_mask(
     device: torch.device | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Boolean mask of shape (B or 1, 1, query_length, kv_length), True where a query may attend.
+    """Boolean mask of shape (B or 1, 1, query_length, kv_length), True where a query may attend; for packed rows
+    alone, the :class:`~mindformers_py.layers.document_mask.DocumentMask` standing for it.
 
     Args:
         attention_mask: HF padding mask (B, S) with 1 for real tokens (S covers past + current tokens; a shorter
@@ -49,6 +55,8 @@ def build_attention_mask(
     packed = packed_sequence_ids(position_ids, compiling) \
         if attention_mask is None and past_length == 0 and position_ids is not None and causal else None
     fills_kv = past_length + query_length == kv_length and kv_offset == 0
+    if packed is not None and not padded and sliding_window is None and fills_kv and not compiling:
+        return DocumentMask(packed - 1)  # documents as metadata, never the (T, T) matrix
     if not padded and packed is None and sliding_window is None and fills_kv:
         if not causal or query_length == 1 or past_length == 0:
             return None  # SDPA's own is_causal (or nothing, for one query) is exact here

@@ -73,8 +73,9 @@ class AttentionView:
     bias: nn.Module | None = None
 
     def full_mask(self, device: torch.device) -> torch.Tensor | None:
-        """The boolean (B or 1, 1, T, T) mask a single device would build for this sequence (None: SDPA's own
-        causality, or nothing, is exact)."""
+        """The mask a single device would build for this sequence: boolean (B or 1, 1, T, T), the
+        :class:`~mindformers_py.layers.document_mask.DocumentMask` of packed rows (which Ulysses' whole attention
+        runs block-sparse), or None (SDPA's own causality, or nothing, is exact)."""
         return build_attention_mask(self.attention_mask, query_length=self.layout.length,
                                     kv_length=self.layout.length, causal=self.causal,
                                     sliding_window=self.sliding_window, device=device, position_ids=self.position_ids)

@@ -18,6 +18,7 @@ from task_heads import N, assert_same, first_step, make_data, make_model
 import mindformers_py as mf
 from mindformers_py.errors import ConfigError
 from mindformers_py.layers.loss import IGNORE_INDEX
+from mindformers_py.layers.document_mask import DocumentMask
 from mindformers_py.layers.masks import build_attention_mask
 from mindformers_py.parallel.context_attention import (
     DIAGONAL,
@@ -68,6 +69,7 @@ def test_block_masks_assemble_the_single_device_mask(causal, padded, packed, win
                                 sliding_window=window, position_ids=positions)
     full = (torch.ones(length, length, dtype=torch.bool).tril() if causal else torch.ones(length, length,
             dtype=torch.bool))[None, None] if full is None else full
+    full = full.dense() if isinstance(full, DocumentMask) else full  # packed rows: the documents' dense reference
     for q in range(4):
         for k in range(4):
             for _, q0, q1 in view.layout.ring_segments(q):
