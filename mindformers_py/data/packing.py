@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +28,9 @@ def pack_dataset(
     num_proc: int | None = None,
     docs_per_group: int | None = None,
     separator_id: int | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
 ) -> datasets.Dataset:
     """Tokenise ``dataset[text_column]`` and pack it into blocks of exactly ``block_size`` tokens.
 
@@ -42,10 +46,15 @@ def pack_dataset(
             each run's tail.
         separator_id: the token put after each document; None uses the tokenizer's eos token (BERT-style
             tokenizers have none and pass their ``[SEP]``).
+        reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron's options of the same names
+            (:class:`~mindformers_py.data.megatron_gpt.GPTSampleOptions`): the blocks also get ``position_ids``
+            restarting after every separator (and, without ``reset_attention_mask``, an ``attention_mask`` of ones,
+            so attention still crosses documents), and no target is scored after a separator.
 
     Returns:
-        A dataset with int64 columns ``input_ids`` and ``labels`` (equal to ``input_ids``; the model
-        shifts them), each row of length ``block_size``, in document order.
+        A dataset with int64 columns ``input_ids`` and ``labels`` (equal to ``input_ids``, -100 after a separator
+        with ``eod_mask_loss``; the model shifts them), each row of length ``block_size``, in document order; and
+        ``position_ids`` (and ``attention_mask``) as the options say.
 
     Raises:
         MindFormersError: the column is missing, the tokenizer has no eos token, or the dataset holds
@@ -77,14 +86,21 @@ def pack_dataset(
             f"the dataset has {total} tokens (eos included), fewer than block_size={block_size}; "
             "use more text or a smaller block_size"
         )
+    from .megatron_gpt import GPTSampleOptions
+
+    separator = tokenizer.eos_token_id if separator_id is None else separator_id
+    options = GPTSampleOptions(block_size, eod_token_id=separator, reset_position_ids=reset_position_ids,
+                               reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
     block = datasets.List(datasets.Value("int64"), length=block_size)
+    columns = ["input_ids", "labels"] + (["position_ids"] if reset_position_ids else []) \
+        + (["attention_mask"] if reset_position_ids and not reset_attention_mask else [])
     packed = tokenized.with_format("arrow").map(
         _chunk,
         batched=True,
         batch_size=docs_per_group,
         num_proc=None if docs_per_group is None else num_proc,
-        fn_kwargs={"block_size": block_size},
-        features=datasets.Features({"input_ids": block, "labels": block}),
+        fn_kwargs={"block_size": block_size, "options": options},
+        features=datasets.Features(dict.fromkeys(columns, block)),
         desc="Packing",
     )
     return packed.with_format(None)
@@ -104,8 +120,23 @@ def _tokenize(
     return {"input_ids": [ids + [eos_token_id] for ids in encoded["input_ids"]]}
 
 
-def _chunk(batch: pa.Table, block_size: int) -> pa.Table:
+def _chunk(batch: pa.Table, block_size: int, options: Any = None) -> pa.Table:
     stream = pc.list_flatten(batch.column("input_ids")).combine_chunks()
     usable = len(stream) // block_size * block_size
     blocks = pa.FixedSizeListArray.from_arrays(stream.slice(0, usable).cast(pa.int64()), block_size)
-    return pa.table({"input_ids": blocks, "labels": blocks})
+    if options is None or not (options.reset_position_ids or options.eod_mask_loss):
+        return pa.table({"input_ids": blocks, "labels": blocks})
+    ids = stream.slice(0, usable).to_numpy(zero_copy_only=False).reshape(-1, block_size)
+    after_eod = np.zeros(ids.shape, dtype=bool)
+    after_eod[:, 1:] = ids[:, :-1] == options.eod_token_id
+
+    def column(values: np.ndarray) -> pa.Array:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), pa.int64()), block_size)
+
+    out = {"input_ids": blocks, "labels": column(np.where(after_eod, -100, ids) if options.eod_mask_loss else ids)}
+    if options.reset_position_ids:
+        index = np.broadcast_to(np.arange(block_size), ids.shape)
+        out["position_ids"] = column(index - np.maximum.accumulate(np.where(after_eod, index, 0), axis=1))
+        if not options.reset_attention_mask:
+            out["attention_mask"] = column(np.ones_like(ids))
+    return pa.table(out)

@@ -24,6 +24,7 @@ def default_pretraining_data(
     cache_dir: str | os.PathLike[str] | None = None,
     validation_fraction: float = 0.05,
     num_proc: int | None = None,
+    **packing: bool,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """``(train, validation)`` stdlib corpus splits packed into ``block_size``-token blocks.
 
@@ -38,6 +39,8 @@ def default_pretraining_data(
         cache_dir: cache folder; :func:`~mindformers_py.data.cache.default_cache_dir` when None.
         validation_fraction: share of stdlib files held out for validation.
         num_proc: processes for tokenisation on the first (uncached) call.
+        **packing: :func:`~mindformers_py.data.packing.pack_dataset`'s Megatron options (``reset_position_ids``,
+            ``reset_attention_mask``, ``eod_mask_loss``).
 
     Returns:
         Train and validation datasets with ``input_ids`` and ``labels`` columns (see
@@ -54,13 +57,15 @@ def default_pretraining_data(
     key = fingerprint(
         _CACHE_FORMAT, platform.python_implementation(), platform.python_version(), datasets.__version__,
         tokenizer_fingerprint(tokenizer), block_size, files,
+        *([sorted(packing.items())] if any(packing.values()) else []),  # the plain blocks keep their cache entry
     )
     folder = resolve_cache_dir(cache_dir) / f"packed-{key}"
     if not all((folder / split).is_dir() for split in SPLITS):
         with atomic_dir(folder) as tmp:
             for split in SPLITS:
                 corpus = stdlib_corpus(split, max_files, validation_fraction)
-                pack_dataset(corpus, tokenizer, block_size, num_proc=num_proc).save_to_disk(os.fspath(tmp / split))
+                pack_dataset(corpus, tokenizer, block_size, num_proc=num_proc, **packing).save_to_disk(
+                    os.fspath(tmp / split))
     train, validation = (datasets.load_from_disk(os.fspath(folder / split)) for split in SPLITS)
     return train, validation
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+from torch.utils.data import Subset
 
 from ..errors import ConfigError
 from .corpus import load_text_files
@@ -34,12 +35,42 @@ class RecipeData:
     recipe scores with the task's metrics beside the model's."""
     references: list[str] | None = None
     """The validation rows' target texts (seq2seq), for scoring the baselines."""
+    collator: Any = None
+    """The collator the rows need (packed rows keep their positions and get no attention mask), or None for the
+    task's own."""
 
 
-def _cap(validation: datasets.Dataset | None, data: Any) -> datasets.Dataset | None:
+def _cap(validation: Any, data: Any) -> Any:
     if validation is not None and data.max_eval_samples is not None:
-        validation = validation.select(range(min(len(validation), data.max_eval_samples)))
+        keep = range(min(len(validation), data.max_eval_samples))
+        validation = validation.select(keep) if hasattr(validation, "select") else Subset(validation, keep)
     return validation
+
+
+def _document_options(data: Any) -> dict[str, bool]:
+    """Megatron's document options of the data section (all False: plain GPT-2 blocks)."""
+    return {name: bool(getattr(data, name, False)) for name in ("reset_position_ids", "reset_attention_mask",
+                                                                "eod_mask_loss")}
+
+
+def _rows_collator(data: Any, tokenizer: Any) -> Any:
+    """The collator of packed rows when the rows carry positions (document masks), else None (the task's)."""
+    from .sft_packing import PackedRowsCollator
+
+    documents = data.source == "megatron" or data.reset_position_ids or getattr(data, "packing", False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return PackedRowsCollator(pad_token_id=pad or 0) if documents else None
+
+
+def _mixed(data: Any, build: Any) -> datasets.Dataset:
+    """The training rows ``build(files)`` makes from ``data.train_files``: all of them, or, with
+    ``data.train_weights``, each entry's rows mixed by the weights (:func:`~mindformers_py.data.blending.mix_datasets`)."""
+    if not data.train_weights:
+        return build(data.train_files)
+    from .blending import mix_datasets
+
+    entries = data.train_files if isinstance(data.train_files, list) else [data.train_files]
+    return mix_datasets([build(entry) for entry in entries], data.train_weights)
 
 
 def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
@@ -52,20 +83,42 @@ def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     if data.objective is not None:
         raise ConfigError(f"data.objective={data.objective!r} is not valid for causal language modelling; choose one "
                           "of: 'instructions', or leave it out for packed text")
-    return _packed_text(data, tokenizer)
+    if data.source == "megatron":
+        return _megatron_data(data, tokenizer)
+    packed = _packed_text(data, tokenizer, **_document_options(data))
+    packed.collator = _rows_collator(data, tokenizer)
+    return packed
 
 
-def _packed_text(data: Any, tokenizer: Any) -> RecipeData:
+def _megatron_data(data: Any, tokenizer: Any) -> RecipeData:
+    """Samples of Megatron indexed datasets (``data.data_path``, ``data.split``, ``data.seed``), as Megatron-Core's
+    ``GPTDataset`` / ``BlendedDataset`` draw them (:mod:`~mindformers_py.data.blending`): ``data.train_samples``
+    training samples, and one epoch of the validation split (``data.max_eval_samples`` of it when set)."""
+    from .blending import build_megatron_datasets
+    from .megatron_gpt import GPTSampleOptions
+
+    options = GPTSampleOptions(data.block_size, seed=data.seed, eod_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id, **_document_options(data))
+    train, validation, _ = build_megatron_datasets(data.data_path, data.split,
+                                                   [data.train_samples, data.max_eval_samples, None], options,
+                                                   splits=("train", "valid"))
+    if train is None:
+        raise ConfigError(f"data.split={data.split!r} leaves no training data; give the first share a weight")
+    return RecipeData(train, validation, {}, collator=_rows_collator(data, tokenizer))
+
+
+def _packed_text(data: Any, tokenizer: Any, **documents: bool) -> RecipeData:
     """The recipe's text (the stdlib's source, split by file, or its files) packed into ``block_size``-token blocks,
-    validation capped to ``max_eval_samples``: causal LM pretraining, and the text T5's span corruption corrupts."""
+    validation capped to ``max_eval_samples``: causal LM pretraining, and the text T5's span corruption corrupts.
+    ``documents``: Megatron's document options (:func:`~mindformers_py.data.packing.pack_dataset`)."""
     if data.source == "stdlib":
-        train, validation = default_pretraining_data(tokenizer, data.block_size, max_files=data.max_files)
+        train, validation = default_pretraining_data(tokenizer, data.block_size, max_files=data.max_files, **documents)
     else:
         def packed(files):
             return pack_dataset(load_text_files(files, format=data.format), tokenizer, data.block_size,
-                                text_column=data.text_column)
+                                text_column=data.text_column, **documents)
 
-        train = packed(data.train_files)
+        train = _mixed(data, packed)
         validation = packed(data.validation_files) if data.validation_files else None
     return RecipeData(train, _cap(validation, data), {})
 
@@ -77,7 +130,7 @@ def _instruction_data(data: Any, tokenizer: Any) -> RecipeData:
         raw = {split: docstring_instructions(split, data.max_files) for split in ("train", "validation")}
         columns = ("prompt", "response")
     elif data.source == "files":
-        raw = {"train": load_text_files(data.train_files, format=data.format)}
+        raw = {"train": _mixed(data, lambda files: load_text_files(files, format=data.format))}
         if data.validation_files:
             raw["validation"] = load_text_files(data.validation_files, format=data.format)
         columns = (data.text_column, data.target_column)
@@ -85,6 +138,12 @@ def _instruction_data(data: Any, tokenizer: Any) -> RecipeData:
         raise ConfigError(f"data.source={data.source!r} is not valid for data.objective='instructions'; choose one of: "
                           "'stdlib' (docstring -> function pairs), 'files' (data.text_column -> data.target_column)")
     encoded = {name: tokenize_instructions(split, tokenizer, data.block_size, *columns) for name, split in raw.items()}
+    if data.packing:  # first-fit decreasing into block_size rows; evaluation keeps one sample per row
+        from .sft_packing import pack_samples
+
+        encoded["train"] = pack_samples(encoded["train"].remove_columns("attention_mask"), data.block_size)
+        return RecipeData(encoded["train"], _cap(encoded.get("validation"), data), {},
+                          collator=_rows_collator(data, tokenizer))
     return RecipeData(encoded["train"], _cap(encoded.get("validation"), data), {})
 
 

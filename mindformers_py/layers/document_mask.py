@@ -58,7 +58,7 @@ class DocumentMask:
         plus one), transformers' rule for padding-free rows."""
         ids = position_ids if position_ids.dim() == 2 else position_ids[None]
         starts = torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1) != 1
-        return cls(starts.cumsum(-1) - 1, block_size)
+        return cls(starts.cumsum(-1), block_size)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, length: int | None = None,

@@ -56,7 +56,7 @@ def build_attention_mask(
         if attention_mask is None and past_length == 0 and position_ids is not None and causal else None
     fills_kv = past_length + query_length == kv_length and kv_offset == 0
     if packed is not None and not padded and sliding_window is None and fills_kv and not compiling:
-        return DocumentMask(packed - 1)  # documents as metadata, never the (T, T) matrix
+        return DocumentMask(packed)  # documents as metadata, never the (T, T) matrix
     if not padded and packed is None and sliding_window is None and fills_kv:
         if not causal or query_length == 1 or past_length == 0:
             return None  # SDPA's own is_causal (or nothing, for one query) is exact here

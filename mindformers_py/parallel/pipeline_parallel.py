@@ -291,7 +291,10 @@ class PipelineParallel:
         inputs = batch[self.task.model_input]
         kwargs = {}
         mask = batch.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
+        positions = batch.get("position_ids")
+        # An all-ones mask beside positions is kept: it says the rows are not packed documents, however the
+        # positions run (Megatron's reset_position_ids without reset_attention_mask), as for the whole model.
+        if mask is not None and (not bool(mask.all()) or isinstance(positions, torch.Tensor)):
             kwargs["attention_mask"] = mask
         if getattr(self.config, "is_encoder_decoder", False):
             if isinstance(batch.get("decoder_attention_mask"), torch.Tensor):
@@ -300,7 +303,6 @@ class PipelineParallel:
         ids = batch.get("input_ids")
         if isinstance(ids, torch.Tensor):
             kwargs[TOKEN_IDS_KEY] = ids
-        positions = batch.get("position_ids")
         if isinstance(positions, torch.Tensor):  # every stage's positions (context parallelism's chunks)
             kwargs["position_ids"] = positions.expand(inputs.shape[0], -1)
         segments = batch.get("token_type_ids")

@@ -127,6 +127,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         from ..data.progress import data_progress
         from ..data.recipe_data import RECIPE_DATA
 
+        if data_s.source == "megatron" and data_s.train_samples is None and args.max_steps > 0:
+            # Megatron builds the samples a run reads (--train-iters x the global batch), epochs reshuffled
+            data_s.train_samples = args.max_steps * per_device_batch * args.gradient_accumulation_steps * parallel.dp
         with data_progress():  # datasets' bars from one process: this one, or rank 0 of a job started elsewhere
             datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
         for key, value in datasets.config_updates.items():
@@ -278,7 +281,7 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
         compute = text_generation_metrics(tokenizer, [m for m in task.metrics if m in AVAILABLE])
     trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
-                            processing_class=tokenizer, compute_metrics=compute,
+                            processing_class=tokenizer, compute_metrics=compute, data_collator=datasets.collator,
                             peft_config=peft_config if run_mode in ("train", "finetune") else None)
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)

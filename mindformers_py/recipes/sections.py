@@ -11,7 +11,7 @@ from ..errors import ConfigError, check_choice
 from ..utils.typed_values import coerce_fields
 
 RUN_MODES = ("train", "finetune", "eval", "predict")
-DATA_SOURCES = ("stdlib", "files", "stdlib_docstrings", "digits", "imagefolder")
+DATA_SOURCES = ("stdlib", "files", "megatron", "stdlib_docstrings", "digits", "imagefolder")
 TOKENIZER_TYPES = ("bpe", "wordpiece", "t5")
 OBJECTIVES = ("span_corruption", "docstrings", "pairs", "instructions")
 
@@ -40,10 +40,36 @@ class DataSection:
     """Where training and evaluation text comes from and how it is cut into blocks."""
 
     source: str = "stdlib"
-    """``stdlib`` (the running interpreter's standard library source, split by file), ``files``, or
-    ``stdlib_docstrings`` (classification: the standard library's docstrings labelled by their package); for
-    images, ``digits`` (scikit-learn's bundled handwritten digits, a fixed 80/20 split) or ``imagefolder`` (folders
-    of class sub-folders of images)."""
+    """``stdlib`` (the running interpreter's standard library source, split by file), ``files``, ``megatron``
+    (pretokenised Megatron indexed datasets named by ``data_path``, read as Megatron-Core's ``GPTDataset`` reads
+    them), or ``stdlib_docstrings`` (classification: the standard library's docstrings labelled by their package);
+    for images, ``digits`` (scikit-learn's bundled handwritten digits, a fixed 80/20 split) or ``imagefolder``
+    (folders of class sub-folders of images)."""
+    data_path: list[Any] | str | None = None
+    """``source: megatron``: Megatron's ``--data-path``: one prefix of a ``.bin``/``.idx`` pair, several (mixed in
+    proportion to their sizes), or ``[weight, prefix, weight, prefix, ...]`` (a weighted blend, Megatron's
+    ``BlendedDataset``)."""
+    split: str = "969,30,1"
+    """``source: megatron``: Megatron's ``--split``, the train / validation / test shares of every prefix's
+    documents."""
+    train_samples: int | None = None
+    """``source: megatron``: training samples to build (Megatron's ``--train-samples``; epochs repeat, reshuffled, as
+    needed); None: ``training.max_steps`` x the global batch, or one epoch without ``max_steps``."""
+    train_weights: list[float] | None = None
+    """``source: files``: one weight per ``train_files`` entry; the entries' blocks (or samples) are mixed in these
+    proportions by Megatron's blending rule, repeating an entry whose share exceeds its rows. None: all rows once."""
+    reset_position_ids: bool = False
+    """Causal LM pretraining (``megatron``, ``stdlib``, ``files``): positions restart at 0 after every end-of-document
+    (eos) token of a packed block (Megatron's and MindFormers' option of this name)."""
+    reset_attention_mask: bool = False
+    """With ``reset_position_ids``: tokens attend only within their document. The boundaries reach attention as the
+    restarting positions and run block-sparse; no (S, S) mask is built."""
+    eod_mask_loss: bool = False
+    """Causal LM pretraining: no loss on the token predicted at an end-of-document token (Megatron's option)."""
+    packing: bool = False
+    """``objective: instructions``: pack the prompt/response samples into rows of up to ``block_size`` tokens by
+    first-fit decreasing, each sample attending only to itself (positions restart per sample) and scored on its
+    response; False pads each batch to its longest sample."""
     train_files: list[str] | str | None = None
     """Training files or glob(s) when ``source: files`` (text, json/jsonl or csv); the training image folder when
     ``source: imagefolder``."""
@@ -98,6 +124,7 @@ class DataSection:
         check_choice("data.source", self.source, DATA_SOURCES)
         if self.source in ("files", "imagefolder") and not self.train_files:
             raise ConfigError(f"data.train_files is required when data.source is {self.source!r}")
+        self._check_megatron_fields()
         if self.objective is not None:
             check_choice("data.objective", self.objective, OBJECTIVES)
             needed = {"docstrings": "stdlib", "pairs": "files"}.get(self.objective)
@@ -105,6 +132,36 @@ class DataSection:
                 raise ConfigError(f"data.objective={self.objective!r} needs data.source={needed!r}, got {self.source!r}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"data.block_size={self.block_size!r} must be an integer >= 2")
+
+
+    def _check_megatron_fields(self) -> None:
+        """The fields of pretokenised data, document masks and packing, checked against the source and objective."""
+        if self.source == "megatron" and not self.data_path:
+            raise ConfigError("data.data_path is required when data.source is 'megatron': [prefix] or [weight, prefix, "
+                              "weight, prefix, ...]")
+        if self.source != "megatron" and self.data_path is not None:
+            raise ConfigError(f"data.data_path is only valid with data.source='megatron', got source={self.source!r}")
+        if self.source == "megatron" and self.objective is not None:
+            raise ConfigError(f"data.objective={self.objective!r} is not valid with data.source='megatron' (pretokenised "
+                              "causal LM pretraining); leave it out")
+        if self.train_weights is not None:
+            entries = self.train_files if isinstance(self.train_files, list) else [self.train_files]
+            if self.source != "files" or len(self.train_weights) != len(entries):
+                raise ConfigError(f"data.train_weights={self.train_weights!r} needs data.source='files' and one weight "
+                                  f"per data.train_files entry ({len(entries)})")
+        if self.packing and self.objective != "instructions":
+            raise ConfigError(f"data.packing=true packs instruction samples (data.objective='instructions'), got "
+                              f"objective={self.objective!r}; pretraining text is packed into blocks already")
+        resets = [n for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(self, n)]
+        if resets and (self.source not in ("megatron", "stdlib", "files") or self.objective is not None):
+            raise ConfigError(f"data.{resets[0]}=true applies to causal LM pretraining on packed text (source megatron, "
+                              f"stdlib or files without an objective), got source={self.source!r}, "
+                              f"objective={self.objective!r}")
+        if self.reset_attention_mask and not self.reset_position_ids:
+            raise ConfigError("data.reset_attention_mask=true needs data.reset_position_ids=true: document boundaries "
+                              "reach attention as restarting position ids")
+        if self.train_samples is not None and (not isinstance(self.train_samples, int) or self.train_samples < 1):
+            raise ConfigError(f"data.train_samples={self.train_samples!r} must be a positive integer")
 
 
 @dataclass

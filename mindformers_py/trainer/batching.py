@@ -90,13 +90,15 @@ def build_dataloader(dataset: Dataset, sampler: GlobalBatchSampler, collate_fn: 
 
 
 def forward_columns(model: Any, label_names: Sequence[str]) -> list[str]:
-    """Batch keys the model's ``forward`` takes by name, plus the label keys (HF's ``remove_unused_columns``)."""
+    """Batch keys the model's ``forward`` takes by name, plus the label keys (HF's ``remove_unused_columns``) and
+    ``shift_labels``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return []
     names = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    return list(dict.fromkeys(names + list(label_names) + ["label", "label_ids"]))
+    # shift_labels: transformers' pre-shifted targets, which causal LMs take through **kwargs (Megatron's samples)
+    return list(dict.fromkeys(names + list(label_names) + ["label", "label_ids", "shift_labels"]))
 
 
 def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[str], description: str) -> tuple[Any, Callable]:

@@ -37,10 +37,14 @@ class FusedCausalLMLoss:
         self._body_kwargs = {"use_cache": False} if _accepts(body, "use_cache") else {}
 
     def __call__(self, inputs: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        """The loss of one batch (``inputs`` holds ``labels``), normalised as :func:`linear_cross_entropy`."""
-        body_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        """The loss of one batch (``inputs`` holds ``labels``, and maybe transformers' pre-shifted ``shift_labels``,
+        which are then the targets, as the model's own loss takes them), normalised as :func:`linear_cross_entropy`."""
+        body_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         hidden = self.body(**body_inputs, **self._body_kwargs)[0]
-        return linear_cross_entropy(hidden, self.head.weight, inputs["labels"], num_items_in_batch, self.head.bias)
+        shifted = inputs.get("shift_labels")
+        targets = shifted if isinstance(shifted, torch.Tensor) else inputs["labels"]
+        return linear_cross_entropy(hidden, self.head.weight, targets, num_items_in_batch, self.head.bias,
+                                    shift=not isinstance(shifted, torch.Tensor))
 
     @classmethod
     def probe(cls, model: nn.Module, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:

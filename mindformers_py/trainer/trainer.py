@@ -258,7 +258,9 @@ class Trainer(EvaluationMixin):
                     f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
                     "ranks); use more data or a smaller per_device_train_batch_size"
                 )
-            sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
+            # A dataset already in its training order (Megatron's shuffle index) is read in order, as Megatron does.
+            sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices,
+                                         shuffle=not getattr(dataset, "shuffled", False), seed=data_seed,
                                          drop_last=args.dataloader_drop_last)
             source = EpochBatches(sampler, build_dataloader(
                 dataset, sampler, collate, args.dataloader_num_workers,
