@@ -414,11 +414,14 @@ class Trainer(EvaluationMixin):
         return TrainOutput(state.global_step, train_loss, metrics)
 
     def _resumed_position(self, saved: DataPosition, num_samples: int, global_batch: int, data_seed: int) -> DataPosition:
-        if (saved.num_samples, saved.global_batch_size, saved.data_seed) != (num_samples, global_batch, data_seed):
+        # The order is a function of (data seed, epoch) and the position a number of samples: another data-parallel
+        # size (or micro-batch split) resumes exactly where the samples consumed are whole micro-batches of it.
+        if (saved.num_samples, saved.data_seed) != (num_samples, data_seed) or saved.samples_consumed % global_batch:
             logger.warning(
-                "resuming with different data: the checkpoint was written with %d samples, global batch %d, data "
-                "seed %d; this run has %d, %d, %d, so the skip of consumed samples is approximate",
-                saved.num_samples, saved.global_batch_size, saved.data_seed, num_samples, global_batch, data_seed)
+                "resuming with different data: the checkpoint was written with %d samples (%d of epoch %d consumed), "
+                "global micro-batch %d, data seed %d; this run has %d, %d, %d, so the skip of consumed samples is "
+                "approximate", saved.num_samples, saved.samples_consumed, saved.epoch, saved.global_batch_size,
+                saved.data_seed, num_samples, global_batch, data_seed)
         return DataPosition(epoch=saved.epoch, samples_consumed=saved.samples_consumed, num_samples=num_samples,
                             global_batch_size=global_batch, data_seed=data_seed)
 
