@@ -5,7 +5,7 @@ Sections (``--sections`` picks some; each has a time budget, ``--budget SECTION=
 
 * ``peak``: the datasheet's dense bf16 peak of the GPU and the bf16 peak measured on 8192² products
   (:func:`flops.matmul_peak`); on the CPU only the dtypes it computes natively are measured.
-* ``parity``: every family (GPT-2 and Llama flavours, GPT-MoE, BERT, T5, ViT; tiny shapes) forward and backward on
+* ``parity``: every family (GPT-2 and Llama flavours, Llama on packed rows, GPT-MoE, BERT, T5, ViT; tiny shapes) forward and backward on
   the device against the CPU fp32 result on the same weights and batch. fp32 (TF32 off): loss and outputs within
   ``1e-4`` (absolute, plus ``1e-4`` relative), gradients within a relative norm error of ``1e-3``. bf16 autocast:
   loss within 2% relative, gradients within a relative norm error of 10%.
@@ -398,6 +398,11 @@ def family_cases(width: int) -> dict[str, tuple[Callable[[], torch.nn.Module], C
         batch["labels"][:, ::2] = -100
         return batch
 
+    def packed(g: torch.Generator) -> dict:  # two documents a row: the block-sparse document path (FlexAttention on CUDA)
+        batch = tokens(g)
+        batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(seq - 5)]).expand(2, -1).clone()
+        return batch
+
     def seq2seq(g: torch.Generator) -> dict:
         return {"input_ids": torch.randint(2, vocab, (2, seq), generator=g),
                 "labels": torch.randint(2, vocab, (2, seq // 2), generator=g)}
@@ -412,6 +417,9 @@ def family_cases(width: int) -> dict[str, tuple[Callable[[], torch.nn.Module], C
         "llama": (lambda: mf.AutoModelForCausalLM.from_config(
             mf.GPTConfig(flavour="llama", num_key_value_heads=max(1, heads // 2), intermediate_size=2 * width, **gpt)),
             tokens),
+        "llama_packed": (lambda: mf.AutoModelForCausalLM.from_config(
+            mf.GPTConfig(flavour="llama", num_key_value_heads=max(1, heads // 2), intermediate_size=2 * width, **gpt)),
+            packed),
         "gpt_moe": (lambda: mf.AutoModelForCausalLM.from_config(mf.GPTConfig(
             flavour="llama", intermediate_size=2 * width,
             moe_config=dict(expert_num=4, num_experts_chosen=2, routing_policy="dropless"), **gpt)), tokens),

@@ -1,5 +1,6 @@
 """Data: the embedded default corpus (Python stdlib source), tokenizer training (BPE, WordPiece), packing, masked-LM
-blocks and per-sample masking, collators, the stdlib docstring classification task."""
+blocks and per-sample masking, collators, the stdlib docstring classification task; Megatron's indexed datasets
+(reading, writing; ``data.preprocess`` tokenises into them), its GPT samples and blends, weighted mixtures and packed fine-tuning."""
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
@@ -14,6 +15,10 @@ _EXPORTS = {
     "DataCollatorForMaskedLM": ".masking",
     **dict.fromkeys(["default_masked_lm_data", "masked_lm_blocks"], ".masked_lm"),
     "stdlib_docstrings": ".docstrings",
+    **dict.fromkeys(["IndexedDataset", "IndexedDatasetWriter"], ".indexed_dataset"),
+    **dict.fromkeys(["GPTSampleOptions", "MegatronGPTDataset"], ".megatron_gpt"),
+    **dict.fromkeys(["BlendedDataset", "build_megatron_datasets", "mix_datasets"], ".blending"),
+    **dict.fromkeys(["PackedRowsCollator", "first_fit_decreasing", "pack_samples"], ".sft_packing"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -66,6 +66,9 @@ def pack_samples(samples: datasets.Dataset, block_size: int) -> datasets.Dataset
     for column in ("input_ids", "labels"):
         if column not in samples.column_names:
             raise ConfigError(f"packing needs a {column!r} column; the data has: {', '.join(samples.column_names)}")
+    if len(samples) == 0:
+        raise ConfigError("there is no sample to pack: every prompt is longer than block_size, or the data is empty; "
+                          "raise data.block_size or check the data")
     table = samples.with_format("arrow").data
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     bins = first_fit_decreasing(lengths.tolist(), block_size)

@@ -7,14 +7,15 @@ A packed row holds several documents back to back (positions restarting at each,
 
 * **FlexAttention's** :class:`~torch.nn.attention.flex_attention.BlockMask`: for every tile of ``block_size``
   queries, the key tiles it sees partly (the diagonal, a document starting inside a tile) and wholly (earlier tiles of
-  its document). Built from the tiles' first and last document (O(B (T/block)²) integers: 4 rows of 8,192 tokens in
-  0.25 MiB, against 256 MiB for the boolean matrix), never by evaluating the mask over every pair.
+  its document). Built from the tiles' first and last document (O(B (T/block)²) integers; with the document ids,
+  4 rows of 8,192 tokens take 0.38 MiB, against 256 MiB for the boolean matrix), never by evaluating the mask over
+  every pair.
 * the **execution**: on CUDA, ``flex_attention`` with that block mask (compiled); on the CPU, where torch's
-  FlexAttention has no backward, :class:`BlockSparseAttention` walks the same block mask: per tile of queries, one
-  call of torch's fused CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``, with its
-  log-sum-exp) on each run of wholly visible key tiles without a mask, and one on the partly visible tiles with a
-  small mask; the parts merge by their log-sum-exp (the online softmax), and backward reruns the kernel's backward
-  on the same parts from the merged output. Hidden tiles are never touched.
+  FlexAttention has no backward, :class:`BlockSparseAttention`, the varlen kernels' way: one call of torch's fused
+  CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``, with its log-sum-exp) per document of at
+  least a tile (causal, no mask) or per group of shorter consecutive documents (a tile at most, with their small
+  block-diagonal mask); no pair of tokens of different spans is computed, and backward reruns the kernel's backward
+  per span from the saved output and log-sum-exp.
 * the **dense** boolean mask, only as the reference the tests compare with and the fallback for what the block path
   does not cover (dropout on attention probabilities, the eager implementation's returned weights, DTensors,
   ``torch.compile``).
@@ -148,39 +149,39 @@ class DocumentMask:
     # -- execution ---------------------------------------------------------------------------------------------------
 
     @functools.cached_property
-    def plan(self) -> list[list[tuple[slice, slice | torch.Tensor, bool]]]:
-        """Per row, per query tile: ``(queries, keys, masked)``: the keys of the tiles the block mask lets it see (a
-        slice when they are contiguous, as a document mask's always are) and whether any of them is seen only
-        partly (then a mask is built for the call; a tile of one document seeing itself alone is SDPA's own
-        causal case)."""
-        mask = self.block_mask
-        bs, t = self.block_size, self.documents.shape[-1]
-        kv_num, kv_idx = mask.kv_num_blocks[:, 0].tolist(), mask.kv_indices[:, 0].tolist()
-        full_num, full_idx = mask.full_kv_num_blocks[:, 0].tolist(), mask.full_kv_indices[:, 0].tolist()
+    def plan(self) -> list[list[tuple[slice, bool]]]:
+        """Per row, the spans the CPU path computes, ``(span, masked)``: a document of at least ``block_size``
+        tokens alone (its queries see its keys causally: no mask), or consecutive shorter documents together, up to
+        ``block_size`` tokens (one call with the span's small block-diagonal mask). Every other (query, key) pair of
+        the row is hidden and never computed: the varlen kernels' way, with the tiles' size bounding the waste."""
+        bs = self.block_size
         rows = []
-        for b in range(len(kv_num)):
-            tiles = []
-            for i in range(len(kv_num[b])):
-                queries = slice(i * bs, min(t, (i + 1) * bs))
-                partial = kv_idx[b][i][:kv_num[b][i]]
-                seen = sorted(partial + full_idx[b][i][:full_num[b][i]])
-                if seen == list(range(seen[0], seen[-1] + 1)):
-                    keys: slice | torch.Tensor = slice(seen[0] * bs, min(t, (seen[-1] + 1) * bs))
+        for docs in self.documents.tolist():
+            bounds = [0] + [i for i in range(1, len(docs)) if docs[i] != docs[i - 1]] + [len(docs)]
+            spans: list[tuple[slice, bool]] = []
+            start, count = 0, 0  # the group of short documents being gathered
+            for a, b in zip(bounds, bounds[1:]):
+                if b - a >= bs or b - start > bs:  # close the group first
+                    if count:
+                        spans.append((slice(start, a), count > 1))
+                    start, count = a, 0
+                if b - a >= bs:
+                    spans.append((slice(a, b), False))
+                    start = b
                 else:
-                    keys = torch.cat([torch.arange(j * bs, min(t, (j + 1) * bs)) for j in seen])
-                alone = seen == [i] and bool(self.documents[b, queries.start] == self.documents[b, queries.stop - 1])
-                tiles.append((queries, keys, bool(partial) and not alone))
-            rows.append(tiles)
+                    count += 1
+            if count:
+                spans.append((slice(start, len(docs)), count > 1))
+            rows.append(spans)
         return rows
 
-    def call_mask(self, b: int, queries: slice, keys: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The additive (1, 1, nq, nk) mask of one call of the block path: 0 where a query sees a key, the dtype's
-        lowest value elsewhere (not -inf: the fused kernel then needs no special case)."""
-        device = self.documents.device
-        q_idx = torch.arange(queries.start, queries.stop, device=device)[:, None]
-        k_idx = torch.arange(keys.start, keys.stop, device=device) if isinstance(keys, slice) else keys.to(device)
-        allowed = self.mask_mod(torch.tensor(b, device=device), None, q_idx, k_idx[None, :])
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    def call_mask(self, row: int, span: slice, dtype: torch.dtype) -> torch.Tensor:
+        """The additive (1, 1, n, n) mask of one span of the CPU path: 0 where a query sees a key, the dtype's lowest
+        value elsewhere (not -inf: the fused kernel then needs no special case)."""
+        docs = self.documents[row, span]
+        n = docs.shape[0]
+        allowed = torch.ones(n, n, dtype=torch.bool, device=docs.device).tril() & (docs[:, None] == docs[None, :])
+        return torch.zeros(n, n, dtype=dtype, device=docs.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
     def runs_on(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether :meth:`attend` takes these tensors: plain CPU or CUDA tensors of this mask's length, outside
@@ -210,10 +211,17 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _keys(x: torch.Tensor, b: int, keys: slice | torch.Tensor, groups: int) -> torch.Tensor:
-    """Row ``b``'s keys or values at ``keys``, (1, h, n, hs), repeated to the query heads."""
-    part = x[b:b + 1, :, keys] if isinstance(keys, slice) else x[b:b + 1].index_select(2, keys.to(x.device))
-    return part.repeat_interleave(groups, dim=1) if groups > 1 else part
+def _units(mask: DocumentMask, batch: int) -> list[tuple[slice, list[tuple[slice, bool]], int]]:
+    """``(batch rows, spans, mask row)``: every row with its own spans, or all rows at once when one row of
+    positions serves the batch."""
+    if len(mask.plan) == 1:
+        return [(slice(None), mask.plan[0], 0)]
+    return [(slice(b, b + 1), mask.plan[b], b) for b in range(batch)]
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key / value heads repeated to the query heads (grouped-query attention)."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
 def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -225,10 +233,11 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class BlockSparseAttention(torch.autograd.Function):
-    """Attention of packed rows over a :class:`DocumentMask`'s block mask with torch's fused CPU kernel, forward and
-    backward: per tile of queries one call over the keys of the tiles it sees (:attr:`DocumentMask.plan`), hidden
-    tiles skipped. Keys and values of grouped-query heads are repeated per call and their gradients folded back;
-    only q, k, v, the output and its log-sum-exp are kept for backward (the masks are rebuilt, a tile at a time)."""
+    """Attention of packed rows over a :class:`DocumentMask` with torch's fused CPU kernel, forward and backward:
+    one call per span of :attr:`DocumentMask.plan` (a long document, causal; or a group of short ones with their
+    small mask); nothing across spans is computed. Keys and values of grouped-query heads are repeated per call and
+    their gradients folded back; only q, k, v, the output and its log-sum-exp are kept for backward (the small masks
+    are rebuilt)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
@@ -236,14 +245,13 @@ class BlockSparseAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for b in range(q.shape[0]):
-            row = b if len(mask.plan) > 1 else 0  # one row of positions may serve the whole batch
-            for queries, keys, masked in mask.plan[row]:
-                additive = mask.call_mask(row, queries, keys, q.dtype) if masked else None
-                o, l = _FLASH_CPU(q[b:b + 1, :, queries], _keys(k, b, keys, groups), _keys(v, b, keys, groups), 0.0,
-                                  not masked, attn_mask=additive, scale=scale)
-                out[b:b + 1, :, queries] = o
-                lse[b:b + 1, :, queries] = l
+        for rows, spans, row in _units(mask, q.shape[0]):
+            for span, masked in spans:
+                additive = mask.call_mask(row, span, q.dtype) if masked else None
+                o, l = _FLASH_CPU(q[rows, :, span], _repeat(k[rows, :, span], groups), _repeat(v[rows, :, span], groups),
+                                  0.0, not masked, attn_mask=additive, scale=scale)
+                out[rows, :, span] = o
+                lse[rows, :, span] = l
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale = mask, scale
         return out
@@ -254,21 +262,12 @@ class BlockSparseAttention(torch.autograd.Function):
         mask, scale = ctx.mask, ctx.scale
         groups = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for b in range(q.shape[0]):
-            row = b if len(mask.plan) > 1 else 0
-            for queries, keys, masked in mask.plan[row]:
-                additive = mask.call_mask(row, queries, keys, q.dtype) if masked else None
-                rows = (slice(b, b + 1), slice(None), queries)
-                gq, gk, gv = _FLASH_CPU_BACKWARD(dout[rows], q[rows], _keys(k, b, keys, groups),
-                                                 _keys(v, b, keys, groups), out[rows], lse[rows], 0.0, not masked,
-                                                 attn_mask=additive, scale=scale)
-                dq[rows] = gq
-                gk, gv = _fold(gk, groups), _fold(gv, groups)
-                if isinstance(keys, slice):
-                    dk[b:b + 1, :, keys] += gk
-                    dv[b:b + 1, :, keys] += gv
-                else:
-                    dk[b:b + 1].index_add_(2, keys.to(k.device), gk)
-                    dv[b:b + 1].index_add_(2, keys.to(v.device), gv)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for rows, spans, row in _units(mask, q.shape[0]):
+            for span, masked in spans:
+                additive = mask.call_mask(row, span, q.dtype) if masked else None
+                at = (rows, slice(None), span)
+                gq, gk, gv = _FLASH_CPU_BACKWARD(dout[at], q[at], _repeat(k[at], groups), _repeat(v[at], groups),
+                                                 out[at], lse[at], 0.0, not masked, attn_mask=additive, scale=scale)
+                dq[at], dk[at], dv[at] = gq, _fold(gk, groups), _fold(gv, groups)
         return dq, dk, dv, None, None
