@@ -6,8 +6,8 @@ speed, each compared in the same run.
   :class:`~mindformers_py.layers.document_mask.DocumentMask` (document ids + FlexAttention's block tables); then the
   time of attention forward + backward over 4 x 2,048 packed tokens: the block-sparse path, SDPA with the dense mask,
   and SDPA's plain causal kernel over the whole rows (which ignores the documents: a lower bound of the work).
-* ``sft``: one epoch of instruction fine-tuning (the standard library's docstring -> function pairs, 512-token
-  context, a length-skewed set) with padded batches (8 samples, padded to the longest) and with packed rows (first
+* ``sft``: one epoch of instruction fine-tuning of a GPT-2-flavoured model (2 x 128 by default; the standard
+  library's docstring -> function pairs, 512-token context, a length-skewed set) with padded batches (8 samples, padded to the longest) and with packed rows (first
   fit decreasing into 512 tokens, 4 rows a step), the same model and optimizer: real (non-padding) tokens per
   second of each, and the per-token loss of the same samples at the same weights by both paths.
 * ``preprocess``: ``mindformers-py preprocess`` (tokenise + write ``.bin``/``.idx``) against ``datasets.map``
@@ -122,7 +122,8 @@ def bench_sft(args: argparse.Namespace) -> None:
     packed_rows = list(pack_samples(samples, args.block))
     packed_collate = PackedRowsCollator(pad_token_id=tokenizer.pad_token_id)
     packed = [packed_collate(packed_rows[i:i + args.rows]) for i in range(0, len(packed_rows), args.rows)]
-    config = mf.GPTConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    config = mf.GPTConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, num_hidden_layers=args.layers,
+                          num_attention_heads=4,
                           max_position_embeddings=args.block, embedding_dropout=0.0, attention_dropout=0.0,
                           hidden_dropout=0.0, pad_token_id=tokenizer.pad_token_id)
     items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in padded)
@@ -257,6 +258,8 @@ def main() -> None:
     sft.add_argument("--batch", type=int, default=8)
     sft.add_argument("--rows", type=int, default=4)
     sft.add_argument("--rounds", type=int, default=2)
+    sft.add_argument("--hidden", type=int, default=128)
+    sft.add_argument("--layers", type=int, default=2)
     pre = sub.add_parser("preprocess")
     pre.add_argument("--files", type=int, default=400)
     pre.add_argument("--workers", type=int, default=2)

@@ -46,10 +46,11 @@ def pack_dataset(
             each run's tail.
         separator_id: the token put after each document; None uses the tokenizer's eos token (BERT-style
             tokenizers have none and pass their ``[SEP]``).
-        reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron's options of the same names
-            (:class:`~mindformers_py.data.megatron_gpt.GPTSampleOptions`): the blocks also get ``position_ids``
-            restarting after every separator (and, without ``reset_attention_mask``, an ``attention_mask`` of ones,
-            so attention still crosses documents), and no target is scored after a separator.
+        reset_position_ids: the blocks also get ``position_ids`` restarting after every separator (Megatron's
+            option of this name, :class:`~mindformers_py.data.megatron_gpt.GPTSampleOptions`); without
+            ``reset_attention_mask`` also an ``attention_mask`` of ones, so attention still crosses documents.
+        reset_attention_mask: with ``reset_position_ids``: tokens attend only within their document.
+        eod_mask_loss: no target is scored after a separator.
 
     Returns:
         A dataset with int64 columns ``input_ids`` and ``labels`` (equal to ``input_ids``, -100 after a separator

@@ -154,10 +154,11 @@ class DocumentMask:
         tokens alone (its queries see its keys causally: no mask), or consecutive shorter documents together, up to
         ``block_size`` tokens (one call with the span's small block-diagonal mask). Every other (query, key) pair of
         the row is hidden and never computed: the varlen kernels' way, with the tiles' size bounding the waste."""
-        bs = self.block_size
+        bs, t = self.block_size, self.documents.shape[-1]
+        changes = (self.documents[:, 1:] != self.documents[:, :-1]).cpu()
         rows = []
-        for docs in self.documents.tolist():
-            bounds = [0] + [i for i in range(1, len(docs)) if docs[i] != docs[i - 1]] + [len(docs)]
+        for change in changes:
+            bounds = [0, *(torch.nonzero(change).flatten() + 1).tolist(), t]
             spans: list[tuple[slice, bool]] = []
             start, count = 0, 0  # the group of short documents being gathered
             for a, b in zip(bounds, bounds[1:]):
@@ -171,7 +172,7 @@ class DocumentMask:
                 else:
                     count += 1
             if count:
-                spans.append((slice(start, len(docs)), count > 1))
+                spans.append((slice(start, t), count > 1))
             rows.append(spans)
         return rows
 
@@ -181,7 +182,8 @@ class DocumentMask:
         docs = self.documents[row, span]
         n = docs.shape[0]
         allowed = torch.ones(n, n, dtype=torch.bool, device=docs.device).tril() & (docs[:, None] == docs[None, :])
-        return torch.zeros(n, n, dtype=dtype, device=docs.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        hidden = torch.zeros(n, n, dtype=dtype, device=docs.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return hidden[None, None]
 
     def runs_on(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether :meth:`attend` takes these tensors: plain CPU or CUDA tensors of this mask's length, outside
@@ -248,10 +250,10 @@ class BlockSparseAttention(torch.autograd.Function):
         for rows, spans, row in _units(mask, q.shape[0]):
             for span, masked in spans:
                 additive = mask.call_mask(row, span, q.dtype) if masked else None
-                o, l = _FLASH_CPU(q[rows, :, span], _repeat(k[rows, :, span], groups), _repeat(v[rows, :, span], groups),
-                                  0.0, not masked, attn_mask=additive, scale=scale)
-                out[rows, :, span] = o
-                lse[rows, :, span] = l
+                at = (rows, slice(None), span)
+                o, l = _FLASH_CPU(q[at], _repeat(k[at], groups), _repeat(v[at], groups), 0.0, not masked,
+                                  attn_mask=additive, scale=scale)
+                out[at], lse[at] = o, l
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale = mask, scale
         return out

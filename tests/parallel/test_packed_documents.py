@@ -4,6 +4,7 @@
   and cp2 Ulysses, the loss and gradients of each document run alone (<= 1e-6, fp32) for GPT in Llama and GPT-2
   flavour and GPT-MoE: the block-sparse path on one rank, tensor and pipeline ranks; the boundaries cut with the
   sequence under context parallelism;
+* Megatron's samples (pre-shifted targets, restarting positions) under cp2 ring give one process's gradients;
 * a run saved at step k under dp2 and resumed under dp1, and one saved under dp1 and resumed under dp2, read exactly
   the global batches of the remaining steps an uninterrupted run reads, for map-style data, a stream and a Megatron
   corpus (read in its own order), across an epoch boundary.
@@ -57,14 +58,14 @@ def packed_rows() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def first_step(family: str, folder: str, parallel: mf.ParallelConfig) -> tuple[dict, float]:
+def first_step(family: str, folder: str, parallel: mf.ParallelConfig, dataset=None) -> tuple[dict, float]:
     clock = FirstStepGradients()
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=len(DOCUMENTS) // parallel.dp, max_steps=1,
                              learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
                              report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True, bf16=False,
                              parallel_config=parallel)
-    trainer = Trainer(model=make_model(family), args=args, train_dataset=packed_rows(), callbacks=[clock],
-                      data_collator=PackedRowsCollator())
+    trainer = Trainer(model=make_model(family), args=args, train_dataset=packed_rows() if dataset is None else dataset,
+                      callbacks=[clock], data_collator=PackedRowsCollator())
     trainer.train()
     loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
     trainer.engine.teardown()
@@ -174,6 +175,9 @@ def _job(rank: int, world: int, root: str) -> dict:
         for family in FAMILIES:
             out[name, family] = first_step(family, f"{root}/{name}-{family}", mf.ParallelConfig(parallel_mode=SEMI,
                                                                                                **layout))
+    # Megatron's samples (all targets pre-shifted, documents as restarting positions) cut over the ring
+    out["megatron_cp2"] = first_step("llama", f"{root}/megatron-cp2", mf.ParallelConfig(
+        parallel_mode=SEMI, context_parallel=2), dataset=source("megatron", root)[0])
     for kind in KINDS:
         out["dp2", kind] = train(kind, 2, f"{root}/dp2-{kind}", root)
         out["dp2_resumed", kind] = train(kind, 2, f"{root}/dp2-resumed-{kind}", root,
@@ -185,6 +189,8 @@ def _job(rank: int, world: int, root: str) -> dict:
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("packed"))
     results = {("dp1", kind): train(kind, 1, f"{root}/dp1-{kind}", root) for kind in KINDS}
+    results["megatron_alone"] = first_step("llama", f"{root}/megatron-alone", mf.ParallelConfig(),
+                                           dataset=source("megatron", root)[0])
     ranks = run_workers(_job, 2, root)
     results.update({key: [r[key] for r in ranks] for key in ranks[0]})
     for kind in KINDS:
@@ -216,3 +222,12 @@ def test_resuming_under_another_data_parallel_size_reads_the_remaining_global_ba
     assert len(uninterrupted) == STEPS and global_batches(runs["dp2", kind]) == uninterrupted
     assert global_batches([runs["dp1_resumed", kind]]) == uninterrupted[SAVE_AT:]
     assert global_batches(runs["dp2_resumed", kind]) == uninterrupted[SAVE_AT:]
+
+
+def test_megatron_samples_under_context_parallelism_give_one_processs_gradients(runs):
+    reference, reference_loss = runs["megatron_alone"]
+    for grads, loss in runs["megatron_cp2"]:
+        assert math.isclose(loss, reference_loss, rel_tol=1e-6), (loss, reference_loss)
+        assert grads.keys() == reference.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-6, msg=name)
