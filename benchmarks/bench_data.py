@@ -135,6 +135,7 @@ def bench_sft(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(config)
     loss_padded, loss_packed = per_token_loss(model, padded), per_token_loss(model, packed)
+    print(f"per-token loss at init: padded {loss_padded:.6f}, packed {loss_packed:.6f}", flush=True)
     slots = {"padded": sum(b["input_ids"].numel() for b in padded),
              "packed": sum(b["input_ids"].numel() for b in packed)}
     results = {"padded": [], "packed": []}
@@ -150,6 +151,7 @@ def bench_sft(args: argparse.Namespace) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             results[name].append(time.perf_counter() - start)
+            print(f"{name}: epoch in {results[name][-1]:.1f} s", flush=True)
     best = {name: min(v) for name, v in results.items()}
     print(f"\n| one epoch, {len(samples)} samples, fp32 | steps | token slots | real tokens/s | per-token loss "
           "at init |")

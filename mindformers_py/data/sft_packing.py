@@ -69,7 +69,7 @@ def pack_samples(samples: datasets.Dataset, block_size: int) -> datasets.Dataset
     if len(samples) == 0:
         raise ConfigError("there is no sample to pack: every prompt is longer than block_size, or the data is empty; "
                           "raise data.block_size or check the data")
-    table = samples.with_format("arrow").data
+    table = samples.with_format("arrow")[:]  # the rows a select / shuffle left, not the whole underlying table
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     bins = first_fit_decreasing(lengths.tolist(), block_size)
     ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -210,3 +210,25 @@ def test_document_positions_and_weighted_mixing_of_datasets_tables():
     assert mixed["x"] == [0, 10, 1, 11, 0, 12, 1, 13]
     with pytest.raises(ConfigError, match="one weight per data.train_files entry"):
         mix_datasets([a, b], [1.0])
+
+
+def test_packed_text_blocks_carry_megatrons_document_options(tokenizer):
+    import datasets
+
+    from mindformers_py.data.packing import pack_dataset
+
+    docs = datasets.Dataset.from_dict({"text": ["x = 1\n", "def f():\n    return 2\n", "y = 3\n" * 4]})
+    eos = tokenizer.eos_token_id
+    plain = pack_dataset(docs, tokenizer, 8)
+    assert plain.column_names == ["input_ids", "labels"]  # the default blocks are unchanged
+    both = pack_dataset(docs, tokenizer, 8, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    assert both.column_names == ["input_ids", "labels", "position_ids"]
+    for row in both:
+        ids, labels, positions = (torch.tensor(row[k]) for k in ("input_ids", "labels", "position_ids"))
+        assert torch.equal(positions, document_positions(ids, eos))
+        after_eod = torch.cat([torch.tensor([False]), ids[:-1] == eos])
+        assert torch.equal(labels, ids.masked_fill(after_eod, -100))
+    assert plain["input_ids"] == both["input_ids"]
+    positions_only = pack_dataset(docs, tokenizer, 8, reset_position_ids=True)
+    assert positions_only.column_names == ["input_ids", "labels", "position_ids", "attention_mask"]
+    assert all(all(m == 1 for m in row["attention_mask"]) for row in positions_only)

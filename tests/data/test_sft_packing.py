@@ -62,6 +62,8 @@ def test_packed_rows_keep_every_sample_its_positions_and_no_cross_sample_target(
             found.append((tuple(ids[s:e]), tuple(labels[s + 1:e])))
     expected = [(tuple(r["input_ids"]), tuple(r["labels"][1:])) for r in samples]
     assert sorted(found) == sorted(expected)
+    chosen = samples.shuffle(seed=0).select(range(3))  # a view of the table: only its rows are packed
+    assert sum(map(len, pack_samples(chosen, 64)["input_ids"])) == sum(map(len, chosen["input_ids"]))
     batch = PackedRowsCollator(pad_token_id=1)([packed[i] for i in range(len(packed))])
     assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention mask: it would hide the documents
     short = min(range(len(packed)), key=lambda i: len(packed[i]["input_ids"]))
