@@ -232,3 +232,35 @@ def test_packed_text_blocks_carry_megatrons_document_options(tokenizer):
     positions_only = pack_dataset(docs, tokenizer, 8, reset_position_ids=True)
     assert positions_only.column_names == ["input_ids", "labels", "position_ids", "attention_mask"]
     assert all(all(m == 1 for m in row["attention_mask"]) for row in positions_only)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_trainer_reads_megatron_samples_in_order_and_scores_every_target(corpora, tmp_path, fused):
+    """shift_labels survive the Trainer's column removal and are what the loss scores (all sequence_length targets,
+    the fused linear cross-entropy too); the samples are read in their shuffled order."""
+    import mindformers_py as mf
+    from mindformers_py.data.sft_packing import PackedRowsCollator
+
+    _, prefixes = corpora
+    options = GPTSampleOptions(SEQ, seed=3, eod_token_id=EOD, reset_position_ids=True, reset_attention_mask=True)
+    train = build_megatron_datasets([prefixes[0]], "1", [None], options, splits=("train",), cache_dir=tmp_path)[0]
+    seen = []
+
+    def collate(rows):
+        seen.extend(r["input_ids"] for r in rows)
+        return PackedRowsCollator()(rows)
+
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           max_position_embeddings=SEQ))
+    batch = PackedRowsCollator()([train[i] for i in range(4)])
+    with torch.no_grad():
+        expected = model(**batch).loss.item()  # the model's own loss of the pre-shifted targets
+    args = mf.TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
+                                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                                use_cpu=True, bf16=False, fused_loss=fused, learning_rate=1e-3)
+    trainer = mf.Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
+    trainer.train()
+    assert (trainer._fused_loss is not None) == fused
+    assert trainer.state.log_history[-2]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert all(torch.equal(a, train[i]["input_ids"]) for i, a in enumerate(seen))
