@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
                           f"recipe's task is {task.name!r}")
     args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
+    _check_output_dir(args, run_mode)
     peft_config = recipe_peft_config(recipe, task.name)
     if peft_config is not None and adapter_dir is not None and run_mode in ("train", "finetune"):
         raise ConfigError(f"model.name_or_path={adapter_dir!r} is a saved adapter and the recipe has a peft section; "
@@ -280,9 +282,11 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
                             processing_class=tokenizer, compute_metrics=compute,
                             peft_config=peft_config if run_mode in ("train", "finetune") else None)
-    if args.process_index == 0:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
+    if args.process_index == 0:  # the resolved recipe, once every check of the run has passed
+        if run_mode in ("train", "finetune"):
+            trainer.add_callback(_recipe_recorder(recipe))
+        else:
+            _record_recipe(recipe, args.output_dir)
     results: dict[str, Any] = {}
     if generating and val is not None:
         # The data's own baselines the trained model is measured against (seq2seq: the function's name as its
@@ -381,9 +385,40 @@ def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts:
     from ..data.progress import progress_shown_to_workers
     from ..parallel.launch import launch
 
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    resolved = Path(output_dir) / RESOLVED_NAME
-    dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
-    with progress_shown_to_workers():  # this process showed the data's progress: the ranks prepare it quietly
-        launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
+    # The workers run the resolved recipe, overrides included, from a file of their own: the output folder is
+    # written by the run itself, once its checks have passed on every rank (its rank 0 records the recipe there).
+    with tempfile.TemporaryDirectory(prefix="mindformers_py-recipe-") as folder:
+        resolved = Path(folder) / RESOLVED_NAME
+        dump_recipe(recipe, resolved)
+        with progress_shown_to_workers():  # this process showed the data's progress: the ranks prepare it quietly
+            launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
     return {}
+
+
+def _check_output_dir(args: Any, run_mode: str) -> None:
+    """Refuse, before anything is prepared or written (in the launching process and in every rank alike), a
+    training run into a folder that holds another run, unless the recipe resumes it, overwrites it, or the
+    launcher restarted this run (it then resumes from its own checkpoints)."""
+    from ..parallel.restarts import restart_info
+    from ..trainer.checkpoint import check_output_dir
+
+    if run_mode in ("train", "finetune") and not args.resume_from_checkpoint and restart_info() is None:
+        check_output_dir(args.output_dir, args.overwrite_output_dir)
+
+
+def _record_recipe(recipe: dict[str, Any], output_dir: str) -> None:
+    """Write the resolved recipe (``run_config.yaml``) into the run's folder, so the run can be repeated as is."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, Path(output_dir) / RESOLVED_NAME)
+
+
+def _recipe_recorder(recipe: dict[str, Any]) -> Any:
+    """A Trainer callback writing the resolved recipe when training begins: after every check of ``train()`` has
+    passed, so a refused run leaves the recipe of the run that made the folder's model in place."""
+    from transformers import TrainerCallback
+
+    class RecordRecipe(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            _record_recipe(recipe, args.output_dir)
+
+    return RecordRecipe()
