@@ -19,7 +19,7 @@ from typing import Any
 from ..adapters.config import recipe_peft_config
 from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
-from ..models.packaged import resolve_checkpoint_name
+from ..models.hub import TOKENIZER_FILES, hub_options, resolve_source
 from ..parallel.config import ParallelConfig
 from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
@@ -60,7 +60,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     name_or_path = model_s.pop("name_or_path", None)
     if name_or_path is None:
         raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
-    name_or_path = str(resolve_checkpoint_name(name_or_path))  # a packaged checkpoint's hub name -> its folder
+    # a packaged checkpoint's or a Hub repository's id -> its folder (the Hub's files through its cache)
+    hub = hub_options(model_s)
+    name_or_path = str(Path(resolve_source(name_or_path, **{k: v for k, v in hub.items() if k != "subfolder"}),
+                            hub.get("subfolder", "")))
     # A saved adapter (a LoRA run's output) loads its base model, then the adapter on it.
     adapter_dir = name_or_path if is_adapter_folder(name_or_path) else None
     if adapter_dir is not None:
@@ -246,7 +249,7 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
-        folder = str(resolve_checkpoint_name(tok_s.name_or_path))
+        folder = str(resolve_source(tok_s.name_or_path, files=TOKENIZER_FILES))
         with loading_from(folder, "tokenizer"):
             return AutoTokenizer.from_pretrained(folder)
     if Path(name_or_path, "tokenizer_config.json").is_file():
