@@ -152,9 +152,10 @@ def build_empty(model_class: type[nn.Module], config: Any) -> nn.Module:
 
     # Outside inference mode (a script may load inside torch.inference_mode()): the model's tensors are ordinary
     # ones, which keep version counters and can be trained later, as transformers' loaded weights can.
-    with torch.inference_mode(False), init_empty_weights(include_buffers=False), no_init_weights():
-        model = model_class(config)
-    model.tie_weights()  # skipped with the inits; tied parameters are then one object, filled once
+    with torch.inference_mode(False):
+        with init_empty_weights(include_buffers=False), no_init_weights():
+            model = model_class(config)
+        model.tie_weights()  # skipped with the inits; tied parameters are then one object, filled once
     tag_module_names(model)
     model.__dict__[TIED_ATTR] = {f"{module.__dict__[NAME_ATTR]}.{attr}".lstrip("."): group[0]
                                  for group in _holders(model) for module, attr in group[1:]}

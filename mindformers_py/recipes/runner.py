@@ -25,7 +25,7 @@ from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from
-from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
+from .loader import apply_overrides, check_recipe, dump_recipe, from_mindformers_r2, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def recipe_task(recipe: dict[str, Any]) -> TaskSpec:
 def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
     """Run a recipe dict (with CLI-style ``overrides``); returns the final metrics (and the pipeline's outputs on
     ``generate.prompts``)."""
-    recipe = apply_overrides(recipe, parse_overrides(overrides or []))
+    recipe = apply_overrides(from_mindformers_r2(recipe, "recipe"), parse_overrides(overrides or []))
     check_recipe(recipe, "recipe")
     run_mode = recipe.get("run_mode", "train")
     check_choice("run_mode", run_mode, RUN_MODES)

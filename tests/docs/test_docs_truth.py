@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_docs_code import PAGES, ROOT
+from test_docs_code import PAGES, ROOT, blocks
 
 PATH = re.compile(r"(?<![\w/.-])((?:tests|benchmarks|tasks|mindformers_py|notebooks|docs|model_cards)/[\w./-]*\w)"
                   r"(?:::(\w+))?")
@@ -44,7 +44,11 @@ def _pattern(quote: str) -> re.Pattern:
 
 
 def _quotes(page: Path, marker: str) -> list[str]:
-    return [q for q in re.findall(r"`([^`]+)`", page.read_text()) if marker in q]
+    """The quotes of ``page`` holding ``marker``: inline code, and the lines of ``text`` blocks (output shown)."""
+    text = page.read_text()
+    shown = [line for block in blocks(page) if block.language == "text" for line in block.text.splitlines()]
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    return [q for q in inline + shown if marker in q]
 
 
 def _damaged_checkpoint(tmp: Path) -> str:
@@ -100,7 +104,27 @@ def _rank_failed(tmp: Path) -> str:
     return _failure_summary(ChildFailedError("mindformers_py", {1: failure}))
 
 
+def _hub_id_missing(tmp: Path, quote: str) -> str:
+    import mindformers_py as mf
+
+    name = re.match(r"'([^']+)'", quote).group(1)
+    with pytest.raises(mf.MindFormersError) as err:
+        mf.AutoModelForCausalLM.from_pretrained(name)
+    return str(err.value)
+
+
+def _another_run(tmp: Path) -> str:
+    from mindformers_py.trainer.checkpoint import check_output_dir
+
+    (tmp / "runs/demo/checkpoint-800").mkdir(parents=True)
+    with pytest.raises(Exception) as err:
+        check_output_dir("runs/demo", overwrite=False)
+    return str(err.value)
+
+
 PRODUCERS = {
+    "is no local folder, no preset": _hub_id_missing,
+    "holds another run": _another_run,
     "is damaged: ": _damaged_checkpoint,
     "model.safetensors is cut short": lambda tmp: _damaged_model(tmp, _cut),
     "is a pickle (torch.save) file": lambda tmp: _damaged_model(tmp, _pickled),
@@ -111,13 +135,17 @@ PRODUCERS = {
 """A marker of each kind of message the pages quote -> what makes the code print it."""
 
 
+ALL_PAGES = [*PAGES, *sorted((ROOT / "docs").glob("*/*.md"))]
+
+
 @pytest.mark.parametrize("marker", list(PRODUCERS))
 def test_quoted_errors_are_what_the_code_prints(marker, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    quotes = [q for page in PAGES for q in _quotes(page, marker)]
+    quotes = [q for page in ALL_PAGES for q in _quotes(page, marker)]
     assert quotes, f"no page quotes a message with {marker!r} any more: drop it from PRODUCERS"
-    printed = PRODUCERS[marker](tmp_path)
+    produce = PRODUCERS[marker]
     for quote in quotes:
+        printed = produce(tmp_path, quote) if produce.__code__.co_argcount == 2 else produce(tmp_path)
         assert _pattern(quote).match(printed), f"quoted: {quote!r}\nprinted: {printed!r}"
 
 
@@ -132,3 +160,14 @@ def test_the_hang_message_quoted_is_the_watchdogs():
                         quote), quote
     for fragment in ('did not arrive: no heartbeat for {silent:.1f} s (stopped, frozen', '{_wait(alive)} at step'):
         assert fragment in source
+
+
+def test_the_performance_page_says_what_make_bench_runs():
+    target = re.search(r"^bench:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    in_make = list(dict.fromkeys(re.findall(r"benchmarks/(\w+\.py)", target)))
+    page = (ROOT / "docs/performance.md").read_text()
+    said = re.search(r"`make bench` runs, one after the other: (.+?)\. The others", page, re.S).group(1)
+    assert list(dict.fromkeys(re.findall(r"`(\w+\.py)", said))) == in_make
+    helpers = {"family_models.py", "flops.py"}  # imported by the benchmarks, not run
+    unnamed = [p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in helpers and p.name not in page]
+    assert unnamed == [], f"benchmarks the performance page does not mention: {unnamed}"

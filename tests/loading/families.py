@@ -34,7 +34,7 @@ def _ids(vocab: int = 96, length: int = 7) -> torch.Tensor:
 def _save_gpt(folder: Path) -> None:
     from hf_models import tiny_hf_model
 
-    tiny_hf_model("llama").save_pretrained(folder)
+    tiny_hf_model("llama", vocab_size=300).save_pretrained(folder)  # room for a byte-level BPE's 258 tokens
 
 
 def _save_moe(folder: Path) -> None:

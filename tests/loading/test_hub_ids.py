@@ -117,8 +117,13 @@ def test_a_hub_id_in_a_pipeline_and_a_recipe(hub_cache, tmp_path, monkeypatch):
 
     folder = tmp_path / "with_tokenizer"
     FAMILIES["gpt"].save(folder)
-    train_bpe_tokenizer(["def f(x):\n    return x\n" * 50], 128).save_pretrained(folder)
+    train_bpe_tokenizer(["def f(x):\n    return x\n" * 50], 300).save_pretrained(folder)
     populate_cache(hub_cache, "org/tiny-gpt-tokenized", folder)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))
     generate = mf.pipeline("text-generation", model="org/tiny-gpt-tokenized")
     assert generate("def f", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("def f")
+    from mindformers_py.recipes import run_recipe
+
+    recipe = {"run_mode": "predict", "model": {"name_or_path": "org/tiny-gpt-tokenized"}, "data": {"block_size": 32},
+              "generate": {"prompts": ["def f"], "max_new_tokens": 2}, "training": {"output_dir": str(tmp_path / "out")}}
+    assert run_recipe(recipe)["samples"][0].startswith("def f")

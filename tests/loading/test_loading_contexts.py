@@ -72,7 +72,7 @@ ROUTES = {
 def _tokenizer(folder):
     from mindformers_py.data import train_bpe_tokenizer
 
-    return train_bpe_tokenizer(["def f(x):\n    return x\n" * 20], 128)
+    return train_bpe_tokenizer(["def f(x):\n    return x\n" * 20], 300)
 
 
 def _in_a_thread(load):
