@@ -288,8 +288,9 @@ _PRESETS_SAID: set[str] = set()
 
 
 def _say_preset(name: str) -> None:
-    """Say once per process that a preset name gives a new model, not a checkpoint's weights."""
-    if name not in _PRESETS_SAID:
+    """Say once (per process; in a job, on its first rank) that a preset name gives a new model, not a checkpoint's
+    weights."""
+    if name not in _PRESETS_SAID and os.environ.get("RANK", "0") == "0":
         _PRESETS_SAID.add(name)
         logger.warning("%r is a preset of mindformers_py (a model configuration): the model gets new, randomly "
                        "initialised weights, not a checkpoint's", name)
