@@ -1,9 +1,9 @@
 """Auto classes: one entry point for presets, our checkpoints and HF checkpoints of the architectures we cover.
 
-``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, or a
-folder holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
-converted on load, or the hub name of a checkpoint shipped in an installed package
-(``sentence-transformers/all-MiniLM-L6-v2``, :mod:`mindformers_py.models.packaged`).
+``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, a folder
+holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
+converted on load, or a Hugging Face Hub id, read from the Hugging Face cache (or a package that ships it) as
+transformers reads it (:mod:`mindformers_py.models.hub`).
 Our model types are also registered with transformers' own Auto classes, so
 ``transformers.AutoModelForCausalLM.from_pretrained(folder_saved_by_us)`` returns our model.
 """

@@ -59,7 +59,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     model_s = dict(recipe.get("model") or {})
     name_or_path = model_s.pop("name_or_path", None)
     if name_or_path is None:
-        raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
+        raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder, an HF checkpoint folder "
+                          "or a Hugging Face Hub id")
     # a packaged checkpoint's or a Hub repository's id -> its folder (the Hub's files through its cache)
     hub = hub_options(model_s)
     name_or_path = str(Path(resolve_source(name_or_path, **{k: v for k, v in hub.items() if k != "subfolder"}),

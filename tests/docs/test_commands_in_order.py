@@ -35,7 +35,8 @@ SHORT = {
     "tasks/vit/finetune_digits.yaml": [
         "--model.num_hidden_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
         "--model.intermediate_size", "32", "--per_device_train_batch_size", "4", "--max_steps", "2",
-        "--eval_steps", "2", "--save_steps", "2", *_QUIET],
+        "--data.max_eval_samples", "8", "--per_device_eval_batch_size", "8", "--eval_steps", "2", "--save_steps", "2",
+        *_QUIET],
     "run_config.yaml": ["--generate.max_new_tokens", "2", *_QUIET],
 }
 """Flags appended to a documented run of each recipe (a saved ``run_config.yaml`` is already short)."""
