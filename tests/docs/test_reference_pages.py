@@ -125,3 +125,16 @@ def test_mindformers_r2_parallelism_names_are_read(tmp_path):
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"parallelism": bad, "parallel": {"model_parallel": 4}}))
         with pytest.raises(ConfigError, match=message):
             load_recipe(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("page", ["docs/reference/recipe.md", "docs/coming-from.md"])
+def test_the_recipes_the_pages_show_are_valid(page, tmp_path):
+    from test_docs_code import _check_sections
+
+    from mindformers_py.recipes import load_recipe
+
+    shown = [b for b in blocks(ROOT / page) if b.language == "yaml" and b.title]
+    assert shown
+    for block in shown:
+        (tmp_path / block.title).write_text(block.text)
+        _check_sections(load_recipe(tmp_path / block.title))
