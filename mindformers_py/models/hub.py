@@ -54,7 +54,7 @@ def resolve_source(name_or_path: str | os.PathLike, files: tuple[str, ...] = CHE
     folder, a preset name as given, or the folder of a hub repository's snapshot in the Hugging Face cache (its
     ``files`` downloaded first where the network allows). ``options`` are :data:`HUB_KWARGS`; ``subfolder`` is
     left for the caller to join (it applies to local folders too). A hub id that cannot be had is a one-line
-    :class:`CheckpointError` saying how to get it; a preset is never what a hub id resolves to."""
+    error saying how to get it; a preset is never what a hub id resolves to."""
     options = {key: value for key, value in options.items() if value not in (None, False, "")}
     unknown = sorted(set(options) - set(HUB_KWARGS))
     if unknown:
@@ -92,11 +92,11 @@ def _snapshot(repo_id: str, files: tuple[str, ...], options: dict[str, Any]) -> 
         raise CheckpointError(f"{repo_id!r} is a gated repository on the Hugging Face Hub: accept its terms on its "
                               "page, then pass token=... (or log in with `hf auth login`)") from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id!r} is no local folder, no preset{_close_preset(repo_id)} and no repository "
+        raise ConfigError(f"{repo_id!r} is no local folder, no preset{_close_preset(repo_id)} and no repository "
                               "on the Hugging Face Hub (or a private one: pass token=... or log in with `hf auth "
                               "login`)") from None
     except RevisionNotFoundError:
-        raise CheckpointError(f"revision={revision!r} is no branch, tag or commit of {repo_id!r} on the Hugging Face "
+        raise ConfigError(f"revision={revision!r} is no branch, tag or commit of {repo_id!r} on the Hugging Face "
                               "Hub") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         cache = options.get("cache_dir") or constants.HF_HUB_CACHE
@@ -105,12 +105,16 @@ def _snapshot(repo_id: str, files: tuple[str, ...], options: dict[str, Any]) -> 
                "downloads are off (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the Hub could not be reached")
         get = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "") + \
             (f" --cache-dir {cache}" if options.get("cache_dir") else "")
-        raise CheckpointError(f"{repo_id!r}{at} is no local folder, no preset{_close_preset(repo_id)} and not in the "
+        raise ConfigError(f"{repo_id!r}{at} is no local folder, no preset{_close_preset(repo_id)} and not in the "
                               f"Hugging Face cache ({cache}), and {why}; get its weights with `{get}` where the "
                               "network is reachable, or pass a local folder") from None
     return folder
 
 
 def _close_preset(name: str) -> str:
-    close = difflib.get_close_matches(name, registry.all_presets(), n=1)
-    return f" (did you mean the preset {close[0]!r}?)" if close else " (`mindformers-py show` lists them)"
+    """The preset a name without an organisation may have meant, else the presets; nothing for ``org/name``."""
+    if "/" in name:
+        return ""
+    presets = registry.all_presets()
+    close = difflib.get_close_matches(name, presets, n=1)
+    return f" (did you mean the preset {close[0]!r}?)" if close else f" (presets: {', '.join(presets)})"

@@ -88,10 +88,10 @@ def test_a_hub_id_not_in_the_cache_is_one_line_saying_how_to_get_it(hub_cache):
         with pytest.raises(mf.MindFormersError) as err:
             mf.AutoModelForCausalLM.from_pretrained(name, cache_dir=hub_cache)
         message = str(err.value)
-        assert message == (f"{name!r} is no local folder, no preset (`mindformers-py show` lists them) and not in the "
-                           f"Hugging Face cache ({hub_cache}), and downloads are off (HF_HUB_OFFLINE=1); get its "
-                           f"weights with `hf download {name} --cache-dir {hub_cache}` where the network is reachable, "
-                           "or pass a local folder")
+        presets = "" if "/" in name else f" (presets: {', '.join(registry.all_presets())})"
+        assert message == (f"{name!r} is no local folder, no preset{presets} and not in the Hugging Face cache "
+                           f"({hub_cache}), and downloads are off (HF_HUB_OFFLINE=1); get its weights with `hf download "
+                           f"{name} --cache-dir {hub_cache}` where the network is reachable, or pass a local folder")
     with pytest.raises(mf.MindFormersError, match="local_files_only=True; get its weights with"):
         mf.AutoModelForCausalLM.from_pretrained("org/tiny-gpt", cache_dir=hub_cache, revision="v9",
                                                 local_files_only=True)

@@ -162,8 +162,7 @@ def test_device_fields_can_be_overridden(capsys):
     (["gpt_small", "--devices", 8, "--set", "flops=fast"], "device field flops='fast' is not valid"),
     (["gpt_small", "--devices", 8, "--set", "memory=lots"], "device field memory='lots' is not valid"),
     (["gpt_small", "--devices", 0], "devices=0 is not valid"),
-    (["no_such_preset", "--devices", 8], "'no_such_preset' is no local folder, no preset (`mindformers-py show` lists "
-                                         "them) and not in the Hugging Face cache"),
+    (["no_such_preset", "--devices", 8], "'no_such_preset' is no local folder, no preset (presets: gpt_tiny, "),
     (["gpt_smal", "--devices", 8], "'gpt_smal' is no local folder, no preset (did you mean the preset 'gpt_small'?)"),
     (["runs/nope", "--devices", 8], "'runs/nope' is no local folder, no preset"),
     (["./runs/nope", "--devices", 8], "no such folder: './runs/nope'"),

@@ -107,7 +107,7 @@ def test_bad_values_and_files_give_one_line_errors(recipe, tmp_path, capsys):
         ([recipe, "--parallel_mode", "magic"], "parallel_mode"),
         ([recipe, "--run_mode", "serve"], "run_mode"),
         ([recipe, "--lr_scheduler_type", "zigzag"], "lr_scheduler_type"),
-        ([recipe, "--model.name_or_path", "gpt_huge"], "is no local folder, no preset"),
+        ([recipe, "--model.name_or_path", "gpt_huge"], "gpt_tiny"),
         ([tmp_path / "missing.yaml"], "missing.yaml"),
         ([recipe, "--data_parallel", "2", "--parallel_mode", "semi_auto_parallel", "--model_parallel", "3"], "model_parallel"),
         ([recipe, "--data.block_size", "4096"], "block"),
