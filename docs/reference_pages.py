@@ -14,9 +14,13 @@ import inspect
 import json
 import re
 import textwrap
-import tomllib
 from pathlib import Path
 from typing import Any, Callable
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # 3.10: the same parser, by its older name
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- generated: ([\w-]+) -->$", re.M)

@@ -7,13 +7,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-import tomllib
 
 import pytest
 import yaml
 from test_docs_code import ROOT, blocks
 
 from mindformers_py.errors import ConfigError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # 3.10: the same parser, by its older name
+    import tomli as tomllib
 
 
 def _reference_pages():
