@@ -94,12 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
+EXIT_CODES = {
+    EXIT_OK: "the command did what it was asked",
+    EXIT_FAILED: "a rank stopped because another rank of the job failed (the launcher's line names that one), or a "
+                 "failure that is not a user error (its traceback is printed)",
+    EXIT_USER_ERROR: "a user error, refused before anything is written: one line `error: ...` on stderr naming the "
+                     "field, the value and what would be valid (also argparse's usage errors)",
+}
+"""What ``mindformers-py`` exits with (a multi-process job ends with the exit of the rank that failed)."""
+
 USER_ERROR_GRACE_S = 20.0
 """Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 user error)."""
+    """Entry point; returns the exit status (:data:`EXIT_CODES`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             # error is this rank's own, and it says so itself.
             time.sleep(USER_ERROR_GRACE_S)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except Exception as e:
         if not _lost_a_peer(e):
             raise
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "?")
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
 
 def _lost_a_peer(exc: Exception) -> bool:
