@@ -84,7 +84,7 @@ class GPTModel(GPTPreTrainedModel):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.embedding_padding_idx)
         if config.position_embedding_type == "learned":
             self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
         else:
