@@ -191,6 +191,8 @@ class GPTModel(GPTPreTrainedModel):
             if router_stats is None:
                 router_stats = hidden_states.new_zeros(hidden_states.shape[0], self.config.num_hidden_layers,
                                                        stat_width(moe.expert_num), dtype=torch.float32)
+            else:  # summed in fp32 on every stage: a bf16 mixed-precision wrapper (FSDP2's) casts a stage's inputs
+                router_stats = router_stats.float()
             padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
             token_mask = attention_mask[:, -length:] if padding else None
             for layer in self.layers:
