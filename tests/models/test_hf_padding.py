@@ -24,11 +24,16 @@ def _ours(hf):
     return ours.train(hf.training)
 
 
-def _right_padded(lengths=(7, 4, 2), seed=0):
+def _right_padded(lengths=(7, 4, 2), seed=0, pad_as_text=False):
+    """Right-padded rows (pad id 0). ``pad_as_text`` also starts each row with the pad id as a real token, as text
+    holds a tokenizer's end-of-text token when it is also the pad token (``tokenizer.pad_token =
+    tokenizer.eos_token``, packed documents separated by it): only there does the pad row get a gradient."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
-    ids = torch.randint(3, 128, (len(lengths), width), generator=g).masked_fill(mask == 0, 0)  # pad id 0
+    ids = torch.randint(3, 128, (len(lengths), width), generator=g).masked_fill(mask == 0, 0)
+    if pad_as_text:
+        ids[:, 0] = 0
     return ids, mask
 
 
@@ -61,7 +66,7 @@ def test_the_pad_row_gets_no_gradient_and_every_gradient_matches_transformers(ki
     else:
         hf = tiny_hf_model(kind).train()
         ours = _ours(hf)
-        ids, mask = _right_padded()
+        ids, mask = _right_padded(pad_as_text=True)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
         loss = lambda model: model(**batch).loss  # noqa: E731
     for model in (hf, ours):
@@ -75,7 +80,7 @@ def test_a_padded_trainer_run_gives_transformers_gradient_norms(tmp_path):
     """The issue's report: step 2's gradient norm 2.215 against transformers' 1.448 while the pad row learned."""
     hf = tiny_hf_model("llama").train()
     ours = _ours(hf)
-    ids, mask = _right_padded((8, 5, 3, 8), seed=1)
+    ids, mask = _right_padded((8, 5, 3, 8), seed=1, pad_as_text=True)
     rows = [{"input_ids": i.tolist(), "attention_mask": m.tolist(), "labels": i.masked_fill(m == 0, -100).tolist()}
             for i, m in zip(ids, mask)]
     common = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, report_to=[],
