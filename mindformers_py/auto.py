@@ -67,7 +67,7 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
         family = _family_of(raw.get("model_type"), str(path / "config.json"))
         from_hf = raw.get("model_type") != family.config_class.model_type
         stored = family.converter.config_from_hf(raw) if from_hf else family.config_class.from_dict(raw)
-        return with_overrides(stored, family, overrides), family, from_hf
+        return _with_overrides(stored, family, overrides), family, from_hf
     family = registry.family_for_preset(str(name_or_path))
     if family is None:
         raise _not_found(str(name_or_path))
@@ -77,7 +77,7 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     return family.config_class(**{**preset, **overrides}), family, False
 
 
-def with_overrides(config: PretrainedConfig, family: Family, overrides: dict[str, Any]) -> PretrainedConfig:
+def _with_overrides(config: PretrainedConfig, family: Family, overrides: dict[str, Any]) -> PretrainedConfig:
     """A copy of ``config`` (a checkpoint's or a given one) with ``from_pretrained``'s config keywords applied, as
     transformers applies them: any field or alias of the config's flavour (``rms_norm_eps`` on a Llama,
     ``n_inner`` on a GPT-2), None re-deriving a derived size as when the config was made (``n_inner=None`` is
@@ -182,8 +182,9 @@ class _AutoModel:
     def from_config(cls, config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
         """A randomly initialised model for ``config`` (ours or a transformers config of an architecture we convert),
         as transformers' ``from_config``: ``dtype`` (or ``torch_dtype``) and ``attn_implementation`` are taken, and
-        ``device_map`` too (``trust_remote_code`` changes nothing: our classes are this package's, not remote code). The model is built on ``meta`` and each module's weights are drawn once, in that dtype on
-        that device (a large preset is never materialised in float32 on the host first); under
+        ``device_map`` too (``trust_remote_code`` changes nothing: our classes are this package's, not remote code).
+        The model is built on ``meta`` and each module's weights are drawn once, in that dtype on that device (a
+        large preset is never materialised in float32 on the host first); under
         :func:`~mindformers_py.loading.deferred_loading` they are left to a layout to fill shard by shard. Under a
         ``torch.device("meta")`` block the model stays on ``meta`` with nothing drawn."""
         family = _family_of(getattr(config, "model_type", None), type(config).__name__)
@@ -358,7 +359,7 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
                           "the folder of a config.json")
     family = _family_of(getattr(config, "model_type", None), type(config).__name__)
     from_hf = config.model_type != family.config_class.model_type
-    ours = with_overrides(family.converter.config_from_hf(config.to_dict()) if from_hf else config, family, overrides)
+    ours = _with_overrides(family.converter.config_from_hf(config.to_dict()) if from_hf else config, family, overrides)
     if isinstance(source, Path) and (source / "config.json").is_file():  # our checkpoint with an HF config, ...
         from_hf = _read_config_json(source).get("model_type") != family.config_class.model_type
     return ours, family, from_hf
