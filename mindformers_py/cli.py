@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except Exception as e:
         if not _lost_a_peer(e):
+            _record_for_launcher(e)
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
@@ -145,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _record_for_launcher(exc: Exception) -> None:
+    """Under a launcher (torchrun, or ours), write the exception to the error file it gave this worker
+    (``TORCHELASTIC_ERROR_FILE``, torchelastic's ``@record`` format), so that its report, the job's last line,
+    names the error beside the rank; the traceback is printed here as well."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
 
 
 def _lost_a_peer(exc: Exception) -> bool:
