@@ -357,7 +357,7 @@ which files of a Hub repository are read (:data:`~mindformers_py.models.hub.HUB_
 huggingface_hub for a hub id (:mod:`mindformers_py.models.hub`); for a local folder they change nothing, as in
 transformers. ``trust_remote_code`` has no remote code to trust: our classes are this package's. ``max_memory`` and
 ``offload_folder`` go with ``device_map="auto"`` (see :func:`_place`)."""
-CONFIG_KWARGS = ("return_unused_kwargs", "trust_remote_code", *HUB_KWARGS)
+CONFIG_KWARGS = ("subfolder", "return_unused_kwargs", "trust_remote_code", *(k for k in HUB_KWARGS if k != "subfolder"))
 """transformers' ``AutoConfig.from_pretrained`` keywords that say how to load rather than what the config holds."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
