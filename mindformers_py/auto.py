@@ -25,6 +25,7 @@ from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
 from .models.hf_config import own_config
 from .models.hub import HUB_KWARGS, hub_options, resolve_source
+from .models.packaged import packaged_checkpoint_path
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.typed_values import coerce_fields
@@ -251,7 +252,9 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         config, family, from_hf = _given_config(options["config"], source, kwargs)
     else:
         config, family, from_hf = resolve_config(source, **kwargs)
-    config._name_or_path = str(given)
+    # The name given, as transformers keeps it; a packaged checkpoint's name is kept as its folder instead, which
+    # the tools that reload ``name_or_path`` (AutoTokenizer, peft, sentence-transformers) find without the hub.
+    config._name_or_path = str(given if name_or_path == given or not _is_packaged(given) else name_or_path)
     attn = options.get("attn_implementation")
     if attn is not None:
         check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
@@ -332,6 +335,14 @@ def _generation_config(folder: Path) -> GenerationConfig:
     except (OSError, ValueError) as err:
         reason = "not valid JSON" if "not a valid JSON" in str(err) else str(err).splitlines()[0]
         raise CheckpointError(f"{folder / 'generation_config.json'} cannot be read ({reason}); fix or delete it") from None
+
+
+def _is_packaged(name: str | os.PathLike) -> bool:
+    """Whether ``name`` is a packaged checkpoint's name whose package is installed."""
+    try:
+        return packaged_checkpoint_path(name) is not None
+    except CheckpointError:  # its package is missing (the Hugging Face cache had it)
+        return False
 
 
 _PRESETS_SAID: set[str] = set()

@@ -108,6 +108,19 @@ USER_ERROR_GRACE_S = 20.0
 """Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a message comes, not as it was when :func:`main` first ran (a caller
+    that runs ``main`` in-process, as the tests do, may have replaced and closed that stream since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (:data:`EXIT_CODES`)."""
     parser = build_parser()
@@ -116,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     # Our own INFO messages (the auto_parallel planner's table, engine choices) are part of the run's output.
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[mindformers_py] %(message)s"))
     package_logger = logging.getLogger("mindformers_py")
     if not package_logger.handlers:
