@@ -174,7 +174,8 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("cp4_ring", dict(context_parallel=4), ["causal_lm", "moe_causal_lm"], N, 1),
     ("cp4_ulysses", dict(context_parallel=4, context_parallel_algo="ulysses"), ["bert_masked_lm"], N, 1),
-    ("cp4_hybrid", dict(context_parallel=4, context_parallel_algo="hybrid"), ["causal_lm", "seq2seq_lm"], N, 1),
+    ("cp4_hybrid", dict(context_parallel=4, context_parallel_algo="hybrid"), ["causal_lm", "packed_causal_lm",
+                                                                            "seq2seq_lm"], N, 1),
     ("dp2_cp2", dict(data_parallel=2, context_parallel=2), ["causal_lm", "image_classification"], N // 2, 1),
     ("cp2_tp2_sequence_parallel", dict(context_parallel=2, model_parallel=2, use_seq_parallel=True), ["causal_lm"], N, 1),
     ("cp2_tp2_ulysses", dict(context_parallel=2, model_parallel=2, context_parallel_algo="ulysses"), ["causal_lm"], N, 1),
