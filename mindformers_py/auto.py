@@ -102,6 +102,10 @@ def _check_fields(config_class: type[PretrainedConfig], overrides: dict[str, Any
         if not hasattr(probe, key):
             own = [f for f in vars(config_class).get("__annotations__", {}) if not f.startswith("_")]
             common = ["num_labels", "id2label", "label2id", "problem_type", "output_hidden_states", "output_attentions"]
+            close = difflib.get_close_matches(key, own + common + list(LOADING_KWARGS), n=1)
+            if close:  # a typo: the one name meant, not every name
+                raise ConfigError(f"{key!r} is not a {config_class.__name__} field nor a from_pretrained argument; "
+                                  f"did you mean {close[0]!r}?")
             raise ConfigError(f"{key!r} is neither a {config_class.__name__} field ({', '.join(own + common)}) nor a "
                               f"from_pretrained argument ({', '.join(LOADING_KWARGS)})")
 

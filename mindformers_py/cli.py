@@ -1,7 +1,8 @@
 """``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts.
 
-User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2; anything else is a bug
-and keeps its traceback.
+User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2, once per job however many
+ranks meet them; an interrupt (Ctrl-C) prints one line in the process that started the ranks (none in the ranks) and
+exits with status 130; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -121,8 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             # line). The launcher's SIGTERM ends this wait once the first rank has failed; if it does not come, the
             # error is this rank's own, and it says so itself.
             time.sleep(USER_ERROR_GRACE_S)
-        print(f"error: {e}", file=sys.stderr)
+        if _first_to_report(str(e)):
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the job: the ranks stop quietly (a checkpoint is written under a temporary
+        # name and renamed when complete, so those in place stay whole), the process that started them says so.
+        if not os.environ.get("LOCAL_RANK"):
+            print("error: interrupted (Ctrl-C); every process of the run was stopped (checkpoints already in "
+                  "output_dir are complete: resume_from_checkpoint continues from the latest)", file=sys.stderr)
+        return 130
     except Exception as e:
         if not _lost_a_peer(e):
             raise
@@ -144,6 +153,27 @@ def _lost_a_peer(exc: Exception) -> bool:
     from .parallel.launch import lost_a_peer
 
     return lost_a_peer(exc)
+
+
+def _first_to_report(message: str) -> bool:
+    """Whether this process prints ``message``: a rank of a job this package launched prints a user error only if no
+    other rank printed the same one (every rank often meets the same error after they have started; each claims the
+    message with a file in the launch's scratch folder, the first one prints it)."""
+    import hashlib
+
+    from .parallel.restarts import RESTART_LOG_ENV
+
+    log = os.environ.get(RESTART_LOG_ENV) if os.environ.get("LOCAL_RANK") else None
+    if not log or not os.path.isdir(os.path.dirname(log)):
+        return True
+    claim = os.path.join(os.path.dirname(log), "error-" + hashlib.sha256(message.encode()).hexdigest()[:16])
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _reports_user_errors() -> bool:

@@ -6,6 +6,13 @@ global micro-batches of ``per_device_train_batch_size x data-parallel size`` sam
 reading its part (:meth:`Engine.shard_indices`). So a step sees the same samples whatever the layout and the
 gradient-accumulation split, and resuming at (epoch, micro-batches consumed) skips exactly the samples already
 used without loading them.
+
+A global batch the data-parallel ranks do not divide (an epoch's last, an evaluation set's size) is split unevenly,
+the ranks' shares differing by one sample at most (:meth:`Engine.batch_share`); a rank whose share is empty (a
+last batch smaller than the data-parallel size) reads the batch's first sample as padding, which counts for
+nothing: every source yields ``(batch, real_rows)``, the rows of ``batch`` that are this rank's samples (the
+first ones), so losses, item counts, token counts and gathered predictions leave the padding out, as accelerate's
+``gather_for_metrics`` drops its duplicates.
 """
 
 from __future__ import annotations
@@ -28,17 +35,22 @@ class GlobalBatchSampler(Sampler[list[int]]):
     Args:
         num_samples: length of the dataset.
         global_batch_size: samples of one micro-batch over all data-parallel ranks.
-        shard: maps a global batch's indices to this rank's (``Engine.shard_indices``).
+        shard: maps a global batch's indices to this rank's (``Engine.shard_indices``: its share, or the batch's
+            first index as padding when its share is empty).
         shuffle: permute the samples every epoch (training) or keep their order (evaluation).
         seed: base of the per-epoch permutation seed.
         drop_last: drop a last global batch smaller than ``global_batch_size``.
+        share: ``share(rows) -> (first, count)``, this rank's share of a global batch of ``rows`` samples
+            (``Engine.batch_share``), which :meth:`real_rows` reads; None: every index ``shard`` gives is real.
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, shard: Callable[[Sequence[int]], list[int]],
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 share: Callable[[int], tuple[int, int]] | None = None) -> None:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.shard = shard
+        self.share = share
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -68,6 +80,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         size = self.global_batch_size
         for b in range(self.skip, self.batches_per_epoch()):
             yield self.shard(order[b * size:(b + 1) * size])
+
+    def real_rows(self) -> Iterator[int]:
+        """For each batch :meth:`__iter__` yields, how many of its first rows are this rank's samples (the others
+        are padding)."""
+        size = self.global_batch_size
+        for b in range(self.skip, self.batches_per_epoch()):
+            rows = min(size, self.num_samples - b * size)
+            yield self.share(rows)[1] if self.share is not None else len(self.shard(range(rows)))
 
     def __len__(self) -> int:
         return max(0, self.batches_per_epoch() - self.skip)
@@ -115,7 +135,7 @@ def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[st
 
 class EpochBatches:
     """One data-parallel rank's micro-batches, epoch by epoch, from a map-style dataset: the
-    :class:`GlobalBatchSampler` and the DataLoader reading its batches."""
+    :class:`GlobalBatchSampler` and the DataLoader reading its batches; iterating yields ``(batch, real_rows)``."""
 
     def __init__(self, sampler: GlobalBatchSampler, loader: DataLoader) -> None:
         self.sampler = sampler
@@ -134,8 +154,8 @@ class EpochBatches:
         if hasattr(self.loader.dataset, "set_epoch"):
             self.loader.dataset.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        return zip(self.loader, self.sampler.real_rows())
 
 
 class StreamBatches:
@@ -144,7 +164,8 @@ class StreamBatches:
 
     Every rank reads the stream in order and cuts it into global micro-batches of ``global_batch_size`` samples; each
     rank collates its contiguous share (:meth:`Engine.shard_indices`), so a step sees the same samples whatever the
-    layout, as with map-style data. An incomplete last global batch is dropped. A new epoch restarts the stream
+    layout, as with map-style data; iterating yields ``(batch, real_rows)``, every row real here. An incomplete
+    last global batch is dropped. A new epoch restarts the stream
     (calling its ``set_epoch``, which reshuffles a ``datasets.IterableDataset``). Resuming skips the samples already
     used by reading past them: a stream cannot seek.
     """
@@ -166,7 +187,7 @@ class StreamBatches:
         self.epoch = epoch
         self.skip = skip_batches
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
         samples = iter(self.dataset)
@@ -178,7 +199,7 @@ class StreamBatches:
             batch = list(itertools.islice(samples, self.global_batch_size))
             if len(batch) < self.global_batch_size:
                 return
-            yield self.collate_fn([batch[i] for i in rows])
+            yield self.collate_fn([batch[i] for i in rows]), len(rows)
 
 
 _END = object()
@@ -200,3 +221,4 @@ def map_style_length(dataset: Any, name: str) -> int:
     except TypeError:
         raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
                                "iterable datasets are not supported") from None
+
