@@ -436,6 +436,8 @@ class ParallelConfig(_Section):
         parts.append(f"recompute={mode}")
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        elif self.use_seq_parallel:  # asked for, not applied: said rather than silently ignored
+            parts.append("use_seq_parallel ignored (it splits sequences over model_parallel > 1 ranks)")
         if self.vocab_parallel:
             parts.append("vocabulary sharded")
         return ", ".join(parts)

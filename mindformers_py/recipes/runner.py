@@ -133,6 +133,8 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
         with data_progress():  # datasets' bars from one process: this one, or rank 0 of a job started elsewhere
             datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
+        if data_s.max_train_samples is not None and datasets.train is not None:
+            datasets.train = _first_samples(datasets.train, data_s.max_train_samples)
         for key, value in datasets.config_updates.items():
             if key in model_s and model_s[key] != value:
                 raise ConfigError(f"model.{key}={model_s[key]!r} contradicts the data, which gives {key}={value!r}; "
@@ -178,6 +180,21 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         results["samples"] = _samples_on_every_rank(task, auto, args, tokenizer, gen_s, model_s, world, run_mode,
                                                     source)
     return results
+
+
+def _first_samples(dataset: Any, count: int) -> Any:
+    """The first ``count`` samples of a recipe's dataset: a ``datasets.Dataset``, or a dataset wrapping one in its
+    ``dataset`` attribute (the image datasets, which process each image when read)."""
+    import copy
+
+    if hasattr(dataset, "select"):
+        return dataset.select(range(min(count, len(dataset))))
+    inner = getattr(dataset, "dataset", None)
+    if not hasattr(inner, "select"):
+        raise ConfigError(f"data.max_train_samples is not supported for a {type(dataset).__name__}")
+    capped = copy.copy(dataset)
+    capped.dataset = inner.select(range(min(count, len(inner))))
+    return capped
 
 
 def _samples_on_every_rank(task: TaskSpec, auto: Any, args: Any, tokenizer: Any, gen_s: GenerateSection,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_utils import RemoveColumnsCollator
 
 from ..errors import MindFormersError
+from ..utils.batch_rows import batch_rows, first_rows
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -156,6 +158,37 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         return zip(self.loader, self.sampler.real_rows())
+
+
+@dataclass
+class StepBatches:
+    """One optimizer step's micro-batches as this rank reads them (see :func:`read_step`)."""
+
+    micro_batches: list[Any]
+    """The batches as the engine trains on them (cut by ``Engine.shard_batch``)."""
+    real_rows: list[int]
+    """How many of each batch's first rows are samples (the rest is a rank's padding row)."""
+
+    @property
+    def counted(self) -> list[Any]:
+        """The batches cut to their real rows: what items, tokens and the loss mode are counted on."""
+        return [first_rows(b, rows) for b, rows in zip(self.micro_batches, self.real_rows)]
+
+    @property
+    def padding(self) -> dict[str, Any]:
+        """``Engine.forward_backward``'s keyword for the padding rows: ``real_rows`` when a batch has padding, else
+        none (an engine registered by a user need not know it)."""
+        padded = any(rows < batch_rows(b) for b, rows in zip(self.micro_batches, self.real_rows))
+        return {"real_rows": self.real_rows} if padded else {}
+
+
+def read_step(batches: Iterator[tuple[Any, int]], accum: int, shard: Callable[[Any], Any]) -> StepBatches | None:
+    """The next ``accum`` ``(batch, real_rows)`` of a source's iterator, each batch cut by ``shard``; None at its
+    end."""
+    read = list(itertools.islice(batches, accum))
+    if not read:
+        return None
+    return StepBatches([shard(b) for b, _ in read], [rows for _, rows in read])
 
 
 class StreamBatches:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -32,9 +31,8 @@ from ..layers.loss import IGNORE_INDEX
 from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
-from ..utils.batch_rows import batch_rows, first_rows
 from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
-    forward_columns, is_stream, map_style_length
+    forward_columns, is_stream, map_style_length, read_step
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
@@ -347,23 +345,19 @@ class Trainer(EvaluationMixin):
             batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
-                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those.
-                # Counts are of each batch's real rows (a rank without a share of a last batch reads padding).
-                read = list(itertools.islice(batches, accum))
-                if not read:
+                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those,
+                # and of each batch's real rows (a rank without a share of a last batch reads a padding row).
+                step = read_step(batches, accum, engine.shard_batch)
+                if step is None:
                     break
-                micro_batches = [engine.shard_batch(b) for b, _ in read]
-                real_rows = [rows for _, rows in read]
-                counted = [first_rows(b, rows) for b, rows in zip(micro_batches, real_rows)]
-                padded = any(rows < batch_rows(b) for b, rows in zip(micro_batches, real_rows))
-                consumed += len(micro_batches)
+                consumed += len(step.micro_batches)
                 engine.beat(state.global_step + 1)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
-                tokens = sum(self._count_throughput(b) for b in counted)
-                self._measure_loss_mode([b for b, rows in zip(counted, real_rows) if rows])
-                loss = engine.forward_backward(self.model_wrapped, micro_batches,
-                                               engine.count_items(counted, self.training_loss), self.training_loss,
-                                               **({"real_rows": real_rows} if padded else {}))
+                tokens = sum(self._count_throughput(b) for b in step.counted)
+                self._measure_loss_mode([b for b, rows in zip(step.counted, step.real_rows) if rows])
+                loss = engine.forward_backward(self.model_wrapped, step.micro_batches,
+                                               engine.count_items(step.counted, self.training_loss),
+                                               self.training_loss, **step.padding)
                 if args.max_grad_norm > 0:
                     self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(args, state, self.control)
