@@ -28,8 +28,8 @@ from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
 from ..parallel.config import FSDP, ParallelConfig
 from ..parallel.recompute import apply_recompute
-from ..utils.disk_space import check_free_space
 from ..utils.batch_rows import batch_rows, first_rows
+from ..utils.disk_space import check_free_space
 from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
@@ -417,7 +417,6 @@ def padded_share(step: StepLoss, model: nn.Module, batch: dict[str, Any], real_r
     if real_rows == 0:
         return step(model, batch) * 0.0
     return step(model, first_rows(batch, real_rows))
-
 
 
 def _tensor_bytes(states: Sequence[Any]) -> int:

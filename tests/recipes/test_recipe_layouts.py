@@ -1,14 +1,18 @@
 """Every recipe in tasks/ under every layout it supports, against its stand-alone run: the matrix that closes the gap
 issue 38 found (fine-tuning recipes that trained garbage or died under layouts while the pretraining ones passed).
 
-Each recipe runs shrunk by flags (tiny widths, fp32, no dropout) for one whole epoch of 13 samples with evaluation on
-7 and its pipeline on a prompt, so the global batch of 4 leaves a last batch of 1 (one data-parallel rank without a
-sample, a pipeline batch its 2 micro-batches do not divide) and the evaluation batches split unevenly. Under dp2,
-ZeRO-3, tp2 with and without sequence parallelism, pp2, ep2 (MoE) and cp2 (the long recipe), each run must give
-stand-alone's first loss (1e-5) and every step's loss and gradient norm (1e-4: the gradient norm shows a scale a
-loss would hide), its evaluation loss, its counters (steps, epoch, num_input_tokens_seen, total_flos), and the
-saved model (or adapter), loaded again by every rank for the pipeline, must predict what stand-alone's does. Layouts
-a recipe cannot run are refused before training, in one line.
+Each recipe runs shrunk by flags (tiny widths, fp32, no dropout; the fine-tuning recipes from tiny pretrained
+folders the test makes) for one whole epoch of 13 samples with evaluation on 7 and its pipeline on a prompt, so the
+global batch of 4 leaves a last batch of 1 (one data-parallel rank without a sample, a pipeline batch its 2
+micro-batches do not divide) and the evaluation batches split unevenly; text blocks are 31 tokens and the
+classification batches padded to their longest row, lengths sequence parallelism must pad. Under dp2, ZeRO-3, tp2,
+tp2 with sequence parallelism and the vocabulary sharded, pp2, ep2 (MoE) and cp2 (the long recipe), each run must
+give stand-alone's first loss (1e-5) and every step's loss and gradient norm (1e-4: the gradient norm shows a scale a
+loss would hide), its evaluation loss, its counters (steps, epoch, num_input_tokens_seen, total_flos), a new
+classifier of stand-alone's magnitude, and the saved model (or adapter), loaded again by every rank for the
+pipeline, must predict what stand-alone's does. Layouts a recipe cannot run are refused before training, in one
+line, writing nothing. Beside the matrix: --run_mode eval under tp2, a saved adapter generating in a worker pool,
+and --parallel_mode auto_parallel on this CPU (the pretraining recipe's stand-alone run).
 
 Cost: the stand-alone runs in the test process, one 2-process job for every layout run (run_recipe on the job's
 process group, as torchrun's workers do), reading the data and tokenizers the stand-alone runs prepared (cached).
@@ -56,20 +60,22 @@ class Recipe:
     layouts: tuple[str, ...] = FINE_TUNING
     refused: tuple[tuple[str, str], ...] = ()
     prompt: str = "def add(a, b):"
+    base: str | None = None
+    """The pretrained folder of a fine-tuning recipe, made by the test (:func:`inputs`)."""
 
 
-RECIPES_ALL = {
+RECIPES = {
     "bert_classification": Recipe("bert/finetune_classification.yaml", (*NO_DROPOUT, "--data.block_size", "32"),
-                                  prompt="Return the number of items in the queue."),
+                                  prompt="Return the number of items in the queue.", base="bert_base"),
     "bert_classification_lora": Recipe("bert/finetune_classification_lora.yaml",
                                        (*NO_DROPOUT, "--data.block_size", "32", "--peft.lora_dropout", "0.0"),
-                                       prompt="Return the number of items in the queue."),
+                                       prompt="Return the number of items in the queue.", base="bert_base"),
     "bert_mlm": Recipe("bert/pretrain_mlm_tiny.yaml",
                        ("--model.num_hidden_layers", "2", "--model.hidden_size", "32", "--model.num_attention_heads",
                         "4", "--model.intermediate_size", "64", "--tokenizer.vocab_size", "400", "--data.max_files",
                         "12", "--data.block_size", "31"), prompt="def __init__(self, [MASK]=None):"),
     "gpt_lora": Recipe("gpt/finetune_lora.yaml", ("--data.max_files", "40", "--data.block_size", "64", "--peft.r", "4",
-                                                  "--peft.lora_dropout", "0.0")),
+                                                  "--peft.lora_dropout", "0.0"), base="gpt_base"),
     "gpt_long": Recipe("gpt/pretrain_long.yaml",
                        ("--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.max_position_embeddings",
                         "64", "--tokenizer.vocab_size", "400", "--data.max_files", "12", "--data.block_size", "32"),
@@ -91,8 +97,6 @@ RECIPES_ALL = {
                           "64"), prompt=""),
 }
 
-_ONLY = os.environ.get("MATRIX_ONLY")  # TEMP
-RECIPES = {k: v for k, v in RECIPES_ALL.items() if not _ONLY or k in _ONLY.split(",")}
 SEMI = ["--parallel_mode", "semi_auto_parallel"]
 HALF_BATCH = ["--per_device_train_batch_size", str(BATCH // 2), "--per_device_eval_batch_size", str(BATCH // 2)]
 LAYOUTS = {
@@ -100,7 +104,7 @@ LAYOUTS = {
     "dp2": ["--parallel_mode", "data_parallel", "--data_parallel", "2", *HALF_BATCH],
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3", *HALF_BATCH],
     "tp2": [*SEMI, "--model_parallel", "2"],
-    "tp2_sp": [*SEMI, "--model_parallel", "2", "--use_seq_parallel", "true"],
+    "tp2_sp": [*SEMI, "--model_parallel", "2", "--use_seq_parallel", "true", "--vocab_emb_dp", "false"],
     "pp2": [*SEMI, "--pipeline_stage", "2", "--micro_batch_num", "2"],
     "pp2_loss_only": [*SEMI, "--pipeline_stage", "2", "--micro_batch_num", "2", "--predict_with_generate", "false"],
     "ep2": [*SEMI, "--data_parallel", "2", "--expert_parallel", "2", *HALF_BATCH],
@@ -113,7 +117,7 @@ REFUSALS = [(name, layout, needle) for name, recipe in RECIPES.items() for layou
 
 def flags(name: str, layout: str, out: Path, inputs: Path) -> list[str]:
     recipe = RECIPES[name]
-    extra = ["--model.name_or_path", str(inputs / "gpt_base")] if name == "gpt_lora" else []
+    extra = ["--model.name_or_path", str(inputs / recipe.base)] if recipe.base else []
     prompts = [str(inputs / "digit.png")] if name == "vit_digits" else [recipe.prompt]
     baseline = LAYOUTS["stand_alone"] if layout == "stand_alone" else []
     if layout == "stand_alone" and name == AUTO_PARALLEL_RECIPE:  # what --parallel_mode auto_parallel runs on a CPU
@@ -186,12 +190,15 @@ def _job(rank: int, world_size: int, work: str, inputs: str) -> dict:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    """A pretrained tiny GPT-2 for the LoRA recipe (its tokenizer beside it) and a digit image for the ViT recipe's
-    pipeline."""
+    """The fine-tuning recipes' pretrained checkpoints, tiny: a GPT-2 for the LoRA recipe and a BERT encoder (no
+    classifier: the recipes add a new one) with all-MiniLM-L6-v2's tokenizer for the classification recipes, each
+    with its tokenizer; and a digit image for the ViT recipe's pipeline."""
     import mindformers_py as mf
     from mindformers_py.data import train_bpe_tokenizer
     from mindformers_py.data.images import digits_dataset
     from mindformers_py.data.instructions import docstring_instructions
+    from mindformers_py.models.packaged import resolve_checkpoint_name
+    from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("matrix_inputs")
     pairs = docstring_instructions("train", 40)  # the recipe's data: a tokenizer made for it keeps prompts short
@@ -203,6 +210,12 @@ def inputs(tmp_path_factory) -> Path:
                           pad_token_id=tokenizer.pad_token_id)
     mf.GPTForCausalLM(config).save_pretrained(folder / "gpt_base")
     tokenizer.save_pretrained(folder / "gpt_base")
+    minilm = AutoTokenizer.from_pretrained(resolve_checkpoint_name("sentence-transformers/all-MiniLM-L6-v2"))
+    torch.manual_seed(0)
+    mf.BertModel(mf.BertConfig(vocab_size=len(minilm), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=64, pad_token_id=minilm.pad_token_id)
+                 ).save_pretrained(folder / "bert_base")
+    minilm.save_pretrained(folder / "bert_base")
     digits_dataset()["validation"][0]["image"].save(folder / "digit.png")
     return folder
 
