@@ -1,9 +1,9 @@
 """Auto classes: one entry point for presets, our checkpoints and HF checkpoints of the architectures we cover.
 
-``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, or a
-folder holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
-converted on load, or the hub name of a checkpoint shipped in an installed package
-(``sentence-transformers/all-MiniLM-L6-v2``, :mod:`mindformers_py.models.packaged`).
+``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, a folder
+holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
+converted on load, or a Hugging Face Hub id, read from the Hugging Face cache (or a package that ships it) as
+transformers reads it (:mod:`mindformers_py.models.hub`).
 Our model types are also registered with transformers' own Auto classes, so
 ``transformers.AutoModelForCausalLM.from_pretrained(folder_saved_by_us)`` returns our model.
 """
@@ -24,7 +24,7 @@ from transformers import GenerationConfig, PretrainedConfig
 from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
 from .models.hf_config import own_config
-from .models.packaged import resolve_checkpoint_name
+from .models.hub import hub_options, resolve_source
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.typed_values import coerce_fields
@@ -60,8 +60,10 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     typed fields are read by the field's type (``"no"`` for a boolean field is False), as recipes and command-line
     flags give them.
     """
-    name_or_path = resolve_checkpoint_name(name_or_path)
-    path = Path(name_or_path)
+    hub = hub_options(overrides)
+    subfolder = hub.pop("subfolder", "")
+    name_or_path = resolve_source(name_or_path, **hub)
+    path = Path(name_or_path, subfolder)
     if path.is_dir():
         raw = _read_config_json(path)
         family = _family_of(raw.get("model_type"), str(path / "config.json"))
@@ -76,8 +78,8 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
             config = family.config_class.from_dict({**raw, **overrides})
         return config, family, from_hf
     family = registry.family_for_preset(str(name_or_path))
-    if family is None:
-        raise _not_found(str(name_or_path))
+    if family is None or subfolder:
+        raise _not_found(str(path))
     _check_fields(family.config_class, overrides)
     overrides = coerce_fields(family.config_class, overrides)
     return family.config_class(**{**family.presets[str(name_or_path)], **overrides}), family, False
@@ -87,8 +89,8 @@ def _not_found(name: str) -> ConfigError:
     """The error for a source that is no folder and no preset: "no such folder" for what looks like a path, the
     closest preset for a near miss, else the presets."""
     if os.sep in name or "/" in name or name.startswith((".", "~")):
-        return ConfigError(f"no such folder: {name!r} (expected a checkpoint folder or a preset name; nothing is "
-                           "downloaded from the hub)")
+        return ConfigError(f"no such folder: {name!r} (expected a checkpoint folder, a preset name or a Hugging Face "
+                           "Hub id)")
     presets = registry.all_presets()
     close = difflib.get_close_matches(name, presets, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"presets: {', '.join(presets)}"
@@ -205,10 +207,15 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
     if model_args:
         raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
                           f"(got {len(model_args)}); pass config fields as keywords")
-    name_or_path = resolve_checkpoint_name(name_or_path)
+    given = name_or_path
+    hub = hub_options(kwargs)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
-    folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
+    subfolder = hub.pop("subfolder", "")
+    name_or_path = resolve_source(name_or_path, **hub)  # a hub id: its snapshot in the Hugging Face cache
+    folder = Path(name_or_path, subfolder)
     source = folder if folder.is_dir() else name_or_path
+    if not folder.is_dir() and registry.is_preset(str(name_or_path)):
+        _say_preset(str(name_or_path))
     if options.get("use_safetensors") is False:
         raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
                               "loaded (unpickling can run code); convert the checkpoint to safetensors")
@@ -216,7 +223,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         config, family, from_hf = _given_config(options["config"], source, kwargs)
     else:
         config, family, from_hf = resolve_config(source, **kwargs)
-    config._name_or_path = str(name_or_path)
+    config._name_or_path = str(given)
     attn = options.get("attn_implementation")
     if attn is not None:
         check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
@@ -281,15 +288,28 @@ def _generation_config(folder: Path) -> GenerationConfig:
         raise CheckpointError(f"{folder / 'generation_config.json'} cannot be read ({reason}); fix or delete it") from None
 
 
+_PRESETS_SAID: set[str] = set()
+
+
+def _say_preset(name: str) -> None:
+    """Say once (per process; in a job, on its first rank) that a preset name gives a new model, not a checkpoint's
+    weights."""
+    if name not in _PRESETS_SAID and os.environ.get("RANK", "0") == "0":
+        _PRESETS_SAID.add(name)
+        logger.warning("%r is a preset of mindformers_py (a model configuration): the model gets new, randomly "
+                       "initialised weights, not a checkpoint's", name)
+
+
 LOADING_KWARGS = (
     "config", "dtype", "torch_dtype", "device_map", "attn_implementation", "subfolder", "ignore_mismatched_sizes",
     "output_loading_info", "use_safetensors", "low_cpu_mem_usage", "local_files_only", "revision", "trust_remote_code",
     "cache_dir", "token", "force_download", "proxies",
 )
-"""transformers' ``from_pretrained`` keywords that say how to load rather than what the model is. The last eight
-concern downloads from a hub: weights here come from a local folder or a preset, so, as transformers does for a
-local folder, they change nothing (``local_files_only`` is always satisfied; ``trust_remote_code`` has no remote
-code to trust: our classes are this package's)."""
+"""transformers' ``from_pretrained`` keywords that say how to load rather than what the model is. Those that say
+which files of a Hub repository are read (``revision``, ``cache_dir``, ``local_files_only``, ``token``,
+``force_download``, ``proxies``, ``subfolder``) are passed to huggingface_hub for a hub id
+(:mod:`mindformers_py.models.hub`); for a local folder they change nothing, as in transformers.
+``trust_remote_code`` has no remote code to trust: our classes are this package's."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -325,10 +345,17 @@ def _place(model: PreTrainedModel, device_map: Any) -> PreTrainedModel:
     """Give the ``meta``-built model its weights where transformers' ``device_map`` says: a device, ``{"": device}``,
     a per-module dict, or a strategy such as ``"auto"`` (planned with accelerate on the empty model, then each weight
     is loaded straight onto its device and accelerate's hooks move activations between devices)."""
+    from transformers.modeling_utils import get_torch_context_manager_or_global_device
+
     from .loading.deferred import materialize
 
-    if device_map is None:
-        return materialize(model, "cpu")
+    if device_map is None:  # as transformers: the device of a `with torch.device(...)` block or the default device
+        device = get_torch_context_manager_or_global_device() or torch.device("cpu")
+        if device.type == "meta":
+            raise ConfigError("from_pretrained reads weights, which a meta device (torch.set_default_device('meta') or "
+                              "a `with torch.device('meta')` block) cannot hold; build an empty model with from_config "
+                              "there, or load outside it")
+        return materialize(model, device)
     if isinstance(device_map, (int, torch.device)) or (isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES):
         return materialize(model, torch.device(device_map))
     from accelerate import dispatch_model, infer_auto_device_map

@@ -95,12 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_CODES = {
+    EXIT_OK: "the command did what it was asked",
+    EXIT_FAILED: "a rank stopped because another rank of the job failed (the launcher's line names that one), or a "
+                 "failure that is not a user error (its traceback is printed)",
+    EXIT_USER_ERROR: "a user error, refused before anything is written: one line `error: ...` on stderr naming the "
+                     "field, the value and what would be valid (also argparse's usage errors)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): every process of the run was stopped, with one line `error: interrupted "
+                      "...`; checkpoints already written are complete",
+}
+"""What ``mindformers-py`` exits with (a multi-process job ends with the exit of the rank that failed)."""
+
 USER_ERROR_GRACE_S = 20.0
 """Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 user error)."""
+    """Entry point; returns the exit status (:data:`EXIT_CODES`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
@@ -124,14 +136,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(USER_ERROR_GRACE_S)
         if _first_to_report(str(e)):
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         # Ctrl-C reaches every process of the job: the ranks stop quietly (a checkpoint is written under a temporary
         # name and renamed when complete, so those in place stay whole), the process that started them says so.
         if not os.environ.get("LOCAL_RANK"):
             print("error: interrupted (Ctrl-C); every process of the run was stopped (checkpoints already in "
                   "output_dir are complete: resume_from_checkpoint continues from the latest)", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as e:
         if not _lost_a_peer(e):
             raise
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "?")
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
 
 def _lost_a_peer(exc: Exception) -> bool:

@@ -38,7 +38,18 @@ def schedulers() -> tuple[str, ...]:
 METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
-REPORT_TARGETS = ("tensorboard",)
+REPORT_TARGETS = ("tensorboard", "mlflow", "wandb")
+"""What ``report_to`` names: TensorBoard (a dependency), and the trackers transformers' integrations drive where their
+package is installed (:data:`TRACKER_PACKAGES`)."""
+TRACKER_PACKAGES = {"mlflow": "mlflow (or mlflow-skinny)", "wandb": "wandb"}
+"""Tracker -> the package it needs (``pip install`` name)."""
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether the package of tracker ``name`` is importable (TensorBoard always is)."""
+    import importlib.util
+
+    return name not in TRACKER_PACKAGES or importlib.util.find_spec(name) is not None
 
 
 
@@ -111,8 +122,10 @@ class TrainingArguments:
     logging_dir: str | None = None
     """TensorBoard folder; None = ``<output_dir>/runs``."""
     report_to: str | list[str] = "tensorboard"
-    """Integrations that receive the logs: ``"tensorboard"``, ``"all"`` (= tensorboard) or ``"none"``. HF v5
-    defaults to none; we default to TensorBoard. ``log.jsonl`` is written whatever this says."""
+    """Integrations that receive the logs: ``"tensorboard"``, ``"mlflow"`` and ``"wandb"`` (transformers'
+    integrations, configured by their own environment variables: ``MLFLOW_TRACKING_URI``, ``WANDB_MODE=offline``,
+    ...; their package must be installed), ``"all"`` (every one installed) or ``"none"``. HF v5 defaults to none; we
+    default to TensorBoard. ``log.jsonl`` is written whatever this says."""
     run_name: str | None = None
     """A name for the run, shown in TensorBoard's text tab; None = the ``output_dir`` name."""
     disable_tqdm: bool = False
@@ -282,7 +295,11 @@ class TrainingArguments:
         report = [r.lower() for r in self.report_to]
         for target in report:
             check_choice("report_to", target, REPORT_TARGETS + ("all", "none"))
-        self.report_to = [] if "none" in report else list(REPORT_TARGETS) if "all" in report else report
+            if not tracker_installed(target):
+                raise ConfigError(f"report_to={target!r} needs the {target} package, which is not installed: pip "
+                                  f"install {TRACKER_PACKAGES[target].split(' ')[0]}")
+        installed = [t for t in REPORT_TARGETS if tracker_installed(t)]  # transformers' "all": every one installed
+        self.report_to = [] if "none" in report else installed if "all" in report else report
         for name in ("lr_scheduler_type", "eval_strategy", "save_strategy", "logging_strategy", "optim"):
             value = getattr(self, name)
             if isinstance(value, str):

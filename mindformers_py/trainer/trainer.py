@@ -35,7 +35,7 @@ from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dat
     forward_columns, is_stream, map_style_length, read_step
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
+    check_output_dir, prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
     rotate_checkpoints, save_trainer_state
 from .evaluation import EvaluationMixin
 from .fused_loss import FusedCausalLMLoss
@@ -218,11 +218,27 @@ class Trainer(EvaluationMixin):
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
-        if self._workers is not None:
-            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
-        args, engine = self.args, self.engine
+        args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         restart = restart_info()
+        if not resume and restart is None:  # refused here, before a worker starts or a file is touched
+            check_output_dir(args.output_dir, args.overwrite_output_dir)
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
+        engine = self.engine
+        dataset, collate = self._prepared(self.train_dataset, "train")
+        global_batch = args.per_device_train_batch_size * engine.dp_size
+        if not is_stream(dataset):  # checked before the folder is prepared: overwriting it deletes another run
+            num_samples = map_style_length(dataset, "train_dataset")
+            if num_samples < global_batch:
+                raise MindFormersError(
+                    f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
+                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
+                    "ranks); use more data or a smaller per_device_train_batch_size"
+                )
+        elif args.max_steps <= 0:
+            raise MindFormersError("an iterable train_dataset has no length, so the run needs max_steps > 0 "
+                                   "(num_train_epochs cannot be turned into steps), as in transformers")
         engine.wait_for_checkpoint()
         if engine.is_main_process:
             remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
@@ -240,24 +256,12 @@ class Trainer(EvaluationMixin):
         else:
             check_checkpoint(checkpoint, engine.checkpoint_files())
 
-        dataset, collate = self._prepared(self.train_dataset, "train")
-        global_batch = args.per_device_train_batch_size * engine.dp_size
         data_seed = args.data_seed if args.data_seed is not None else args.seed
         accum = args.gradient_accumulation_steps
         if is_stream(dataset):
-            if args.max_steps <= 0:
-                raise MindFormersError("an iterable train_dataset has no length, so the run needs max_steps > 0 "
-                                       "(num_train_epochs cannot be turned into steps), as in transformers")
             num_samples, max_steps, num_epochs = 0, args.max_steps, math.inf
             source: Any = StreamBatches(dataset, global_batch, engine.shard_indices, collate)
         else:
-            num_samples = map_style_length(dataset, "train_dataset")
-            if num_samples < global_batch:
-                raise MindFormersError(
-                    f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
-                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
-                    "ranks); use more data or a smaller per_device_train_batch_size"
-                )
             sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
                                          drop_last=args.dataloader_drop_last, share=engine.batch_share)
             source = EpochBatches(sampler, build_dataloader(

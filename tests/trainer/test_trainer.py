@@ -387,7 +387,8 @@ def test_fp16_on_cpu_is_refused(tmp_path):
     ({"learning_rate": -0.1}, r"learning_rate=-0.1 is not valid; expected a number >= 0"),
     ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps=0 is not valid; expected an integer >= 1"),
     ({"max_steps": "ten"}, r"max_steps='ten' is not valid; expected an integer"),
-    ({"report_to": "wandb"}, r"report_to='wandb' is not valid; choose one of: 'tensorboard', 'all', 'none'"),
+    ({"report_to": "comet_ml"}, r"report_to='comet_ml' is not valid; choose one of: 'tensorboard', 'mlflow', 'wandb', "
+                                r"'all', 'none'"),
     ({"parallel_config": {"parallel_mode": "sideways"}}, r"parallel_mode='sideways' is not valid"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"},
      r"load_best_model_at_end=True needs save_strategy equal to eval_strategy"),
@@ -400,7 +401,10 @@ def test_training_arguments_refuse_bad_values(kwargs, pattern):
 def test_training_arguments_accept_strings_and_round_trip():
     a = TrainingArguments(output_dir="x", learning_rate="3e-4", max_steps="5", bf16="true", report_to="all",
                           warmup_steps="0.1", parallel_config={"parallel_mode": "stand_alone"})
-    assert (a.learning_rate, a.max_steps, a.bf16, a.report_to) == (3e-4, 5, True, ["tensorboard"])
+    from mindformers_py.trainer.arguments import REPORT_TARGETS, tracker_installed
+
+    installed = [t for t in REPORT_TARGETS if tracker_installed(t)]  # "all": every tracker installed, as transformers
+    assert (a.learning_rate, a.max_steps, a.bf16, a.report_to) == (3e-4, 5, True, installed)
     assert a.warmup_steps_for(50) == 5
     assert TrainingArguments.from_dict(a.to_dict()) == a
     with pytest.raises(ConfigError, match="not_a_field is not a TrainingArguments field"):

@@ -32,5 +32,5 @@ GPT_PRESETS.update({
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, output_router_logits=True,
                          moe_config=dict(_MOE_TOP2, aux_loss_factor=0.02)),
 })
-# MindFormers-style aliases.
-GPT_PRESETS["gpt2"] = GPT_PRESETS["gpt_small"]
+# No preset is called "gpt2": that name is GPT-2's repository on the Hugging Face Hub, whose weights it must load
+# (models/hub.py), never a random model of its shape. gpt_small is that shape.
