@@ -111,6 +111,19 @@ USER_ERROR_GRACE_S = 20.0
 """Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a message comes, not as it was when :func:`main` first ran (a caller
+    that runs ``main`` in-process, as the tests do, may have replaced and closed that stream since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (:data:`EXIT_CODES`)."""
     parser = build_parser()
@@ -119,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     # Our own INFO messages (the auto_parallel planner's table, engine choices) are part of the run's output.
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[mindformers_py] %(message)s"))
     package_logger = logging.getLogger("mindformers_py")
     if not package_logger.handlers:
@@ -146,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:
         if not _lost_a_peer(e):
+            _record_for_launcher(e)
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
@@ -156,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _record_for_launcher(exc: Exception) -> None:
+    """Under a launcher (torchrun, or ours), write the exception to the error file it gave this worker
+    (``TORCHELASTIC_ERROR_FILE``, torchelastic's ``@record`` format), so that its report, the job's last line,
+    names the error beside the rank; the traceback is printed here as well."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
 
 
 def _lost_a_peer(exc: Exception) -> bool:

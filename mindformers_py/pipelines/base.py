@@ -137,8 +137,10 @@ def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreT
     raise MindFormersError(f"model={type(model).__name__} is not a model, a checkpoint folder or a preset name")
 
 
-def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model: PreTrainedModel) -> Any:
-    """The preprocessor given (an object or a folder), else the one saved with the model's checkpoint."""
+def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model: PreTrainedModel,
+                      **load_kwargs: Any) -> Any:
+    """The preprocessor given (an object or a folder), else the one saved with the model's checkpoint;
+    ``load_kwargs`` (``use_fast``, ``revision``, ...) go to its ``from_pretrained``."""
     loader = PREPROCESSOR_LOADERS[task.preprocessor]
     if given is not None and not isinstance(given, (str, os.PathLike)):
         return given
@@ -151,4 +153,4 @@ def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model
             "without a checkpoint folder"
         )
     with loading_from(source, task.preprocessor, f"save one there or pass {task.preprocessor}=..."):
-        return loader.from_pretrained(os.fspath(source))
+        return loader.from_pretrained(os.fspath(source), **load_kwargs)

@@ -13,6 +13,7 @@ import torch
 from families import FAMILIES, first_output, populate_cache
 
 import mindformers_py as mf
+from mindformers_py import auto
 from mindformers_py.models import registry
 from mindformers_py.models.hub import is_hub_id
 
@@ -99,13 +100,14 @@ def test_a_hub_id_not_in_the_cache_is_one_line_saying_how_to_get_it(hub_cache):
         mf.AutoModelForCausalLM.from_pretrained("gpt_tinyy", cache_dir=hub_cache)
 
 
-def test_no_preset_is_called_as_a_hub_repository_and_a_preset_says_what_it_is(caplog):
+def test_no_preset_is_called_as_a_hub_repository_and_a_preset_says_what_it_is(caplog, monkeypatch):
     # The hub's old ids without an organisation (transformers still resolves them) are not our presets' names.
     legacy = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2", "bert-base-uncased", "bert-base-cased",
               "bert-large-uncased", "roberta-base", "roberta-large", "t5-small", "t5-base", "t5-large", "t5-3b",
               "t5-11b", "distilbert-base-uncased", "xlm-roberta-base"}
     assert legacy.isdisjoint(registry.all_presets())
     assert all(is_hub_id(name) for name in legacy)
+    monkeypatch.setattr(auto, "_PRESETS_SAID", set())  # said once per process: an earlier test may have loaded it
     with caplog.at_level(logging.WARNING, logger="mindformers_py"):
         mf.AutoModelForCausalLM.from_pretrained("gpt_tiny", num_hidden_layers=1, hidden_size=32, num_attention_heads=2)
     assert "'gpt_tiny' is a preset of mindformers_py (a model configuration): the model gets new, randomly " \

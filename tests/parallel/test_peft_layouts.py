@@ -23,6 +23,7 @@ from mindformers_py.cli import main
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
+from tolerances import BF16_LAYOUT_GRAD_NORM
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "tasks" / "gpt" / "finetune_lora.yaml"
@@ -55,14 +56,15 @@ def _loss(model, inputs, num_items):
     return model(**inputs, num_items_in_batch=num_items).loss
 
 
-def adapter_gradients(parallel: ParallelConfig) -> dict[str, torch.Tensor]:
-    """Whole gradients of every trainable tensor after one step of two micro-batches under ``parallel``."""
+def adapter_gradients(parallel: ParallelConfig, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Whole gradients of every trainable tensor after one step of two micro-batches under ``parallel`` (fp32, or
+    under bf16 autocast)."""
     import torch.distributed as dist
 
     from mindformers_py.engine import build_engine
 
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=BATCH // parallel.dp, use_cpu=True,
-                             parallel_config=parallel, report_to=[], bf16=False)  # fp32: compared with stand-alone
+                             parallel_config=parallel, report_to=[], bf16=bf16)
     engine = build_engine(parallel, args)
     engine.setup()
     model = peft_model()
@@ -155,6 +157,7 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
     from mindformers_py.recipes import load_recipe, run_recipe
 
     out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()}}
+    out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
         per_rank = ["--per_device_train_batch_size", "4"] if "--data_parallel" in flags else []
@@ -183,6 +186,19 @@ def test_adapter_gradients_equal_stand_alone(job, name):
     for key, grad in expected.items():
         assert grad.abs().max() > 0, key
         torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch
+
+
+def gradient_norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads.values()])))
+
+
+def test_adapter_gradients_under_bf16_stay_within_bf16_tolerance_of_stand_alone(job):
+    expected = gradient_norm(adapter_gradients(ParallelConfig(), bf16=True))
+    assert expected != gradient_norm(adapter_gradients(ParallelConfig()))  # bf16 changed the numerics
+    assert job[1]["bf16_norm"] == pytest.approx(expected, **BF16_LAYOUT_GRAD_NORM)
 
 
 @pytest.mark.parametrize("name", list(RECIPE_LAYOUTS))
