@@ -254,4 +254,3 @@ def map_style_length(dataset: Any, name: str) -> int:
     except TypeError:
         raise MindFormersError(f"{name} must be a map-style dataset with a length (got {type(dataset).__name__}); "
                                "iterable datasets are not supported") from None
-

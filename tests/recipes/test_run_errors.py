@@ -54,37 +54,45 @@ def test_sequence_parallel_without_tensor_parallel_is_said_on_the_layout_line():
     assert applied.describe().endswith(", sequence parallel")
 
 
-def _command(tmp_path: Path, *extra: str) -> list[str]:
-    (tmp_path / "train.txt").write_text(TEXT)
+def _command(tmp_path: Path, cache: Path, *extra: str) -> list[str]:
+    text = cache.parent / "run_errors_train.txt"  # one file for both runs: their tokenizer and data are cached once
+    if not text.exists():
+        text.write_text(TEXT)
     return [sys.executable, "-m", "mindformers_py", "run", str(RECIPE), "--data.source", "files",
-            "--data.train_files", str(tmp_path / "train.txt"), "--data.validation_files", str(tmp_path / "train.txt"),
+            "--data.train_files", str(text), "--data.validation_files", str(text),
             "--data.max_eval_samples", "4", "--tokenizer.vocab_size", "300", "--model.num_hidden_layers", "1",
             "--model.hidden_size", "32", "--data.block_size", "16", "--per_device_train_batch_size", "2",
             "--report_to", "[]", "--disable_tqdm", "true", "--save_strategy", "no", "--generate.prompts", "[]",
             "--parallel_mode", "data_parallel", "--data_parallel", "2", "--output_dir", str(tmp_path / "out"), *extra]
 
 
-def _environment(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "MINDFORMERS_PY_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One package cache for the CLI runs: the second reads the tokenizer and data the first prepared."""
+    return tmp_path_factory.mktemp("run_errors") / "cache"
 
 
-def test_a_user_error_every_rank_meets_is_printed_once(tmp_path):
+def _environment(cache: Path) -> dict[str, str]:
+    return {**os.environ, "MINDFORMERS_PY_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_user_error_every_rank_meets_is_printed_once(tmp_path, cache):
     """Met at the first evaluation, after the ranks started: one line for the job (it was one per rank)."""
-    out = subprocess.run(_command(tmp_path, "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
+    out = subprocess.run(_command(tmp_path, cache, "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
                                   "--metric_for_best_model", "accuracy"),
-                         capture_output=True, text=True, cwd=tmp_path, env=_environment(tmp_path), timeout=600)
+                         capture_output=True, text=True, cwd=tmp_path, env=_environment(cache), timeout=600)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
     assert sum("metric_for_best_model='accuracy' is not among the evaluation metrics" in line for line in lines) == 1
     assert not any("Traceback" in line for line in lines), out.stderr[-3000:]
 
 
-def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path, cache):
     """Ctrl-C (SIGINT to the terminal's process group) during training: the CLI prints one line, the ranks none (they
     printed pages of tracebacks, and the agent its own lines), and the run ends with status 130."""
-    proc = subprocess.Popen(_command(tmp_path, "--max_steps", "100000", "--eval_strategy", "no", "--logging_steps", "1"),
+    proc = subprocess.Popen(_command(tmp_path, cache, "--max_steps", "100000", "--eval_strategy", "no", "--logging_steps", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env=_environment(tmp_path), start_new_session=True)
+                            env=_environment(cache), start_new_session=True)
     try:
         deadline = time.time() + 300
         for line in proc.stdout:  # training has started in both ranks once a step is logged
