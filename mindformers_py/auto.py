@@ -119,8 +119,13 @@ def _check_fields(probe: PretrainedConfig, overrides: dict[str, Any], caller: st
             own = [f for f in vars(config_class).get("__annotations__", {}) if not f.startswith("_")]
             common = ["num_labels", "id2label", "label2id", "problem_type", "output_hidden_states", "output_attentions"]
             article = "an" if caller[0] in "AEIOU" else "a"
+            valid = list(arguments or LOADING_KWARGS)
+            close = difflib.get_close_matches(key, own + common + valid, n=1)
+            if close:  # a typo: the one name meant, not every name
+                raise ConfigError(f"{key!r} is not a {config_class.__name__} field nor {article} {caller} argument; "
+                                  f"did you mean {close[0]!r}?")
             raise ConfigError(f"{key!r} is neither a {config_class.__name__} field ({', '.join(own + common)}) nor "
-                              f"{article} {caller} argument ({', '.join(arguments or LOADING_KWARGS)})")
+                              f"{article} {caller} argument ({', '.join(valid)})")
 
 
 class AutoConfig:

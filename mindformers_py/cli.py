@@ -1,8 +1,9 @@
 """``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts,
 ``preprocess`` text into Megatron's indexed format.
 
-User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2; anything else is a bug
-and keeps its traceback.
+User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2, once per job however many
+ranks meet them; an interrupt (Ctrl-C) prints one line in the process that started the ranks (none in the ranks) and
+exits with status 130; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -134,13 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_CODES = {
     EXIT_OK: "the command did what it was asked",
     EXIT_FAILED: "a rank stopped because another rank of the job failed (the launcher's line names that one), or a "
                  "failure that is not a user error (its traceback is printed)",
     EXIT_USER_ERROR: "a user error, refused before anything is written: one line `error: ...` on stderr naming the "
                      "field, the value and what would be valid (also argparse's usage errors)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): every process of the run was stopped, with one line `error: interrupted "
+                      "...`; checkpoints already written are complete",
 }
 """What ``mindformers-py`` exits with (a multi-process job ends with the exit of the rank that failed)."""
 
@@ -184,8 +187,16 @@ def main(argv: list[str] | None = None) -> int:
             # line). The launcher's SIGTERM ends this wait once the first rank has failed; if it does not come, the
             # error is this rank's own, and it says so itself.
             time.sleep(USER_ERROR_GRACE_S)
-        print(f"error: {e}", file=sys.stderr)
+        if _first_to_report(str(e)):
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the job: the ranks stop quietly (a checkpoint is written under a temporary
+        # name and renamed when complete, so those in place stay whole), the process that started them says so.
+        if not os.environ.get("LOCAL_RANK"):
+            print("error: interrupted (Ctrl-C); every process of the run was stopped (checkpoints already in "
+                  "output_dir are complete: resume_from_checkpoint continues from the latest)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:
         if not _lost_a_peer(e):
             _record_for_launcher(e)
@@ -219,6 +230,27 @@ def _lost_a_peer(exc: Exception) -> bool:
     from .parallel.launch import lost_a_peer
 
     return lost_a_peer(exc)
+
+
+def _first_to_report(message: str) -> bool:
+    """Whether this process prints ``message``: a rank of a job this package launched prints a user error only if no
+    other rank printed the same one (every rank often meets the same error after they have started; each claims the
+    message with a file in the launch's scratch folder, the first one prints it)."""
+    import hashlib
+
+    from .parallel.restarts import RESTART_LOG_ENV
+
+    log = os.environ.get(RESTART_LOG_ENV) if os.environ.get("LOCAL_RANK") else None
+    if not log or not os.path.isdir(os.path.dirname(log)):
+        return True
+    claim = os.path.join(os.path.dirname(log), "error-" + hashlib.sha256(message.encode()).hexdigest()[:16])
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _reports_user_errors() -> bool:

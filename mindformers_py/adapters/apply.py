@@ -37,7 +37,7 @@ def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name
     _check_targets(model, config, name)
     _check_init_without_weights(model, config, name)
     try:
-        with adapters_on_host(model):
+        with adapters_on_host(model, copies_to_meta=True):
             wrapped = get_peft_model(model, config)
     except (ValueError, TypeError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -51,29 +51,54 @@ def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name
 
 
 @contextlib.contextmanager
-def adapters_on_host(model: nn.Module) -> Iterator[None]:
+def adapters_on_host(model: nn.Module, copies_to_meta: bool = False) -> Iterator[None]:
     """While peft adds adapters to ``model``: a base weight still on ``meta`` (a model loaded for a layout to fill
     only its shards) stands in as a CPU tensor of its shape and dtype that holds no memory (stride 0), so peft makes
     each adapter on the CPU with its init, as beside a loaded weight (peft would otherwise put the adapter on
     ``meta`` too, losing its values). The meta weights are put back afterwards, frozen or not as peft left the
     stand-ins; they are filled later and the adapters sharded with them. A model with no ``meta`` weight, or one
-    built under a ``torch.device("meta")`` block (for counting), is left as it is."""
+    built under a ``torch.device("meta")`` block (for counting), is left as it is.
+
+    ``copies_to_meta``: a base module peft copies (a ``modules_to_save`` head trained whole: peft deep-copies the
+    classifier) copies a stand-in's one uninitialised number into every entry; its copies go back to ``meta`` too
+    (not when peft loads a saved adapter into the copies afterwards). They keep the
+    original's name (a deep copy keeps the module's name tag), so the layout fills them as it fills the original:
+    the checkpoint's tensor, or the model's init under the original module's seed, the values a stand-alone run's
+    copy of the loaded head holds."""
     if torch.get_default_device().type == "meta" or not has_meta_parameters(model):
         yield
         return
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    before = {id(p) for p in model.parameters()}
     for module in model.modules():
         for attr, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 stand_in = torch.empty((), dtype=param.dtype).expand(param.shape)
                 module._parameters[attr] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
                 swapped.append((module, attr, param))
+    stand_ins = {id(module._parameters[attr]) for module, attr, _ in swapped}
     try:
         yield
     finally:
         for module, attr, param in swapped:  # (a tied weight gets its one object back in each place)
             param.requires_grad_(module._parameters[attr].requires_grad)
             module._parameters[attr] = param
+        if copies_to_meta:
+            _copies_back_to_meta(model, before | stand_ins)
+
+
+def _copies_back_to_meta(model: nn.Module, known: set[int]) -> None:
+    """Put the parameters of copies of the model's own modules (peft's ``modules_to_save``), made from stand-ins,
+    back on ``meta``: a module carrying the loaded model's name tag whose parameter is none of the ``known`` ones."""
+    from ..loading.deferred import NAME_ATTR
+
+    for module in model.modules():
+        if NAME_ATTR not in module.__dict__:
+            continue  # a module peft added (an adapter): it has its own init
+        for attr, param in list(module._parameters.items()):
+            if param is not None and not param.is_meta and id(param) not in known:
+                module._parameters[attr] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                        requires_grad=param.requires_grad)
 
 
 # LoRA inits that draw only random numbers (the others read the base weights: PiSSA, OLoRA, EVA, LoftQ, CorDA)

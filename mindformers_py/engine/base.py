@@ -28,6 +28,7 @@ from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
 from ..parallel.config import FSDP, ParallelConfig
 from ..parallel.recompute import apply_recompute
+from ..utils.batch_rows import batch_rows, first_rows
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import manifest_problem
 from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
@@ -192,16 +193,19 @@ class Engine:
         """Refuse, in one line and before training starts, a loss this layout cannot compute (nothing here)."""
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss,
+                         real_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch of one optimizer step; gradients accumulate in the
         parameters. Each micro-batch back-propagates its share of the step's loss (:meth:`step_loss`: the
         ``loss_fn`` value normalised by ``num_items_in_batch``, the items of the whole step on every rank of
-        :meth:`loss_group`, and rescaled for data parallelism), so the returned sum is the step's loss. No sync."""
+        :meth:`loss_group`, and rescaled for data parallelism), so the returned sum is the step's loss. No sync.
+        ``real_rows``: how many of each micro-batch's first rows are samples (the rest is padding, which adds
+        nothing: see :func:`padded_share`); None: all."""
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             with self.autocast():
-                loss = step(model, self.to_device(batch))
+                loss = padded_share(step, model, self.to_device(batch), None if real_rows is None else real_rows[i])
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
@@ -235,9 +239,19 @@ class Engine:
 
     # -- data and metrics -----------------------------------------------------------------------------------------
 
+    def batch_share(self, rows: int) -> tuple[int, int]:
+        """``(first, count)``: this data-parallel rank's rows of a global batch of ``rows`` samples (all of them
+        here). See :meth:`shard_indices`."""
+        return 0, rows
+
     def shard_indices(self, indices: Sequence[int]) -> list[int]:
-        """This data-parallel rank's share of a global batch's sample indices (all of them here)."""
-        return list(indices)
+        """This data-parallel rank's share of a global batch's sample indices (:meth:`batch_share`): contiguous,
+        the ranks' shares differing by one at most, so the ranks together read the batch once, as one process
+        does. A rank whose share is empty (a batch smaller than the data-parallel size) reads the batch's first
+        index, as padding that counts for nothing (the batch's ``real_rows`` are 0)."""
+        indices = list(indices)
+        first, count = self.batch_share(len(indices))
+        return indices[first:first + count] or indices[:1]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over the data-parallel ranks (itself here)."""
@@ -392,6 +406,17 @@ class Engine:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
+
+
+def padded_share(step: StepLoss, model: nn.Module, batch: dict[str, Any], real_rows: int | None) -> torch.Tensor:
+    """``step(model, batch)`` on the batch's first ``real_rows`` rows (None: all); a batch with no real row (a
+    rank without a share of a global batch, which must still run its forward and backward for the collectives of
+    the layout) back-propagates its loss times zero."""
+    if real_rows is None or real_rows >= batch_rows(batch):
+        return step(model, batch)
+    if real_rows == 0:
+        return step(model, batch) * 0.0
+    return step(model, first_rows(batch, real_rows))
 
 
 def _tensor_bytes(states: Sequence[Any]) -> int:

@@ -44,13 +44,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
-from ..errors import CheckpointError, ConfigError, MindFormersError
+from ..errors import CheckpointError, ConfigError
+from ..layers.loss import IGNORE_INDEX
 from ..loading.deferred import has_meta_parameters, materialize
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
 from ..parallel.context import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
+from ..parallel.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..parallel.watchdog import ProgressWatchdog, collective_timeout
 from ..task_registry import task_of_model
@@ -59,7 +61,8 @@ from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
 from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
-from .base import Engine, _quiet_progress_bars
+from .optim import parameter_group_names
+from .base import Engine, _quiet_progress_bars, padded_share
 from .step_loss import LossFn, TrainingLoss
 from .rng_state import capture_rng_state, restore_rng_state
 from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
@@ -90,6 +93,10 @@ class DistributedEngine(Engine):
         self._fsdp_mixed_precision = False
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._watchdog: ProgressWatchdog | None = None
+        # The whole model's trainable parameter names in the order a stand-alone optimizer numbers them (taken before
+        # the layout cuts the model into stages), to resume a stand-alone checkpoint's optimizer state by name.
+        self._optimizer_names: list[list[str]] | None = None
+        self._sequence_groups: list[SequenceGroup] = []  # what sequence parallelism pads (see _note_sequences)
 
     @property
     def is_local_main_process(self) -> bool:
@@ -151,6 +158,8 @@ class DistributedEngine(Engine):
                                           per_device_batch=self.args.per_device_train_batch_size,
                                           task=_task_name(model, task))
         refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
+        self._optimizer_names = parameter_group_names(model)
+        self._note_sequences(model, task)
         if self.context is not None:
             self.context.task = task
         if not has_meta_parameters(model):  # a model built on meta for its layout gets only its shards, below
@@ -192,10 +201,13 @@ class DistributedEngine(Engine):
         return loss_parallel() if self.parallel_config.vocab_parallel else contextlib.nullcontext()
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss,
+                         real_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; gradients are reduced over the data-parallel ranks
         after the last one. ``num_items_in_batch`` is the item count of the whole global batch (all ranks, all
-        micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss."""
+        micro-batches); returns the backpropagated loss, whose mean over the ranks is the global step loss.
+        ``real_rows``: as for :meth:`Engine.forward_backward` (a rank without a share runs its padding row, times
+        zero, so the gradient reduction still meets every rank)."""
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches))
         total = None
         last = len(micro_batches) - 1
@@ -204,7 +216,8 @@ class DistributedEngine(Engine):
                 set_gradient_sync(model, i == last)
                 with self.loss_context():
                     with self.autocast():
-                        loss = step(model, self.to_device(batch))
+                        loss = padded_share(step, model, self.to_device(batch),
+                                            None if real_rows is None else real_rows[i])
                     loss.backward()
                 value = loss.detach()
                 value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -219,8 +232,42 @@ class DistributedEngine(Engine):
 
     def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's chunks of every sequence of ``batch`` under context parallelism (the batch itself
-        otherwise); see :mod:`mindformers_py.parallel.context_data`."""
+        otherwise); see :mod:`mindformers_py.parallel.context_data`. Under sequence parallelism the sequences are
+        first padded to a multiple of ``model_parallel`` (:mod:`mindformers_py.parallel.sequence_padding`)."""
+        batch = self._pad_sequences(batch)[0]
         return self.context.shard_batch(batch) if self.context is not None else batch
+
+    def forward(self, model: nn.Module, inputs: Mapping[str, Any], **kwargs: Any) -> Any:
+        """One forward pass without backward; under sequence parallelism on sequences padded to a multiple of
+        ``model_parallel``, whose outputs are cut back to the sequences given."""
+        inputs, lengths = self._pad_sequences(inputs)
+        return cut_sequences(model(**inputs, **kwargs), lengths)
+
+    def _note_sequences(self, model: nn.Module, task: Any) -> None:
+        """Which tensors of a batch share a sequence length and what pads them, for sequence parallelism: the
+        model input's side (its labels too, unless the model is an encoder-decoder, whose labels are the target
+        side's)."""
+        if not self.parallel_config.sequence_parallel:
+            return
+        config = getattr(model, "config", None)
+        pad = getattr(config, "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else 0
+        labels = tuple(getattr(task, "label_names", None) or ("labels",)) + ("shift_labels",)
+        fill = {**dict.fromkeys(labels, IGNORE_INDEX), "input_ids": pad, "decoder_input_ids": pad}
+        source = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+        if getattr(config, "is_encoder_decoder", False):
+            self._sequence_groups = [SequenceGroup(source, fill, "attention_mask"),
+                                     SequenceGroup(("decoder_input_ids", "decoder_attention_mask") + labels, fill)]
+        else:
+            self._sequence_groups = [SequenceGroup(source + labels, fill, "attention_mask")]
+
+    def _pad_sequences(self, batch: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str | None, tuple[int, int]]]:
+        """``batch`` padded for sequence parallelism and the lengths :func:`cut_sequences` cuts outputs back to."""
+        if not self._sequence_groups:
+            return batch, {}
+        padded, lengths = pad_sequences(batch, self.parallel_config.tp, self._sequence_groups)
+        names = ["encoder", None] if len(lengths) == 2 else [None]
+        return padded, {name: side for name, side in zip(names, lengths) if side is not None}
 
     def context_sharded(self) -> ContextManager[Any]:
         """The context in which forward and backward passes run on sequences cut by :meth:`shard_batch`."""
@@ -240,15 +287,12 @@ class DistributedEngine(Engine):
 
     # -- data and metrics -----------------------------------------------------------------------------------------
 
-    def shard_indices(self, indices: Sequence[int]) -> list[int]:
-        """This data-parallel rank's contiguous share of a global batch's sample indices; tensor-parallel ranks
-        of one replica get the same share."""
-        indices = list(indices)
-        if len(indices) % self.dp_size:
-            raise MindFormersError(f"a global batch of {len(indices)} samples cannot be split evenly over "
-                                   f"data_parallel={self.dp_size} ranks")
-        size = len(indices) // self.dp_size
-        return indices[self.dp_rank * size:(self.dp_rank + 1) * size]
+    def batch_share(self, rows: int) -> tuple[int, int]:
+        """This data-parallel rank's contiguous share of a global batch of ``rows`` samples: ``rows // dp`` each, the
+        first ``rows % dp`` ranks one more (as ``torch.tensor_split``); tensor-parallel and pipeline ranks of one
+        replica get the same share."""
+        size, extra = divmod(rows, self.dp_size)
+        return self.dp_rank * size + min(self.dp_rank, extra), size + (self.dp_rank < extra)
 
     def _dp_group(self) -> dist.ProcessGroup:
         return self.mesh.dp_mesh.get_group()
@@ -399,7 +443,7 @@ class DistributedEngine(Engine):
         else:
             self.load_weights(model, folder)
             state = torch_load(folder / OPTIMIZER_NAME, "optimizer")
-            dcp_checkpoint.load_full_optimizer_state(model, optimizer, state)
+            dcp_checkpoint.load_full_optimizer_state(model, optimizer, state, self._optimizer_names)
         _fit_multi_tensor_kernels(optimizer)  # the loaded param groups carry the saving run's kernel choice
         load_state_into("scheduler", lr_scheduler, folder / SCHEDULER_NAME)
 

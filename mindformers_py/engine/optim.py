@@ -25,6 +25,17 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [g for g in groups if g["params"]]
 
 
+def parameter_group_names(model: nn.Module) -> list[list[str]]:
+    """The names of :func:`parameter_groups`' parameters, group by group: the order in which a stand-alone
+    optimizer's state (``optimizer.state_dict()``) numbers them, so a layout holding only some of them (a pipeline
+    stage) finds its own in it."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(name.replace("_checkpoint_wrapped_module.", ""))
+    return [g for g in (decay, no_decay) if g]
+
+
 def create_optimizer(groups: Iterable[dict[str, Any]], args: EngineArguments) -> torch.optim.Optimizer:
     """AdamW over ``groups`` with the arguments' hyper-parameters, fused or foreach as ``args.optim`` asks."""
     groups = list(groups)

@@ -39,6 +39,7 @@ from ..parallel.pipeline_stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .distributed import DistributedEngine, _task_name, global_grad_norm
+from .optim import parameter_group_names
 from .step_loss import LossFn, TrainingLoss
 
 
@@ -72,6 +73,8 @@ class PipelineEngine(DistributedEngine):
                 "which torch's pipeline schedules cannot drive); choose one of: 0, 2, 3"
             )
         refuse_prompt_learning(model, f"pipeline_stage={config.pp}")
+        self._optimizer_names = parameter_group_names(model)  # the whole model's, before it is cut into stages
+        self._note_sequences(adapted_model(model), task)
         self._model_name = type(model).__name__
         # A peft model's adapters live in its base model, which is what the stages are cut from.
         self.pipeline = build_pipeline(adapted_model(model), config, self.mesh, self.device,
@@ -92,17 +95,20 @@ class PipelineEngine(DistributedEngine):
                 "model's outputs to give it; use pipeline_stage=1 or the model's own loss")
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
-                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss,
+                         real_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Forward and backward of this rank's gradient-accumulation batches through the pipeline schedule (each
         split into ``micro_batch_num`` pipeline micro-batches), the last stage computing ``loss_fn`` on each of
         them through :meth:`step_loss`. ``num_items_in_batch`` is the item count of the whole global batch;
-        returns the backpropagated loss, whose mean over the data-parallel ranks is the global step loss."""
+        returns the backpropagated loss, whose mean over the data-parallel ranks is the global step loss. A batch
+        the micro-batches do not divide (an epoch's last) is padded, and padding rows (``real_rows``) add nothing
+        (:meth:`PipelineParallel.step`)."""
         if not isinstance(model, PipelineParallel):
             raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches) * model.micro_batches)
         batches = [self.to_device(batch) for batch in micro_batches]
         with self.autocast(), self.context_sharded():
-            return model.forward_backward(batches, loss_fn=step)
+            return model.forward_backward(batches, loss_fn=step, real_rows=real_rows)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over every stage's (and shard's) gradients to ``max_norm``, counting a

@@ -62,13 +62,17 @@ def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: 
     (:func:`~mindformers_py.planner.search.auto_parallel`: the fastest that fits, logged as a table; under a
     running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
     ``summary``); other modes are returned unchanged. ``trainable_params`` is a peft adapter's count (gradients and
-    optimizer state for those alone)."""
+    optimizer state for those alone). A plan for one process is a ``stand_alone`` layout (no process group to join:
+    what an ``auto_parallel`` run on a machine without GPUs and without size hints gets)."""
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
     from ..planner.search import auto_parallel
 
-    return auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary,
-                         trainable_params=trainable_params)
+    layout = auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary,
+                           trainable_params=trainable_params)
+    if world_size == 1:
+        layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
+    return layout
 
 
 def local_world_size(parallel_config: ParallelConfig) -> int:
@@ -91,9 +95,7 @@ def _planned_engine(parallel_config: ParallelConfig, args: EngineArguments, *, m
     summary: list[str] = []
     layout = plan_layout(parallel_config, model_config, world, args.per_device_train_batch_size, seq_length,
                          summary=summary)
-    if world == 1:  # the one-process plan runs without a process group
-        layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
-    engine = build_engine(layout, args)
+    engine = build_engine(layout, args)  # (a one-process plan is stand-alone: no process group)
     engine.plan_summary = summary[0] if summary else None  # rank 0's reason, for the run's layout line
     return engine
 

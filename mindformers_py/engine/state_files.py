@@ -56,7 +56,24 @@ def torch_load(path: Path, what: str) -> Any:
 
 def load_state_into(what: str, target: Any, path: Path) -> None:
     state = torch_load(path, what)
+    if what == "scheduler":
+        state = _fit_scheduler_groups(state, target)
     try:
         target.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError, TypeError) as err:
         raise CheckpointError(f"{what} state in {path} does not match this run ({err})") from None
+
+
+def _fit_scheduler_groups(state: dict[str, Any], scheduler: Any) -> dict[str, Any]:
+    """A learning-rate scheduler's state with its per-parameter-group lists (base rates, last rates, lambdas) fitted
+    to this run's optimizer, when every group of the saved run had the same entry: a layout may hold another number
+    of the same groups (a pipeline stage with only the adapter's matrices has no group without weight decay)."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    if optimizer is None:
+        return state
+    groups = len(optimizer.param_groups)
+    fitted = dict(state)
+    for key, value in state.items():
+        if isinstance(value, list) and value and len(value) != groups and all(v == value[0] for v in value):
+            fitted[key] = [value[0]] * groups
+    return fitted

@@ -124,8 +124,17 @@ def training_state(
             state[OPTIM_KEY].update(optim_sd)
         else:
             model_sd = get_model_state_dict(part, options=_options(part))
+        if is_peft_model(part):  # torch keeps a frozen weight tied to another (a head tied to the embedding)
+            frozen = _frozen_names(part)
+            model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
         state[MODEL_KEY].update(model_sd)
     return state
+
+
+def _frozen_names(model: nn.Module) -> set[str]:
+    """Names of ``model``'s parameters that do not train, in every place they are held (state-dict names)."""
+    return {name.replace("_checkpoint_wrapped_module.", "") for name, param in
+            model.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 
 def _architecture(model: nn.Module) -> str | None:
@@ -432,24 +441,58 @@ def _existing_parent(folder: Path) -> Path:
 # -- whole optimizer state in torch's own (index-keyed) format: stand-alone checkpoints resumed under a layout --
 
 
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load a whole, index-keyed optimizer state (a stand-alone run's
-    ``optimizer.state_dict()``) into an optimizer of any layout; collective, every rank passes the same state."""
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
+                              saved_names: Sequence[Sequence[str]] | None = None) -> None:
+    """Load a whole, index-keyed optimizer state (a stand-alone run's ``optimizer.state_dict()``) into an optimizer
+    of any layout; collective, every rank passes the same state.
+
+    ``saved_names``: the names of the saved state's parameters, group by group in the order it numbers them (the
+    whole model's: :func:`~mindformers_py.engine.optim.parameter_group_names`); each of this rank's parameters then
+    takes its own state by name, so a layout holding only some of them (a pipeline stage, which may also lack a
+    group) loads its part. A copy of a tied weight the whole model holds once (a pipeline's last stage's head)
+    takes the state of the weight it is tied to. None: the groups must match this optimizer's one to one."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.load_state_dict(dict(state))
         return
-    names = get_optimizer_state_dict(model, optimizer)["param_groups"]
-    if len(names) != len(state["param_groups"]):
-        raise CheckpointError(
-            f"optimizer state has {len(state['param_groups'])} parameter groups; this run has {len(names)}"
-        )
-    fqn_of: dict[int, str] = {}
-    groups = []
-    for mine, saved in zip(names, state["param_groups"]):
-        if len(mine["params"]) != len(saved["params"]):
+    mine = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    saved_groups = state["param_groups"]
+    if saved_names is None:
+        saved_names = mine  # one to one: this run's names are the saved ones
+        if len(mine) != len(saved_groups):
+            raise CheckpointError(
+                f"optimizer state has {len(saved_groups)} parameter groups; this run has {len(mine)}")
+    else:
+        saved_names = [{"params": list(group)} for group in saved_names]
+        if len(saved_names) != len(saved_groups):
+            raise CheckpointError(f"optimizer state has {len(saved_groups)} parameter groups; the model has "
+                                  f"{len(saved_names)}")
+    where: dict[str, tuple[int, int]] = {}  # name -> (saved group, saved index)
+    for g, (names, saved) in enumerate(zip(saved_names, saved_groups)):
+        if len(names["params"]) != len(saved["params"]):
             raise CheckpointError("optimizer state does not match the model: a parameter group has "
-                                  f"{len(saved['params'])} parameters in the checkpoint, {len(mine['params'])} here")
-        fqn_of.update(zip(saved["params"], mine["params"]))
-        groups.append({**saved, "params": list(mine["params"])})
-    full = {"state": {fqn_of[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+                                  f"{len(saved['params'])} parameters in the checkpoint, {len(names['params'])} here")
+        where.update({name: (g, index) for name, index in zip(names["params"], saved["params"])})
+    tied = _tied_sources(model)
+    groups, values = [], {}
+    for group in mine:
+        found = [where.get(fqn) or where.get(tied.get(fqn, "")) for fqn in group["params"]]
+        missing = next((fqn for fqn, f in zip(group["params"], found) if f is None), None)
+        if missing is not None:
+            raise CheckpointError(f"optimizer state does not match the model: no state for {missing} in the checkpoint")
+        groups.append({**saved_groups[found[0][0]], "params": list(group["params"])})
+        values.update({fqn: state["state"][index] for fqn, (_, index) in zip(group["params"], found)
+                       if index in state["state"]})
+    full = {"state": values, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+
+
+def _tied_sources(model: nn.Module) -> dict[str, str]:
+    """Tied weight name -> the name of the weight it is tied to (``_tied_weights_keys``), under ``model``'s names
+    (a peft model's base model's keys carry its prefix)."""
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if isinstance(keys, Mapping):
+            prefix = f"{name.replace('_checkpoint_wrapped_module.', '')}." if name else ""
+            out.update({prefix + alias: prefix + source for alias, source in keys.items()})
+    return out

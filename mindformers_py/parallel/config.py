@@ -379,10 +379,11 @@ class ParallelConfig(_Section):
 
     def _validate_batch(self, per_device_batch: int | None, global_batch: int | None) -> None:
         if per_device_batch is not None:
-            per_device_batch = _to_int("per_device_batch", per_device_batch)
+            per_device_batch = _to_int("per_device_train_batch_size", per_device_batch)
             if per_device_batch % self.micro_batches:
                 raise ConfigError(
-                    f"per_device_batch={per_device_batch} is not divisible by micro_batch_num={self.micro_batches}; "
+                    f"per_device_train_batch_size={per_device_batch} is not divisible by micro_batch_num="
+                    f"{self.micro_batches}; "
                     f"expected a multiple of {self.micro_batches} (pipeline micro-batches split each rank's batch)"
                 )
         if global_batch is not None:
@@ -435,6 +436,8 @@ class ParallelConfig(_Section):
         parts.append(f"recompute={mode}")
         if self.sequence_parallel:
             parts.append("sequence parallel")
+        elif self.use_seq_parallel:  # asked for, not applied: said rather than silently ignored
+            parts.append("use_seq_parallel ignored (it splits sequences over model_parallel > 1 ranks)")
         if self.vocab_parallel:
             parts.append("vocabulary sharded")
         return ", ".join(parts)

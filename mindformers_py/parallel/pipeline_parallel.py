@@ -178,6 +178,7 @@ class PipelineParallel:
         # The batch being stepped and its loss, for the last stage's loss calls (which receive row indices).
         self._batch: Mapping[str, Any] | None = None
         self._loss_fn: StageLoss | None = None
+        self._real_rows: int | None = None  # rows of the batch being stepped that are samples (None: all)
 
     # -- parameters and modes ---------------------------------------------------------------------------------
 
@@ -232,10 +233,18 @@ class PipelineParallel:
 
     def _loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: ``rows`` (the target torch splits like the inputs) are the micro-batch's
-        rows of the batch being stepped."""
+        rows of the batch being stepped. Padding rows (from :attr:`_real_rows` on) are left out of the loss: a
+        micro-batch without a real row back-propagates zero."""
         counted = self._placeholder_losses == 0
         self._placeholder_losses = max(self._placeholder_losses - 1, 0)
         outputs = output if isinstance(output, tuple) else (output,)
+        if counted and self._real_rows is not None:
+            real = int((rows < self._real_rows).sum())  # the micro-batch's rows are consecutive: real ones first
+            if real == 0:
+                return sum(t.float().sum() * 0.0 for t in outputs if t.requires_grad)
+            if real < rows.shape[0]:
+                outputs = tuple(t.narrow(0, 0, real) if t.ndim and t.shape[0] == rows.shape[0] else t for t in outputs)
+                rows = rows[:real]
         count = len(self.task.output_fields)
         inputs = self._rows(rows)
         model = LastStageModel(self, outputs[:count], outputs[count:], inputs, counted)
@@ -328,7 +337,8 @@ class PipelineParallel:
         return shape
 
     def step(self, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor | None = None,
-             loss_scale: float = 1.0, sync_tied: bool = True, loss_fn: StageLoss | None = None) -> torch.Tensor:
+             loss_scale: float = 1.0, sync_tied: bool = True, loss_fn: StageLoss | None = None,
+             real_rows: int | None = None) -> torch.Tensor:
         """Forward and backward of one per-rank batch (the model input, labels, optional ``attention_mask``), split
         into the configured micro-batches.
 
@@ -339,23 +349,33 @@ class PipelineParallel:
         gradients of a tied embedding between the first and last stage: pass False for all but the last batch of
         an accumulation (a sum of already-summed gradients would count the earlier batches twice). Returns the
         backpropagated batch loss (detached) on every rank of the pipeline.
+
+        ``real_rows``: how many of the batch's first rows are samples (None: all); the others are padding, left out
+        of the loss. A batch the micro-batches do not divide (an epoch's last) is padded with copies of its first
+        row, left out alike, so every micro-batch has the same shape.
         """
         if loss_fn is None:
             items = self._batch_items([batch]) if num_items_in_batch is None else num_items_in_batch
             loss_fn = self.task_loss(items, loss_scale)
-        args, kwargs = self._stage_inputs(batch)
         rows = batch[self.task.model_input].shape[0]
+        real = rows if real_rows is None else min(real_rows, rows)
+        extra = -rows % self.micro_batches
+        if extra:
+            batch = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.ndim
+                     and v.shape[0] == rows else v for k, v in batch.items()}
+            rows += extra
+        args, kwargs = self._stage_inputs(batch)
         # The last stage's loss receives the row indices of its micro-batch (torch splits the target as the inputs).
         target = torch.arange(rows, device=self.device) if self.has_last_stage else None
         losses: list[torch.Tensor] = []
         schedule = self._schedule_for(self._shape_key(batch), training=True)
-        self._batch, self._loss_fn = batch, loss_fn
+        self._batch, self._loss_fn, self._real_rows = batch, loss_fn, (real if real < rows else None)
         try:
             # Vocabulary-sharded logits (a DTensor) need torch's parallel cross-entropy.
             with loss_parallel() if self._vocab_parallel_loss else contextlib.nullcontext():
                 schedule.step(*args, target=target, losses=losses, **kwargs)
         finally:
-            self._batch = self._loss_fn = None
+            self._batch = self._loss_fn = self._real_rows = None
         total = torch.stack([_local(loss.detach()).float() for loss in losses]).sum() if losses \
             else torch.zeros((), device=self.device)
         # The loss is known on the last rank only; the caller logs it on every rank.
@@ -366,17 +386,19 @@ class PipelineParallel:
 
     def forward_backward(self, micro_batches: Sequence[Mapping[str, Any]],
                          num_items_in_batch: int | torch.Tensor | None = None, loss_scale: float = 1.0,
-                         loss_fn: StageLoss | None = None) -> torch.Tensor:
+                         loss_fn: StageLoss | None = None, real_rows: Sequence[int] | None = None) -> torch.Tensor:
         """:meth:`step` over each gradient-accumulation batch of one optimizer step with ``loss_fn``; returns the
         summed loss. Without ``loss_fn``, :meth:`task_loss` with ``num_items_in_batch``, the item count of the
-        whole step (by default counted from ``micro_batches``), so the sum is the step's loss."""
+        whole step (by default counted from ``micro_batches``), so the sum is the step's loss. ``real_rows``: each
+        batch's rows that are samples (None: all), as :meth:`step` takes them."""
         if loss_fn is None:
             items = self._batch_items(micro_batches) if num_items_in_batch is None else num_items_in_batch
             loss_fn = self.task_loss(items, loss_scale)
         total = None
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            loss = self.step(batch, sync_tied=i == last, loss_fn=loss_fn)
+            loss = self.step(batch, sync_tied=i == last, loss_fn=loss_fn,
+                             real_rows=None if real_rows is None else real_rows[i])
             total = loss if total is None else total + loss
         return total
 

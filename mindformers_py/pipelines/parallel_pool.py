@@ -36,8 +36,11 @@ import cloudpickle
 import torch
 from torch import nn
 
+from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
+from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import MindFormersError
 from ..loading.deferred import deferred_loading, materialize
+from ..parallel.adapter_layers import adapted_model
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
 from ..parallel.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \
@@ -51,8 +54,9 @@ class InferencePool:
     """Workers holding a model sharded by ``layout`` that run ``generate`` on request (see the module docstring).
 
     Args:
-        source: a checkpoint folder (each worker loads it) or a model object (sent to the workers pickled, its
-            weights by reference: :mod:`~mindformers_py.loading.handover`). Each worker reads only its shards.
+        source: a checkpoint folder or a saved peft adapter's folder (each worker loads it: an adapter's base model,
+            then the adapter), or a model object, a peft model too (sent to the workers pickled, its weights by
+            reference: :mod:`~mindformers_py.loading.handover`). Each worker reads only its shards.
         task: the task registry name whose Auto class loads a folder (``"causal_lm"``, ``"seq2seq_lm"``).
         layout: the layout, as :func:`~mindformers_py.parallel.inference.inference_layout` returns it.
         load_kwargs: ``from_pretrained`` arguments for a folder (``dtype``).
@@ -306,7 +310,7 @@ def _serve(source: dict[str, Any], layout: dict[str, Any], requests: list, repli
         mesh = build_mesh(config, device_type=device.type)
         with deferred_loading():  # built on meta: the layout is applied first, then only this rank's shards are read
             model = _load(source).eval()
-        shard_for_inference(model, config, mesh)
+        shard_for_inference(adapted_model(model), config, mesh)  # a peft model's adapters are sharded with their layers
         materialize(model, device).to(device)
         replies.put(("ready", rank, os.getpid()))
         while True:
@@ -344,7 +348,7 @@ def _load(source: dict[str, Any]) -> nn.Module:
         return cloudpickle.loads(Path(source["pickled"]).read_bytes())
     from ..auto import auto_class_for
 
-    return auto_class_for(source["task"]).from_pretrained(source["folder"], **source["load_kwargs"])
+    return from_pretrained_with_adapter(auto_class_for(source["task"]), source["folder"], **source["load_kwargs"])
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -391,20 +395,30 @@ def start_pooled_model(pipeline_class: type, task_name: str, auto_model: type, t
         raise MindFormersError(f"parallel_config applies to the generating pipelines (text-generation, "
                                f"text2text-generation, summarization, translation); {task_name!r} runs in one process")
     folder = Path(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
+    adapter = False
     if folder is not None:
-        config = resolve_config(str(folder))[0]
-        generation_config = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() \
+        adapter = is_adapter_folder(folder)  # a saved peft adapter: its base model's config, the adapter on it
+        base = Path(adapter_base(folder)) if adapter else folder
+        config = resolve_config(str(base))[0]
+        generation_config = GenerationConfig.from_pretrained(base) if (base / "generation_config.json").is_file() \
             else None
         source: Any = folder
     else:
         if isinstance(model, (str, os.PathLike)):  # a preset: random weights, made here so every worker has the same
             model = auto_model.from_pretrained(model, **load_kwargs)
-        if not isinstance(model, PreTrainedModel):
-            raise MindFormersError(f"model={type(model).__name__} is not a model, a checkpoint folder or a preset name")
-        config, generation_config, source = model.config, model.generation_config, model
+        adapter = is_peft_model(model)
+        base_model = adapted_model(model)
+        if not isinstance(base_model, PreTrainedModel):
+            raise MindFormersError(f"model={type(model).__name__} is not a model, a peft model, a checkpoint folder or "
+                                   "a preset name")
+        config, generation_config, source = base_model.config, base_model.generation_config, model
     layout = inference_layout(parallel_config, config)
+    if adapter and layout.pp > 1:
+        raise MindFormersError(f"parallel_config.pipeline_stage={layout.pp} does not apply to a peft adapter (pipeline "
+                               "stages run the base model's layers, not peft's forward); split it with model_parallel, "
+                               "or merge the adapter into its base first (merge_and_unload)")
     with torch.device("meta"):
-        model_class = type(auto_model.from_config(config)) if folder is not None else type(model)
+        model_class = type(auto_model.from_config(config)) if folder is not None else type(adapted_model(model))
     pool = InferencePool(source, task, layout, load_kwargs)
     pool.start()
     return pooled_model(config, model_class, generation_config, pool), folder

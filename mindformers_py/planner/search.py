@@ -426,8 +426,12 @@ class _Search:
         extra: dict[str, Any] = {}
         if self.full_search and tp > 1:
             # No sequence parallelism for experts (their router statistics need whole sequences) nor for
-            # encoder-decoders: it is refused for both.
-            extra = {"use_seq_parallel": not (self.shape.is_moe or self.shape.encoder_layers), "vocab_emb_dp": False}
+            # encoder-decoders: it is refused for both; nor for a model whose fixed token count (ViT's patches)
+            # tensor parallelism does not divide (text is padded to a multiple of tp; images cannot be).
+            fixed = getattr(self.model_view, "fixed_sequence_length", None)
+            splits = not isinstance(fixed, int) or fixed % tp == 0
+            extra = {"use_seq_parallel": splits and not (self.shape.is_moe or self.shape.encoder_layers),
+                     "vocab_emb_dp": False}
         out: list[LayoutEstimate] = []
         reason = ""
         for schedule, vpp in _schedules(base, self.shape, pp, self.full_search):

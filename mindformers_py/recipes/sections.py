@@ -91,6 +91,9 @@ class DataSection:
     """Use at most this many stdlib files per split (quick runs); None uses all."""
     max_eval_samples: int | None = None
     """Evaluate on at most this many validation blocks; None uses all."""
+    max_train_samples: int | None = None
+    """Train on at most this many samples (the first ones; transformers' examples' name), for quick runs; None uses
+    all."""
     image_column: str = "image"
     """Column holding the image (image classification)."""
     augment: bool = False

@@ -355,6 +355,9 @@ class TrainingArguments:
         check_choice("save_strategy", self.save_strategy, INTERVAL_STRATEGIES)
         check_choice("logging_strategy", self.logging_strategy, INTERVAL_STRATEGIES)
         check_choice("optim", self.optim, OPTIMIZERS)
+        _check_folder_path("output_dir", self.output_dir)
+        if self.logging_dir is not None:
+            _check_folder_path("logging_dir", self.logging_dir)
         if self.task is not None:
             from ..task_registry import get_task  # imports torch: not needed to read the fields
 
@@ -512,3 +515,17 @@ class Seq2SeqTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value!r} is not valid; expected an integer >= 1 or None")
+
+
+def _check_folder_path(name: str, path: Any) -> None:
+    """Refuse a folder argument naming a file, or inside one (the run could not create it)."""
+    here = os.path.abspath(os.fspath(path))
+    while True:
+        if os.path.exists(here) and not os.path.isdir(here):
+            what = "is a file" if here == os.path.abspath(os.fspath(path)) else f"lies inside {here!r}, which is a file"
+            raise ConfigError(f"{name}={os.fspath(path)!r} {what}, not a folder; give a folder path (it is created if "
+                              "missing)")
+        parent = os.path.dirname(here)
+        if parent == here:
+            return
+        here = parent

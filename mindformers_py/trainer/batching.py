@@ -6,6 +6,13 @@ global micro-batches of ``per_device_train_batch_size x data-parallel size`` sam
 reading its part (:meth:`Engine.shard_indices`). So a step sees the same samples whatever the layout and the
 gradient-accumulation split, and resuming at (epoch, micro-batches consumed) skips exactly the samples already
 used without loading them.
+
+A global batch the data-parallel ranks do not divide (an epoch's last, an evaluation set's size) is split unevenly,
+the ranks' shares differing by one sample at most (:meth:`Engine.batch_share`); a rank whose share is empty (a
+last batch smaller than the data-parallel size) reads the batch's first sample as padding, which counts for
+nothing: every source yields ``(batch, real_rows)``, the rows of ``batch`` that are this rank's samples (the
+first ones), so losses, item counts, token counts and gathered predictions leave the padding out, as accelerate's
+``gather_for_metrics`` drops its duplicates.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -20,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_utils import RemoveColumnsCollator
 
 from ..errors import MindFormersError
+from ..utils.batch_rows import batch_rows, first_rows
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -28,17 +37,22 @@ class GlobalBatchSampler(Sampler[list[int]]):
     Args:
         num_samples: length of the dataset.
         global_batch_size: samples of one micro-batch over all data-parallel ranks.
-        shard: maps a global batch's indices to this rank's (``Engine.shard_indices``).
+        shard: maps a global batch's indices to this rank's (``Engine.shard_indices``: its share, or the batch's
+            first index as padding when its share is empty).
         shuffle: permute the samples every epoch (training) or keep their order (evaluation).
         seed: base of the per-epoch permutation seed.
         drop_last: drop a last global batch smaller than ``global_batch_size``.
+        share: ``share(rows) -> (first, count)``, this rank's share of a global batch of ``rows`` samples
+            (``Engine.batch_share``), which :meth:`real_rows` reads; None: every index ``shard`` gives is real.
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, shard: Callable[[Sequence[int]], list[int]],
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 share: Callable[[int], tuple[int, int]] | None = None) -> None:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.shard = shard
+        self.share = share
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -68,6 +82,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         size = self.global_batch_size
         for b in range(self.skip, self.batches_per_epoch()):
             yield self.shard(order[b * size:(b + 1) * size])
+
+    def real_rows(self) -> Iterator[int]:
+        """For each batch :meth:`__iter__` yields, how many of its first rows are this rank's samples (the others
+        are padding)."""
+        size = self.global_batch_size
+        for b in range(self.skip, self.batches_per_epoch()):
+            rows = min(size, self.num_samples - b * size)
+            yield self.share(rows)[1] if self.share is not None else len(self.shard(range(rows)))
 
     def __len__(self) -> int:
         return max(0, self.batches_per_epoch() - self.skip)
@@ -117,7 +139,7 @@ def drop_unused_columns(dataset: Any, collate_fn: Callable, columns: Sequence[st
 
 class EpochBatches:
     """One data-parallel rank's micro-batches, epoch by epoch, from a map-style dataset: the
-    :class:`GlobalBatchSampler` and the DataLoader reading its batches."""
+    :class:`GlobalBatchSampler` and the DataLoader reading its batches; iterating yields ``(batch, real_rows)``."""
 
     def __init__(self, sampler: GlobalBatchSampler, loader: DataLoader) -> None:
         self.sampler = sampler
@@ -136,8 +158,39 @@ class EpochBatches:
         if hasattr(self.loader.dataset, "set_epoch"):
             self.loader.dataset.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
+        return zip(self.loader, self.sampler.real_rows())
+
+
+@dataclass
+class StepBatches:
+    """One optimizer step's micro-batches as this rank reads them (see :func:`read_step`)."""
+
+    micro_batches: list[Any]
+    """The batches as the engine trains on them (cut by ``Engine.shard_batch``)."""
+    real_rows: list[int]
+    """How many of each batch's first rows are samples (the rest is a rank's padding row)."""
+
+    @property
+    def counted(self) -> list[Any]:
+        """The batches cut to their real rows: what items, tokens and the loss mode are counted on."""
+        return [first_rows(b, rows) for b, rows in zip(self.micro_batches, self.real_rows)]
+
+    @property
+    def padding(self) -> dict[str, Any]:
+        """``Engine.forward_backward``'s keyword for the padding rows: ``real_rows`` when a batch has padding, else
+        none (an engine registered by a user need not know it)."""
+        padded = any(rows < batch_rows(b) for b, rows in zip(self.micro_batches, self.real_rows))
+        return {"real_rows": self.real_rows} if padded else {}
+
+
+def read_step(batches: Iterator[tuple[Any, int]], accum: int, shard: Callable[[Any], Any]) -> StepBatches | None:
+    """The next ``accum`` ``(batch, real_rows)`` of a source's iterator, each batch cut by ``shard``; None at its
+    end."""
+    read = list(itertools.islice(batches, accum))
+    if not read:
+        return None
+    return StepBatches([shard(b) for b, _ in read], [rows for _, rows in read])
 
 
 class StreamBatches:
@@ -146,7 +199,8 @@ class StreamBatches:
 
     Every rank reads the stream in order and cuts it into global micro-batches of ``global_batch_size`` samples; each
     rank collates its contiguous share (:meth:`Engine.shard_indices`), so a step sees the same samples whatever the
-    layout, as with map-style data. An incomplete last global batch is dropped. A new epoch restarts the stream
+    layout, as with map-style data; iterating yields ``(batch, real_rows)``, every row real here. An incomplete
+    last global batch is dropped. A new epoch restarts the stream
     (calling its ``set_epoch``, which reshuffles a ``datasets.IterableDataset``). Resuming skips the samples already
     used by reading past them: a stream cannot seek.
     """
@@ -168,7 +222,7 @@ class StreamBatches:
         self.epoch = epoch
         self.skip = skip_batches
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[tuple[Any, int]]:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
         samples = iter(self.dataset)
@@ -180,7 +234,7 @@ class StreamBatches:
             batch = list(itertools.islice(samples, self.global_batch_size))
             if len(batch) < self.global_batch_size:
                 return
-            yield self.collate_fn([batch[i] for i in rows])
+            yield self.collate_fn([batch[i] for i in rows]), len(rows)
 
 
 _END = object()

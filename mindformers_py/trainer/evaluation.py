@@ -20,6 +20,7 @@ from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, speed_metrics
 
 from ..errors import MindFormersError
+from ..utils.batch_rows import first_rows
 from .batching import GlobalBatchSampler, build_dataloader, is_stream, map_style_length
 
 
@@ -109,7 +110,7 @@ class EvaluationMixin:
         if num_samples == 0:
             raise MindFormersError(f"{description} is empty")
         sampler = GlobalBatchSampler(num_samples, args.per_device_eval_batch_size * engine.dp_size,
-                                     engine.shard_indices, shuffle=False)
+                                     engine.shard_indices, shuffle=False, share=engine.batch_share)
         loader = build_dataloader(dataset, sampler, collate, args.dataloader_num_workers,
                                   args.dataloader_pin_memory and engine.device.type == "cuda",
                                   args.dataloader_prefetch_factor, args.seed, persistent=False)
@@ -123,9 +124,11 @@ class EvaluationMixin:
         label_ids: Any = None
         try:
             with torch.no_grad():
-                for batch in loader:
+                # A rank without a share of the last batch runs its padding row (for the layout's collectives) and
+                # keeps nothing of it: the loss, the counts and the gathered predictions are of the real rows only.
+                for batch, real in zip(loader, sampler.real_rows()):
                     engine.beat(self.state.global_step)
-                    n_items = self._count_items(batch)
+                    n_items = self._count_items(first_rows(batch, real))
                     inputs = engine.to_device(batch)
                     with engine.autocast():
                         loss, logits, labels = self.prediction_step(
@@ -137,9 +140,9 @@ class EvaluationMixin:
                     if logits is not None:
                         if self.preprocess_logits_for_metrics is not None:
                             logits = self.preprocess_logits_for_metrics(logits, labels)
-                        predictions = _concat(predictions, engine.gather_for_metrics(_to_cpu(logits)))
+                        predictions = _concat(predictions, engine.gather_for_metrics(_to_cpu(logits, real)))
                     if labels is not None and not prediction_loss_only:
-                        label_ids = _concat(label_ids, engine.gather_for_metrics(_to_cpu(labels)))
+                        label_ids = _concat(label_ids, engine.gather_for_metrics(_to_cpu(labels, real)))
                     self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
         finally:
             model.train(was_training)
@@ -176,9 +179,11 @@ def _concat(done: Any, parts: list[Any]) -> Any:
     return done
 
 
-def _to_cpu(value: Any) -> Any:
+def _to_cpu(value: Any, rows: int | None = None) -> Any:
+    """``value`` (a tensor or a nest of them) on the CPU, cut to its first ``rows`` rows (None: all)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        value = value.detach()
+        return (value[:rows] if rows is not None and value.ndim else value).cpu()
     if isinstance(value, (tuple, list)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_to_cpu(v, rows) for v in value)
     return value

@@ -22,7 +22,7 @@ pickle (open files, sockets, locks, generators, a ``torch.utils.data.DataLoader`
 
 **What comes back** to the parent: the call's result (``TrainOutput``, the metrics, ``PredictionOutput``),
 ``trainer.state`` (``log_history`` included), and after ``train()`` the trained weights, copied into the parent's
-``trainer.model`` (consolidated from every rank's shards), so the next cell's ``trainer.evaluate()``,
+``trainer.model`` (consolidated from every rank's shards; of a peft model, its adapter), so the next cell's ``trainer.evaluate()``,
 ``trainer.save_model()`` or ``pipeline(..., model=trainer.model)`` works unchanged. Rank 0's progress bar is drawn by
 the parent (a widget in a notebook). What the workers change in their copies of other objects (a callback's list, a
 global variable) stays in the workers; files they write (checkpoints, ``log.jsonl``, TensorBoard) are where the
@@ -59,6 +59,7 @@ import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
 from transformers.utils import logging as hf_logging
 
+from ..adapters.apply import is_peft_model, load_adapter_weights
 from ..engine import Engine
 from ..engine.registry import local_world_size, plan_layout
 from ..engine.state_files import copy_weights
@@ -156,7 +157,9 @@ class LocalWorkers:
                     relay.stop()
             out = cloudpickle.loads(results[0])
             trainer.state = dataclasses.replace(out["state"], is_world_process_zero=True, is_local_process_zero=True)
-            if weights is not None:
+            if weights is not None and is_peft_model(trainer.model):  # the workers saved the adapter alone
+                load_adapter_weights(trainer.model, weights)
+            elif weights is not None:
                 copy_weights(trainer.model, load_state_dict(weights), "the workers' trained weights")
             return out["result"]
         finally:

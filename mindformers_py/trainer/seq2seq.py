@@ -24,9 +24,24 @@ from .trainer import Trainer
 _TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
 
 
+def check_generation_layout(args: Any, layout: Any) -> None:
+    """Refuse ``predict_with_generate`` under a layout with pipeline stages (each rank holds part of the model, so
+    none can generate), before training starts rather than at the first evaluation."""
+    if getattr(args, "predict_with_generate", False) and getattr(layout, "pp", 1) > 1:
+        raise ConfigError(f"predict_with_generate=True is not supported with pipeline_stage={layout.pp} (each rank "
+                          "holds part of the model, so none can generate); set predict_with_generate=False (the "
+                          "evaluation then scores the loss), or train without pipeline stages")
+
+
 class Seq2SeqTrainer(Trainer):
     """:class:`Trainer` whose evaluation can generate (``args.predict_with_generate``); ``evaluate`` and ``predict``
-    also take ``generate``'s keyword arguments (``max_new_tokens``, ``num_beams``, ...), as transformers' does."""
+    also take ``generate``'s keyword arguments (``max_new_tokens``, ``num_beams``, ...), as transformers' does.
+    Generation under a layout with pipeline stages is refused when the Trainer is made."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_generation_layout(self.args, self._workers.layout if self._workers is not None
+                                else self.engine.parallel_config)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
@@ -44,9 +59,6 @@ class Seq2SeqTrainer(Trainer):
         generate = getattr(self.args, "predict_with_generate", False)
         if not generate or prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, num_items_in_batch)
-        if getattr(self.engine, "runs_pipelines", False):
-            raise ConfigError("predict_with_generate=True is not supported with pipeline_stage > 1 (each rank holds "
-                              "part of the model); evaluate the saved model or set predict_with_generate=False")
         has_labels = all(isinstance(inputs.get(k), torch.Tensor) for k in self.label_names)
         loss = None
         if has_labels:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
-    forward_columns, is_stream, map_style_length
+    forward_columns, is_stream, map_style_length, read_step
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     check_output_dir, prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
@@ -131,6 +130,10 @@ class Trainer(EvaluationMixin):
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
         seq_length = _sequencemap_style_length(train_dataset, model)
+        # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token, of the whole model (before
+        # a pipeline layout cuts it to this rank's stages).
+        self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
+            if hasattr(model, "num_parameters") else 0
         self._workers = LocalWorkers.plan(self.args, model, seq_length, self.task)
         if self._workers is None:
             self._setup_engine(seq_length)
@@ -151,9 +154,6 @@ class Trainer(EvaluationMixin):
         self.compute_loss_func = compute_loss_func
         self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
         self._loss_mode = initial_mode(model)  # how the model's loss relates to num_items_in_batch (engine.loss)
-        # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token.
-        self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
-            if hasattr(model, "num_parameters") else 0
         self._fused_loss: FusedCausalLMLoss | None = None
         self._fused_probed = False
         self._loss_mode_measured = False
@@ -269,7 +269,7 @@ class Trainer(EvaluationMixin):
             # A dataset already in its training order (Megatron's shuffle index) is read in order, as Megatron does.
             sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices,
                                          shuffle=not getattr(dataset, "shuffled", False), seed=data_seed,
-                                         drop_last=args.dataloader_drop_last)
+                                         drop_last=args.dataloader_drop_last, share=engine.batch_share)
             source = EpochBatches(sampler, build_dataloader(
                 dataset, sampler, collate, args.dataloader_num_workers,
                 args.dataloader_pin_memory and engine.device.type == "cuda", args.dataloader_prefetch_factor, data_seed))
@@ -338,9 +338,11 @@ class Trainer(EvaluationMixin):
         self._total_loss = 0.0
         self._grad_norm: torch.Tensor | None = None
         self._learning_rate = self.optimizer.param_groups[0]["lr"]
-        self._tokens_since_log = 0
+        self._tokens_since_log = 0  # every rank's, since the last log
+        self._unsynced_tokens = 0  # this rank's, not yet summed into the state's counters
+        self._tokens_run = 0  # every rank's, in this call
         self._log_clock = time.perf_counter()
-        start_time, start_step, tokens_run = time.time(), state.global_step, 0
+        start_time, start_step = time.time(), state.global_step
         first_step_seconds: float | None = None
         self._position = position
         batches_per_epoch = source.batches_per_epoch or math.inf  # a stream's is unknown: read until it ends
@@ -356,21 +358,22 @@ class Trainer(EvaluationMixin):
             batches = iter(source)
             consumed = skip
             while consumed < batches_per_epoch and state.global_step < state.max_steps:
-                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those.
-                micro_batches = [engine.shard_batch(b) for b in itertools.islice(batches, accum)]
-                if not micro_batches:
+                # Under context parallelism each rank keeps its chunks of every sequence; all counts are of those,
+                # and of each batch's real rows (a rank without a share of a last batch reads a padding row).
+                step = read_step(batches, accum, engine.shard_batch)
+                if step is None:
                     break
-                consumed += len(micro_batches)
+                consumed += len(step.micro_batches)
                 engine.beat(state.global_step + 1)
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
-                tokens = sum(self._count_throughput(b) for b in micro_batches)
-                self._measure_loss_mode(micro_batches)
-                loss = engine.forward_backward(self.model_wrapped, micro_batches,
-                                               engine.count_items(micro_batches, self.training_loss),
-                                               self.training_loss)
+                tokens = sum(self._count_throughput(b) for b in step.counted)
+                self._measure_loss_mode([b for b, rows in zip(step.counted, step.real_rows) if rows])
+                loss = engine.forward_backward(self.model_wrapped, step.micro_batches,
+                                               engine.count_items(step.counted, self.training_loss),
+                                               self.training_loss, **step.padding)
                 # transformers' on_substep_end: once per micro-batch but the last (the engine runs a step's
                 # micro-batches together, interleaved under pipeline parallelism, so they fire after them)
-                for _ in micro_batches[1:]:
+                for _ in step.micro_batches[1:]:
                     self.control = self.callback_handler.on_substep_end(args, state, self.control)
                 if args.max_grad_norm > 0:
                     self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
@@ -384,10 +387,7 @@ class Trainer(EvaluationMixin):
 
                 state.global_step += 1
                 state.epoch = epoch + consumed / batches_per_epoch  # a stream counts whole passes
-                state.num_input_tokens_seen += tokens
-                state.total_flos += float(self._flops_per_token * tokens * self._throughput_shards())
-                self._tokens_since_log += tokens
-                tokens_run += tokens
+                self._unsynced_tokens += tokens  # summed over the ranks where the loop syncs anyway (_sync_counts)
                 self._tr_loss += loss
                 self._note_nonfinite(loss)
                 self._position.samples_consumed = consumed * source.global_batch_size
@@ -404,6 +404,7 @@ class Trainer(EvaluationMixin):
             epoch, skip = epoch + 1, 0
 
         self._check_finite()
+        self._sync_counts()
         engine.wait_for_checkpoint()  # the run ends only once its last checkpoint is written
         if args.load_best_model_at_end and state.best_model_checkpoint and Path(state.best_model_checkpoint).is_dir():
             logger.info("loading the best model (%s=%s) from %s", args.metric_for_best_model, state.best_metric,
@@ -417,7 +418,7 @@ class Trainer(EvaluationMixin):
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)
         # An image task's samples are its throughput items: train_samples_per_second says it, no tokens figure.
-        tokens = tokens_run * self._throughput_shards() if self._throughput_unit() == "tokens" else None
+        tokens = self._tokens_run if self._throughput_unit() == "tokens" else None
         metrics = speed_metrics("train", start_time,
                                 num_samples=steps_run * accum * self._position.global_batch_size,
                                 num_steps=steps_run, num_tokens=tokens)
@@ -466,11 +467,20 @@ class Trainer(EvaluationMixin):
         """What throughput counts (:meth:`_count_throughput`): ``"images"`` for image tasks, else ``"tokens"``."""
         return "images" if self.task_spec is not None and self.task_spec.items == "images" else "tokens"
 
-    def _throughput_shards(self) -> int:
-        """Ranks whose throughput counts add up to the step's: the data-parallel ranks, times the context-parallel
-        ones when tokens are counted (each holds its chunks of every sequence; images are not split)."""
+    def _sync_counts(self) -> None:
+        """Add every rank's tokens (images) since the last call to ``state.num_input_tokens_seen``, ``total_flos``
+        and the figures of the next log: one all-reduce over the ranks holding different data, where the loop
+        syncs anyway (logging, saving, the end). Context-parallel ranks each hold their chunks of every sequence,
+        so their token counts add up; each counts the whole images of its replica, counted once."""
         engine = self.engine
-        return engine.dp_size * (engine.cp_size if self._throughput_unit() == "tokens" else 1)
+        total = int(engine.all_reduce_sum(torch.tensor(self._unsynced_tokens, device=engine.device)))
+        if self._throughput_unit() != "tokens":
+            total //= engine.cp_size
+        self._unsynced_tokens = 0
+        self.state.num_input_tokens_seen += total
+        self.state.total_flos += float(self._flops_per_token * total)
+        self._tokens_since_log += total
+        self._tokens_run += total
 
     def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
         """Measure once, on the first labelled micro-batch, whether the model divides its loss by
@@ -577,16 +587,15 @@ class Trainer(EvaluationMixin):
             self._tr_loss.zero_()
             self._total_loss += loss * steps
             now = time.perf_counter()
-            tokens = int(self.engine.all_reduce_sum(torch.tensor(self._tokens_since_log, device=self.engine.device)))
+            self._sync_counts()
+            tokens = self._tokens_since_log
             logs: dict[str, float] = {"loss": loss, **self._model_metrics(steps)}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate
             unit = self._throughput_unit()  # named by the task's item: tokens, or images for image tasks
-            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen * self._throughput_shards()
-            # Context-parallel ranks each count the images of their replica (only token sequences are split).
-            per_rank = tokens if unit == "tokens" else tokens / self.engine.cp_size
-            logs[f"{unit}_per_second"] = round(per_rank / max(now - self._log_clock, 1e-9), 1)
+            logs[f"num_input_{unit}_seen"] = state.num_input_tokens_seen
+            logs[f"{unit}_per_second"] = round(tokens / max(now - self._log_clock, 1e-9), 1)
             self._tokens_since_log, self._log_clock, self._logged_step = 0, now, state.global_step
             self.log(logs)
         paused = time.perf_counter()
@@ -634,6 +643,7 @@ class Trainer(EvaluationMixin):
 
     def _save_checkpoint(self) -> Path:
         self._check_finite()
+        self._sync_counts()  # the saved state's counters are every rank's
         args, engine = self.args, self.engine
         engine.wait_for_checkpoint()  # the previous (background) save is in place before it is named best or rotated
         folder = Path(args.output_dir) / f"checkpoint-{self.state.global_step}"

@@ -73,9 +73,13 @@ def test_from_pretrained_takes_transformers_loading_arguments(folders, tmp_path)
 
 def test_loading_argument_errors_are_one_line(folders, tmp_path):
     _, ours_dir = folders
-    with pytest.raises(ConfigError, match=r"'hidden_sise' is neither a GPTConfig field \(.*hidden_size.*\) nor a "
-                                          r"from_pretrained argument \(config, dtype"):
+    # a typo names the one field meant; a name near nothing lists the fields and the arguments
+    with pytest.raises(ConfigError, match=r"^'hidden_sise' is not a GPTConfig field nor a from_pretrained argument; "
+                                          r"did you mean 'hidden_size'\?$"):
         mf.AutoModelForCausalLM.from_pretrained(ours_dir, hidden_sise=8)
+    with pytest.raises(ConfigError, match=r"'zzzz' is neither a GPTConfig field \(.*hidden_size.*\) nor a "
+                                          r"from_pretrained argument \(config, dtype"):
+        mf.AutoModelForCausalLM.from_pretrained(ours_dir, zzzz=8)
     with pytest.raises(CheckpointError, match="use_safetensors=False asks for pickled weights"):
         mf.AutoModelForCausalLM.from_pretrained(ours_dir, use_safetensors=False)
     with pytest.raises(ConfigError, match="attn_implementation='flash_attention_9' is not valid; choose one of: 'sdpa'"):

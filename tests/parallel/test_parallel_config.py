@@ -372,10 +372,10 @@ def test_batch_checks():
     pp = semi(data_parallel=2, pipeline_stage=2, micro_batch_num=4)
     pp.validate_for(4, per_device_batch=8, global_batch=16)
     config_error(lambda: pp.validate_for(4, per_device_batch=6),
-                 "per_device_batch=6", "micro_batch_num=4", "multiple of 4")
+                 "per_device_train_batch_size=6", "micro_batch_num=4", "multiple of 4")
     config_error(lambda: pp.validate_for(4, global_batch=12),
                  "global_batch=12", "data_parallel*micro_batch_num = 2*4 = 8")
-    config_error(lambda: pp.validate_for(4, per_device_batch=0), "per_device_batch=0", "integer >= 1")
+    config_error(lambda: pp.validate_for(4, per_device_batch=0), "per_device_train_batch_size=0", "integer >= 1")
     # Without a pipeline, micro_batch_num is ignored.
     semi(data_parallel=2, micro_batch_num=4).validate_for(2, per_device_batch=3, global_batch=6)
 

@@ -203,3 +203,14 @@ def test_plan_is_in_the_cli_help(capsys):
         main(["--help"])
     assert "plan" in capsys.readouterr().out
     assert mf.__version__
+
+
+def test_the_planner_does_not_split_a_fixed_token_count_sequence_parallelism_cannot(capsys):
+    """The ViT recipe's 50 tokens (49 patches and the class token): tp4 layouts are planned without sequence
+    parallelism (it cannot split 50 tokens over 4 ranks; they were dropped whole), tp2 ones with it."""
+    report = plan_json(ROOT / "tasks" / "vit" / "finetune_digits.yaml", "--devices", "8", "--top", "0", capsys=capsys)
+    layouts = [c["parallel_config"] for c in report["candidates"]]
+    tp4 = [c for c in layouts if c.get("model_parallel") == 4]
+    tp2 = [c for c in layouts if c.get("model_parallel") == 2]
+    assert tp4 and not any(c.get("use_seq_parallel") for c in tp4)
+    assert tp2 and all(c.get("use_seq_parallel") for c in tp2)
