@@ -80,13 +80,29 @@ def _activation(act: str):
 
 
 class Router(nn.Module):
-    """Linear router: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
-    :attr:`MoEConfig.router_dense_type`). Returns the logits (tokens, experts)."""
+    """Linear router with softmax top-k selection (``router_type="softmax_topk"``).
 
-    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32") -> None:
+    ``forward(x)``: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
+    :attr:`MoEConfig.router_dense_type`); returns the logits (tokens, experts), which transformers' output recording
+    collects as ``router_logits``. :meth:`select` turns them into each token's experts and mixing weights.
+
+    Other router kinds subclass it and override :meth:`select` (and may add parameters or buffers of their own, such
+    as a per-expert selection bias); :data:`ROUTERS` names them for ``MoEConfig.router_type``. What a router returns
+    from :meth:`select` is all the MoE block, its statistics and expert parallelism read.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32", top_k: int = 1,
+                 norm_topk_prob: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.dense_type = dense_type
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    @classmethod
+    def from_config(cls, hidden_size: int, moe: MoEConfig) -> Router:
+        """The router an MoE layer of ``moe``'s settings uses."""
+        return cls(hidden_size, moe.expert_num, moe.router_dense_type, moe.num_experts_chosen, moe.norm_topk_prob)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -95,6 +111,20 @@ class Router(nn.Module):
         dtype = getattr(torch, self.dense_type)
         with torch.autocast(x.device.type, enabled=False):  # also under bf16 autocast: the router is precise
             return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs, weights, chosen)`` from the logits (N, E): each expert's probability (N, E) in float32 (what
+        the load-balancing statistics average), and each token's k experts (N, k) with their mixing weights (N, k):
+        the top-k probabilities, renormalised to sum to 1 with ``norm_topk_prob``."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, chosen
+
+
+ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router}
+"""``MoEConfig.router_type`` -> the router class an MoE layer builds (:attr:`~MoEConfig.router_type`'s choices)."""
 
 
 class _PaddedGroups:
@@ -204,9 +234,8 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts = moe.expert_num
         self.top_k = moe.num_experts_chosen
-        self.norm_topk_prob = moe.norm_topk_prob
         self.capacity_factor = None if moe.routing_policy == "dropless" else moe.capacity_factor
-        self.gate = Router(hidden_size, moe.expert_num, moe.router_dense_type)
+        self.gate = ROUTERS[moe.router_type].from_config(hidden_size, moe)
         self.experts = GroupedExperts(moe.expert_num, hidden_size, moe.expert_size(intermediate_size), act, gated)
         shared = moe.shared_expert_size(intermediate_size)
         self.shared_expert = MLP(hidden_size, shared, act, gated, bias=False) if shared else None
@@ -230,10 +259,7 @@ class MoE(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, h)  # (N, H)
         logits = self.gate(x)  # (N, E)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs, weights, chosen = self.gate.select(logits)
         out, dropped = self._route(x, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
