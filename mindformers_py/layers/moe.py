@@ -398,8 +398,10 @@ class RouterMetrics:
 
     def summarize(self, sums: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
         """Logged values from the totals of ``steps`` optimizer steps: the router losses per step, the load
-        imbalance (largest over mean expert load, averaged over MoE layers; 1 is perfect balance), each expert's
-        share of the assignments and, with capacity limits, the share of dropped assignments."""
+        imbalance (largest over mean expert load, averaged over MoE layers; 1 is perfect balance) and each layer's
+        own (``load_imbalance/layer_<i>``: its most loaded expert against its mean, as MindFormers and Megatron
+        show it), each expert's share of the assignments and, with capacity limits, the share of dropped
+        assignments, overall and per layer (``dropped_tokens/layer_<i>``)."""
         cols = stat_columns(self.num_experts)
         stats = sums["router_stats"][self.moe_layers]  # (moe layers, width)
         counts = stats[:, cols["counts"]]
@@ -407,9 +409,15 @@ class RouterMetrics:
         logs = {"aux_loss": float(sums["aux_loss"]) / max(steps, 1)}
         if self.z_loss:
             logs["z_loss"] = float(sums["z_loss"]) / max(steps, 1)
-        logs["load_imbalance"] = float((counts.max(-1).values / mean_load).mean())
+        per_layer = counts.max(-1).values / mean_load  # (moe layers,)
+        logs["load_imbalance"] = float(per_layer.mean())
         if self.capacity_limited:
-            logs["dropped_tokens"] = float(stats[:, cols["dropped"]].sum() / (stats[:, cols["tokens"]].sum() * self.top_k).clamp(min=1))
+            assignments = stats[:, cols["tokens"]] * self.top_k
+            logs["dropped_tokens"] = float(stats[:, cols["dropped"]].sum() / assignments.sum().clamp(min=1))
         load = counts.sum(0) / counts.sum().clamp(min=1e-12)
         logs.update({f"expert_load/{i}": float(v) for i, v in enumerate(load)})
+        logs.update({f"load_imbalance/layer_{i}": float(v) for i, v in zip(self.moe_layers, per_layer)})
+        if self.capacity_limited:
+            dropped = stats[:, cols["dropped"]] / assignments.clamp(min=1)
+            logs.update({f"dropped_tokens/layer_{i}": float(v) for i, v in zip(self.moe_layers, dropped)})
         return logs

@@ -30,7 +30,7 @@ def reference(moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset(
     flat = x.reshape(-1, H)
     probs = torch.softmax(flat @ moe.gate.weight.t(), -1)
     weights, chosen = probs.topk(moe.top_k, -1)
-    if moe.norm_topk_prob:
+    if moe.gate.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(flat)
     for t in range(flat.shape[0]):
@@ -193,6 +193,24 @@ def test_model_logs_router_metrics():
     model.eval()
     model(ids, labels=ids)  # evaluation is not counted
     assert model.training_metrics.pop("cpu")["router_stats"].sum() == 0
+
+
+def test_expert_load_is_logged_per_layer():
+    """Each MoE layer's most loaded expert against its mean, and its dropped share, from the summed statistics:
+    layer 0 balanced, layer 2 routing everything to expert 1 and dropping a quarter (layer 1 is dense)."""
+    from mindformers_py.layers.moe import RouterMetrics, stat_width
+
+    metrics = RouterMetrics(3, 4, 2, [0, 2], capacity_limited=True, z_loss=False)
+    cols = stat_columns(4)
+    stats = torch.zeros(3, stat_width(4), dtype=torch.float64)
+    stats[0, cols["counts"]] = torch.tensor([5.0, 5, 5, 5])
+    stats[2, cols["counts"]] = torch.tensor([0.0, 20, 0, 0])
+    stats[[0, 2], cols["tokens"]] = 10.0  # 10 tokens x top-2 = 20 assignments per layer
+    stats[2, cols["dropped"]] = 5.0
+    logs = metrics.summarize({"router_stats": stats, "aux_loss": torch.tensor(0.0), "z_loss": torch.tensor(0.0)}, 1)
+    assert logs["load_imbalance/layer_0"] == 1.0 and logs["load_imbalance/layer_2"] == 4.0
+    assert "load_imbalance/layer_1" not in logs and logs["load_imbalance"] == 2.5
+    assert (logs["dropped_tokens/layer_0"], logs["dropped_tokens/layer_2"], logs["dropped_tokens"]) == (0.0, 0.25, 0.125)
 
 
 @pytest.mark.parametrize(("fields", "fragments"), [

@@ -60,7 +60,8 @@ def saved_activation_bytes(model, ids):
 
 
 @pytest.mark.parametrize("kw", [dict(flavour="gpt2"), dict(flavour="llama", num_key_value_heads=2),
-                                dict(flavour="llama", tie_word_embeddings=True, attention_bias=True)])
+                                dict(flavour="llama", tie_word_embeddings=True, attention_bias=True),
+                                dict(flavour="llama", qk_norm=True, attention_bias=True, attention_out_bias=True)])
 def test_parameter_count_is_exact(kw):
     cfg = tiny(**kw)
     with torch.device("meta"):
@@ -69,10 +70,10 @@ def test_parameter_count_is_exact(kw):
     assert estimate_memory(cfg, layout(), 1, 8).parameters == 4 * model.num_parameters()
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("recompute", [False, "full", "selective"])
 def test_activation_estimate_matches_saved_tensors(flavour, recompute):
-    cfg = tiny(flavour)
+    cfg = tiny("llama", qk_norm=True) if flavour == "qwen3" else tiny(flavour)
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(cfg).train()
     apply_recompute(model, RecomputeConfig(recompute=recompute))
