@@ -74,6 +74,13 @@ def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def _aligned(sizes: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether rows of these sizes (an expert's intermediate and hidden widths) are multiples of 16 bytes in
+    ``dtype``, which ``grouped_mm``'s kernels require of every stride (torch 2.13 raises otherwise: e.g. 12-wide
+    experts in bf16, where the per-expert products run instead)."""
+    return all(n * dtype.itemsize % 16 == 0 for n in sizes)
+
+
 def _activation(act: str):
     check_choice("hidden_act", act, sorted(ACT2FN.keys()))
     return functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
@@ -192,9 +199,9 @@ class GroupedExperts(nn.Module):
         expert has -> (R, H): every row through its expert, as grouped matrix products (``F.grouped_mm`` where
         torch has the kernel, else one product per expert over its contiguous rows)."""
         weights = [_local(self.up_proj), _local(self.down_proj)] + ([_local(self.gate_proj)] if self.gated else [])
-        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]):
-            dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
-                else weights[0].dtype  # the kernel is not autocast-aware: cast as autocast would
+        dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
+            else weights[0].dtype  # grouped_mm is not autocast-aware: cast as autocast would
+        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]) and _aligned(weights[0].shape[1:], dtype):
             rows = _PaddedGroups.of(counts, tokens.shape[0]) if tokens.device.type == "cpu" and dtype == torch.bfloat16 \
                 else None
             if rows is not None:

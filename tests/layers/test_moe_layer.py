@@ -280,6 +280,23 @@ def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
         assert (grouped - looped).abs().max().item() <= 1e-5
 
 
+def test_half_precision_experts_whose_rows_are_not_16_byte_multiples_run():
+    """Found by transformers' common model tests on Qwen3-MoE (they fail there too): experts 12 wide in bf16 have
+    24-byte rows, which torch's grouped products refuse; those experts run one product per expert."""
+    torch.manual_seed(0)
+    moe = MoE(H, 12, MoEConfig(expert_num=E, num_experts_chosen=2, routing_policy="dropless"), act="silu", gated=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(3))
+    reference, _ = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = moe(x)
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
+    half, _ = moe.to(torch.float16)(x.half())
+    torch.testing.assert_close(half.float(), reference, rtol=5e-2, atol=5e-2)
+
+
 def test_bf16_grouped_products_pad_each_experts_rows_without_changing_results(monkeypatch):
     """On the CPU in bf16 each expert's rows are padded to a multiple of a granularity (so oneDNN sees few shapes):
     outputs and gradients equal those of the unpadded grouped products, and the padding really happens."""
