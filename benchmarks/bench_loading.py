@@ -26,9 +26,12 @@ real widths (hidden 2048, 32 heads, 4 key/value heads of 128, 128 experts of 768
 untied) with 4 layers instead of 48: 3.00 B parameters, 2.42 B of them in experts, random bf16 values written by
 transformers' ``save_pretrained`` (one tensor per expert and projection, as transformers writes Qwen3-MoE) in 1 GB
 shards (6.0 GB), made once into ``runs/bench_loading/qwen3_moe_slice``. Its recipe is
-``tasks/gpt/finetune_lora_qwen3.yaml`` (LoRA on the attention and, by name, on the experts' projections) with the
-same flags, stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of
-the 128 experts of every layer).
+``tasks/gpt/finetune_lora_qwen3.yaml`` with the same flags and its LoRA on the attention only
+(``--peft.target_modules [q_proj,k_proj,v_proj,o_proj]``: LoRA on the experts, peft's ``ParamWrapper``, makes every
+expert's updated weight anew in each forward and its gradient in backward, 0.4 GB per projection and layer here in
+bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16) and 8 new tokens per sample, stand-alone and
+under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128 experts of every
+layer).
 
     python benchmarks/bench_loading.py                     # all of it (about 10 minutes on 2 cores)
     python benchmarks/bench_loading.py --skip-recipe       # the load comparison only
@@ -76,11 +79,15 @@ QWEN3_MOE_SLICE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=61
                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
                        bos_token_id=151643, eos_token_id=151645)
-# name -> (transformers config and model classes, config, shard size, the LoRA recipe, its layouts)
+# name -> (transformers config and model classes, config, shard size, the LoRA recipe, its layouts, its LoRA's
+# target modules (None: the recipe's), the recipe's other flags)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CHECKPOINTS = {
-    "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "tasks/gpt/finetune_lora.yaml", LAYOUTS),
+    "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "tasks/gpt/finetune_lora.yaml", LAYOUTS,
+                 None, []),
     "qwen3_moe_slice": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE_SLICE, "1GB",
-                        "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS),
+                        "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, ATTENTION,
+                        ["--generate.max_new_tokens", "8"]),
 }
 
 # One side of the load comparison, run in a fresh interpreter: prints one JSON line.
@@ -214,13 +221,15 @@ class PeakWatcher:
 def run_recipe(folder: Path, layout: str, out_root: Path, checkpoint: str = "llama_1b") -> tuple[float, dict[str, int], int]:
     """(wall seconds, peak RSS per rank, the launcher's peak) of the checkpoint's LoRA recipe under ``layout``."""
     output = out_root / layout
-    recipe, layouts = CHECKPOINTS[checkpoint][4:]
+    recipe, layouts, targets, extra = CHECKPOINTS[checkpoint][4:]
+    if targets is not None:
+        extra = [*extra, "--peft.target_modules", "[" + ",".join(targets) + "]"]
     cmd = [sys.executable, "-m", "mindformers_py", "run", str(ROOT / recipe),
            "--model.name_or_path", str(folder), "--max_steps", "1", "--per_device_train_batch_size", "1",
            "--data.block_size", "32", "--data.max_eval_samples", "4", "--per_device_eval_batch_size", "4",
            "--output_dir", str(output),
            "--overwrite_output_dir", "true", "--eval_strategy", "no", "--save_strategy", "no",
-           "--gradient_accumulation_steps", "1", *layouts[layout]]
+           "--gradient_accumulation_steps", "1", *extra, *layouts[layout]]
     start = time.perf_counter()
     log = open(out_root / f"{layout}.log", "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -252,8 +261,10 @@ def planner_estimate(folder: Path, layout: str, checkpoint: str = "llama_1b") ->
     from mindformers_py.planner.device_spec import DeviceSpec
 
     config = resolve_config(str(folder))[0]
-    recipe_path, layouts = CHECKPOINTS[checkpoint][4:]
+    recipe_path, layouts, targets = CHECKPOINTS[checkpoint][4:7]
     recipe = yaml.safe_load((ROOT / recipe_path).read_text())
+    if targets is not None:
+        recipe["peft"]["target_modules"] = targets
     trainable = adapter_parameter_count(recipe_peft_config(recipe, "causal_lm"), config)
     flags = layouts[layout]
     fields = {flags[i].lstrip("-"): flags[i + 1] for i in range(0, len(flags), 2)}
