@@ -11,7 +11,7 @@ from .models.lazy_registration import Deferred as _Deferred
 from .models.lazy_registration import install as _install_auto_registration
 from .utils.lazy_exports import lazy_exports as _lazy_exports
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     **dict.fromkeys(["AutoImageProcessor", "AutoTokenizer"], "transformers"),

@@ -1,9 +1,9 @@
 """Auto classes: one entry point for presets, our checkpoints and HF checkpoints of the architectures we cover.
 
-``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, or a
-folder holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
-converted on load, or the hub name of a checkpoint shipped in an installed package
-(``sentence-transformers/all-MiniLM-L6-v2``, :mod:`mindformers_py.models.packaged`).
+``AutoModelForCausalLM.from_pretrained(x)`` accepts a preset name (random init), a folder saved by us, a folder
+holding an HF checkpoint (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``bert``, ``roberta``, ...), which is
+converted on load, or a Hugging Face Hub id, read from the Hugging Face cache (or a package that ships it) as
+transformers reads it (:mod:`mindformers_py.models.hub`).
 Our model types are also registered with transformers' own Auto classes, so
 ``transformers.AutoModelForCausalLM.from_pretrained(folder_saved_by_us)`` returns our model.
 """
@@ -24,7 +24,8 @@ from transformers import GenerationConfig, PretrainedConfig
 from .errors import CheckpointError, ConfigError, MindFormersError, check_choice
 from .models import registry
 from .models.hf_config import own_config
-from .models.packaged import resolve_checkpoint_name
+from .models.hub import HUB_KWARGS, hub_options, resolve_source
+from .models.packaged import packaged_checkpoint_path
 from .models.registry import BASE, Family
 from .task_registry import TASKS, get_task, task_for_architectures
 from .utils.typed_values import coerce_fields
@@ -60,59 +61,90 @@ def resolve_config(name_or_path: str | os.PathLike, **overrides: Any) -> tuple[P
     typed fields are read by the field's type (``"no"`` for a boolean field is False), as recipes and command-line
     flags give them.
     """
-    name_or_path = resolve_checkpoint_name(name_or_path)
-    path = Path(name_or_path)
+    hub = hub_options(overrides)
+    subfolder = hub.pop("subfolder", "")
+    name_or_path = resolve_source(name_or_path, **hub)
+    path = Path(name_or_path, subfolder)
     if path.is_dir():
         raw = _read_config_json(path)
         family = _family_of(raw.get("model_type"), str(path / "config.json"))
-        _check_fields(family.config_class, overrides)
-        overrides = coerce_fields(family.config_class, overrides)
         from_hf = raw.get("model_type") != family.config_class.model_type
-        if from_hf:
-            config = family.converter.config_from_hf(raw)
-            for key, value in overrides.items():
-                setattr(config, key, value)
-        else:
-            config = family.config_class.from_dict({**raw, **overrides})
-        return config, family, from_hf
+        stored = family.converter.config_from_hf(raw) if from_hf else family.config_class.from_dict(raw)
+        return _with_overrides(stored, family, overrides), family, from_hf
     family = registry.family_for_preset(str(name_or_path))
-    if family is None:
-        raise _not_found(str(name_or_path))
-    _check_fields(family.config_class, overrides)
+    if family is None or subfolder:
+        raise _not_found(str(path))
+    preset = family.presets[str(name_or_path)]
+    _check_fields(family.config_class(**preset), overrides)
     overrides = coerce_fields(family.config_class, overrides)
-    return family.config_class(**{**family.presets[str(name_or_path)], **overrides}), family, False
+    return family.config_class(**{**preset, **overrides}), family, False
+
+
+def _with_overrides(config: PretrainedConfig, family: Family, overrides: dict[str, Any]) -> PretrainedConfig:
+    """A copy of ``config`` (a checkpoint's or a given one) with ``from_pretrained``'s config keywords applied, as
+    transformers applies them: any field or alias of the config's flavour (``rms_norm_eps`` on a Llama,
+    ``n_inner`` on a GPT-2), None re-deriving a derived size as when the config was made (``n_inner=None`` is
+    4 x ``n_embd``), and fewer ``num_hidden_layers`` keeping the first layers' ``layer_types``."""
+    _check_fields(config, overrides)
+    if not overrides:
+        return copy.deepcopy(config)
+    data = config.to_dict()
+    layers = overrides.get("num_hidden_layers")
+    kinds = data.get("layer_types")
+    if isinstance(layers, int) and isinstance(kinds, list) and "layer_types" not in overrides:
+        # one kind for every layer is re-derived for any depth; mixed kinds keep those of the layers that remain
+        data["layer_types"] = None if len(set(kinds)) <= 1 else kinds[:layers]
+    return family.config_class.from_dict({**data, **coerce_fields(family.config_class, overrides)})
 
 
 def _not_found(name: str) -> ConfigError:
     """The error for a source that is no folder and no preset: "no such folder" for what looks like a path, the
     closest preset for a near miss, else the presets."""
     if os.sep in name or "/" in name or name.startswith((".", "~")):
-        return ConfigError(f"no such folder: {name!r} (expected a checkpoint folder or a preset name; nothing is "
-                           "downloaded from the hub)")
+        return ConfigError(f"no such folder: {name!r} (expected a checkpoint folder, a preset name or a Hugging Face "
+                           "Hub id)")
     presets = registry.all_presets()
     close = difflib.get_close_matches(name, presets, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"presets: {', '.join(presets)}"
     return ConfigError(f"{name!r} is neither a checkpoint folder nor a preset; {hint}")
 
 
-def _check_fields(config_class: type[PretrainedConfig], overrides: dict[str, Any]) -> None:
-    """Refuse keys that are neither fields of ``config_class`` nor transformers' loading arguments, listing both."""
-    probe = config_class()
+def _check_fields(probe: PretrainedConfig, overrides: dict[str, Any], caller: str = "from_pretrained",
+                  arguments: Sequence[str] | None = None) -> None:
+    """Refuse keys that are neither fields (or aliases) of the config ``probe`` nor ``caller``'s arguments
+    (``arguments``; default: the models' :data:`LOADING_KWARGS`), listing both."""
+    config_class = type(probe)
     for key in overrides:
         if not hasattr(probe, key):
             own = [f for f in vars(config_class).get("__annotations__", {}) if not f.startswith("_")]
             common = ["num_labels", "id2label", "label2id", "problem_type", "output_hidden_states", "output_attentions"]
-            raise ConfigError(f"{key!r} is neither a {config_class.__name__} field ({', '.join(own + common)}) nor a "
-                              f"from_pretrained argument ({', '.join(LOADING_KWARGS)})")
+            article = "an" if caller[0] in "AEIOU" else "a"
+            raise ConfigError(f"{key!r} is neither a {config_class.__name__} field ({', '.join(own + common)}) nor "
+                              f"{article} {caller} argument ({', '.join(arguments or LOADING_KWARGS)})")
 
 
 class AutoConfig:
     """Configs by preset name, checkpoint folder or model type."""
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, **overrides: Any) -> PretrainedConfig:
-        """Our config for a preset name, our checkpoint folder or an HF checkpoint folder (converted)."""
-        return resolve_config(name_or_path, **overrides)[0]
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
+        """Our config for a preset name, our checkpoint folder or an HF checkpoint folder (converted); the other
+        keywords are config fields overriding the stored values.
+
+        transformers' keywords keep their meanings (:data:`CONFIG_KWARGS`): ``subfolder`` reads the config from
+        that folder inside ``name_or_path``; ``return_unused_kwargs=True`` returns ``(config, unused)``, the
+        keywords that are no config field, instead of refusing them; the hub's keywords (``revision``,
+        ``cache_dir``, ``local_files_only``, ``token``, ...) choose the files of a hub id, as in transformers, and
+        change nothing for a local folder or a preset."""
+        return_unused = bool(kwargs.pop("return_unused_kwargs", False))
+        kwargs.pop("trust_remote_code", None)  # our classes are this package's: no remote code to trust
+        hub = hub_options(kwargs)  # which files of a hub repository: resolved by huggingface_hub (models/hub.py)
+        stored = resolve_config(name_or_path, **hub)[0]
+        unused = {k: v for k, v in kwargs.items() if not hasattr(stored, k)}
+        if unused and not return_unused:
+            _check_fields(stored, unused, "AutoConfig.from_pretrained", CONFIG_KWARGS)
+        config = resolve_config(name_or_path, **hub, **{k: v for k, v in kwargs.items() if k not in unused})[0]
+        return (config, unused) if return_unused else config
 
     @classmethod
     def for_model(cls, model_type_or_preset: str, **kwargs: Any) -> PretrainedConfig:
@@ -151,16 +183,17 @@ class _AutoModel:
     def from_config(cls, config: PretrainedConfig, **kwargs: Any) -> PreTrainedModel:
         """A randomly initialised model for ``config`` (ours or a transformers config of an architecture we convert),
         as transformers' ``from_config``: ``dtype`` (or ``torch_dtype``) and ``attn_implementation`` are taken, and
-        ``device_map`` too. The model is built on ``meta`` and each module's weights are drawn once, in that dtype on
-        that device (a large preset is never materialised in float32 on the host first); under
+        ``device_map`` too (``trust_remote_code`` changes nothing: our classes are this package's, not remote code).
+        The model is built on ``meta`` and each module's weights are drawn once, in that dtype on that device (a
+        large preset is never materialised in float32 on the host first); under
         :func:`~mindformers_py.loading.deferred_loading` they are left to a layout to fill shard by shard. Under a
         ``torch.device("meta")`` block the model stays on ``meta`` with nothing drawn."""
         family = _family_of(getattr(config, "model_type", None), type(config).__name__)
         model_class = cls._model_class(family)
-        unknown = sorted(set(kwargs) - {"dtype", "torch_dtype", "attn_implementation", "device_map"})
+        unknown = sorted(set(kwargs) - {"dtype", "torch_dtype", "attn_implementation", "device_map", "trust_remote_code"})
         if unknown:
-            raise ConfigError(f"from_config got {unknown[0]!r}; it takes dtype, attn_implementation and device_map "
-                              "(set model fields on the config)")
+            raise ConfigError(f"from_config got {unknown[0]!r}; it takes dtype, attn_implementation, device_map and "
+                              "trust_remote_code (set model fields on the config)")
         if torch.get_default_device().type == "meta":
             return model_class(config)
         from .loading import deferred
@@ -201,10 +234,17 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
     if model_args:
         raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
                           f"(got {len(model_args)}); pass config fields as keywords")
-    name_or_path = resolve_checkpoint_name(name_or_path)
+    given = name_or_path
+    hub = hub_options(kwargs)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
-    folder = Path(name_or_path) / options["subfolder"] if options.get("subfolder") else Path(name_or_path)
+    subfolder = hub.pop("subfolder", "")
+    name_or_path = resolve_source(name_or_path, **hub)  # a hub id: its snapshot in the Hugging Face cache
+    folder = Path(name_or_path, subfolder)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        return _load_with_adapter(choose_class, folder, caller, options, kwargs)
     source = folder if folder.is_dir() else name_or_path
+    if not folder.is_dir() and registry.is_preset(str(name_or_path)):
+        _say_preset(str(name_or_path))
     if options.get("use_safetensors") is False:
         raise CheckpointError("use_safetensors=False asks for pickled weights (pytorch_model.bin), which are never "
                               "loaded (unpickling can run code); convert the checkpoint to safetensors")
@@ -212,7 +252,9 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         config, family, from_hf = _given_config(options["config"], source, kwargs)
     else:
         config, family, from_hf = resolve_config(source, **kwargs)
-    config._name_or_path = str(name_or_path)
+    # The name given, as transformers keeps it; a packaged checkpoint's name is kept as its folder instead, which
+    # the tools that reload ``name_or_path`` (AutoTokenizer, peft, sentence-transformers) find without the hub.
+    config._name_or_path = str(given if name_or_path == given or not _is_packaged(given) else name_or_path)
     attn = options.get("attn_implementation")
     if attn is not None:
         check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
@@ -244,13 +286,31 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
             raise ConfigError(f"device_map={device_map!r} cannot be used while loading is deferred (the layout "
                               "places the shards); leave it out")
     else:
-        model = _place(model, device_map)
+        model = _place(model, device_map, options.get("max_memory"), options.get("offload_folder"))
     if trace is not None and (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
         model.generation_config = _generation_config(folder)
     model.eval()
     info = plan.loading_info() if plan is not None else \
         {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return (model, info) if options.get("output_loading_info") else model
+
+
+def _load_with_adapter(choose_class: Callable[[Family], type[PreTrainedModel]], folder: Path, caller: str,
+                       options: dict[str, Any], fields: dict[str, Any]) -> Any:
+    """``from_pretrained`` of a saved peft adapter's folder, as transformers loads one: the base model its
+    ``adapter_config.json`` names, with the adapter put on it (transformers' ``load_adapter``: the model keeps its
+    class and gains the adapter's layers, ``peft_config`` and ``disable_adapters``)."""
+    from peft import PeftConfig
+
+    base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    if not base:
+        raise CheckpointError(f"adapter {folder} names no base model (base_model_name_or_path in adapter_config.json); "
+                              "load the base model and call load_adapter on it")
+    options = {k: v for k, v in options.items() if k != "subfolder"}  # the subfolder was the adapter's
+    loaded = load_pretrained(choose_class, base, caller=caller, **options, **fields)
+    model = loaded[0] if options.get("output_loading_info") else loaded
+    model.load_adapter(str(folder))
+    return loaded
 
 
 def load_model_class(model_class: type[PreTrainedModel], name_or_path: str | os.PathLike, *model_args: Any,
@@ -277,15 +337,39 @@ def _generation_config(folder: Path) -> GenerationConfig:
         raise CheckpointError(f"{folder / 'generation_config.json'} cannot be read ({reason}); fix or delete it") from None
 
 
+def _is_packaged(name: str | os.PathLike) -> bool:
+    """Whether ``name`` is a packaged checkpoint's name whose package is installed."""
+    try:
+        return packaged_checkpoint_path(name) is not None
+    except CheckpointError:  # its package is missing (the Hugging Face cache had it)
+        return False
+
+
+_PRESETS_SAID: set[str] = set()
+
+
+def _say_preset(name: str) -> None:
+    """Say once (per process; in a job, on its first rank) that a preset name gives a new model, not a checkpoint's
+    weights."""
+    if name not in _PRESETS_SAID and os.environ.get("RANK", "0") == "0":
+        _PRESETS_SAID.add(name)
+        logger.warning("%r is a preset of mindformers_py (a model configuration): the model gets new, randomly "
+                       "initialised weights, not a checkpoint's", name)
+
+
 LOADING_KWARGS = (
     "config", "dtype", "torch_dtype", "device_map", "attn_implementation", "subfolder", "ignore_mismatched_sizes",
     "output_loading_info", "use_safetensors", "low_cpu_mem_usage", "local_files_only", "revision", "trust_remote_code",
-    "cache_dir", "token", "force_download", "proxies",
+    "cache_dir", "token", "force_download", "proxies", "max_memory", "offload_folder",
 )
-"""transformers' ``from_pretrained`` keywords that say how to load rather than what the model is. The last eight
-concern downloads from a hub: weights here come from a local folder or a preset, so, as transformers does for a
-local folder, they change nothing (``local_files_only`` is always satisfied; ``trust_remote_code`` has no remote
-code to trust: our classes are this package's)."""
+"""transformers' ``from_pretrained`` keywords that say how to load rather than what the model is. Those that say
+which files of a Hub repository are read (:data:`~mindformers_py.models.hub.HUB_KWARGS`: ``revision``,
+``cache_dir``, ``local_files_only``, ``token``, ``force_download``, ``proxies``, ``subfolder``) are passed to
+huggingface_hub for a hub id (:mod:`mindformers_py.models.hub`); for a local folder they change nothing, as in
+transformers. ``trust_remote_code`` has no remote code to trust: our classes are this package's. ``max_memory`` and
+``offload_folder`` go with ``device_map="auto"`` (see :func:`_place`)."""
+CONFIG_KWARGS = ("subfolder", "return_unused_kwargs", "trust_remote_code", *(k for k in HUB_KWARGS if k != "subfolder"))
+"""transformers' ``AutoConfig.from_pretrained`` keywords that say how to load rather than what the config holds."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -295,14 +379,14 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
     of an architecture we load (converted). The weights are read as the checkpoint's own ``config.json`` says
     (ours, or an HF architecture's to convert), else as the given config's architecture; the third value says
     whether they are converted from HF."""
+    if isinstance(config, (str, os.PathLike)):  # a folder (or preset) holding the config, as transformers takes it
+        config = resolve_config(config)[0]
     if not isinstance(config, PretrainedConfig):
-        raise ConfigError(f"config={type(config).__name__} is not valid; expected a transformers PretrainedConfig")
+        raise ConfigError(f"config={type(config).__name__} is not valid; expected a transformers PretrainedConfig or "
+                          "the folder of a config.json")
     family = _family_of(getattr(config, "model_type", None), type(config).__name__)
-    _check_fields(family.config_class, overrides)
     from_hf = config.model_type != family.config_class.model_type
-    ours = family.converter.config_from_hf(config.to_dict()) if from_hf else copy.deepcopy(config)
-    for key, value in coerce_fields(family.config_class, overrides).items():
-        setattr(ours, key, value)
+    ours = _with_overrides(family.converter.config_from_hf(config.to_dict()) if from_hf else config, family, overrides)
     if isinstance(source, Path) and (source / "config.json").is_file():  # our checkpoint with an HF config, ...
         from_hf = _read_config_json(source).get("model_type") != family.config_class.model_type
     return ours, family, from_hf
@@ -317,20 +401,36 @@ def _kept_in_fp32(model: PreTrainedModel, dtype: torch.dtype | None) -> tuple[st
     return tuple(sorted(keep))
 
 
-def _place(model: PreTrainedModel, device_map: Any) -> PreTrainedModel:
+def _place(model: PreTrainedModel, device_map: Any, max_memory: dict | None = None,
+           offload_folder: str | os.PathLike | None = None) -> PreTrainedModel:
     """Give the ``meta``-built model its weights where transformers' ``device_map`` says: a device, ``{"": device}``,
-    a per-module dict, or a strategy such as ``"auto"`` (planned with accelerate on the empty model, then each weight
-    is loaded straight onto its device and accelerate's hooks move activations between devices)."""
+    a per-module dict, or a strategy such as ``"auto"`` (planned with accelerate on the empty model within
+    ``max_memory`` per device, then each weight is loaded straight onto its device and accelerate's hooks move
+    activations between devices). Modules the map sends to ``"disk"`` are written to ``offload_folder`` and read
+    back by accelerate's hooks when they run, as in transformers."""
+    from transformers.modeling_utils import get_torch_context_manager_or_global_device
+
     from .loading.deferred import materialize
 
-    if device_map is None:
-        return materialize(model, "cpu")
+    planned = isinstance(device_map, dict) or (isinstance(device_map, str) and device_map in DEVICE_MAP_STRATEGIES)
+    if (max_memory is not None or offload_folder is not None) and not planned:
+        name = "max_memory" if max_memory is not None else "offload_folder"
+        raise ConfigError(f"{name} plans where modules go and needs device_map='auto' (or a dict of module -> "
+                          f"device); got device_map={device_map!r}")
+    if device_map is None:  # as transformers: the device of a `with torch.device(...)` block or the default device
+        device = get_torch_context_manager_or_global_device() or torch.device("cpu")
+        if device.type == "meta":
+            raise ConfigError("from_pretrained reads weights, which a meta device (torch.set_default_device('meta') or "
+                              "a `with torch.device('meta')` block) cannot hold; build an empty model with from_config "
+                              "there, or load outside it")
+        return materialize(model, device)
     if isinstance(device_map, (int, torch.device)) or (isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES):
         return materialize(model, torch.device(device_map))
     from accelerate import dispatch_model, infer_auto_device_map
 
     if isinstance(device_map, str):
-        device_map = infer_auto_device_map(model, no_split_module_classes=list(model._no_split_modules or []))
+        device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                           no_split_module_classes=list(model._no_split_modules or []))
     if not isinstance(device_map, dict):
         raise ConfigError(f"device_map={device_map!r} is not valid; expected a device, a dict of module -> device, or "
                           f"one of: {', '.join(DEVICE_MAP_STRATEGIES)}")
@@ -347,7 +447,10 @@ def _place(model: PreTrainedModel, device_map: Any) -> PreTrainedModel:
                     return where(device_map[".".join(parts[:i])])
             return torch.device("cpu")
 
-        model = dispatch_model(materialize(model, device_of), device_map)
+        if "disk" in devices and offload_folder is None:
+            raise ConfigError("device_map puts modules on 'disk' (they do not fit max_memory); pass offload_folder "
+                              "(a folder for their weights) or more max_memory")
+        model = dispatch_model(materialize(model, device_of), device_map, offload_dir=offload_folder)
     model.hf_device_map = device_map
     return model
 

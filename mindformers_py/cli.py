@@ -94,19 +94,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
+EXIT_CODES = {
+    EXIT_OK: "the command did what it was asked",
+    EXIT_FAILED: "a rank stopped because another rank of the job failed (the launcher's line names that one), or a "
+                 "failure that is not a user error (its traceback is printed)",
+    EXIT_USER_ERROR: "a user error, refused before anything is written: one line `error: ...` on stderr naming the "
+                     "field, the value and what would be valid (also argparse's usage errors)",
+}
+"""What ``mindformers-py`` exits with (a multi-process job ends with the exit of the rank that failed)."""
+
 USER_ERROR_GRACE_S = 20.0
 """Seconds a rank that leaves a user error to its node's first rank waits for the launcher to stop it."""
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a message comes, not as it was when :func:`main` first ran (a caller
+    that runs ``main`` in-process, as the tests do, may have replaced and closed that stream since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 user error)."""
+    """Entry point; returns the exit status (:data:`EXIT_CODES`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     # Our own INFO messages (the auto_parallel planner's table, engine choices) are part of the run's output.
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[mindformers_py] %(message)s"))
     package_logger = logging.getLogger("mindformers_py")
     if not package_logger.handlers:
@@ -122,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             # error is this rank's own, and it says so itself.
             time.sleep(USER_ERROR_GRACE_S)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except Exception as e:
         if not _lost_a_peer(e):
+            _record_for_launcher(e)
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
@@ -134,7 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "?")
         print(f"error: rank {rank} stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__} (another rank "
               "failed or was stopped; the launcher's message names it)", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+
+
+def _record_for_launcher(exc: Exception) -> None:
+    """Under a launcher (torchrun, or ours), write the exception to the error file it gave this worker
+    (``TORCHELASTIC_ERROR_FILE``, torchelastic's ``@record`` format), so that its report, the job's last line,
+    names the error beside the rank; the traceback is printed here as well."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
 
 
 def _lost_a_peer(exc: Exception) -> bool:

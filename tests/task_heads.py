@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import transformers
 from transformers import TrainerCallback
@@ -140,13 +141,13 @@ class FirstStepGradients(TrainerCallback):
 
 
 def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=None, trainer_class: type = Trainer,
-               **trainer_kwargs) -> tuple[dict, float]:
+               bf16: bool = False, **trainer_kwargs) -> tuple[dict, float]:
     """Gradients and logged loss of the first step over the same N samples (``trainer_class`` built with
-    ``trainer_kwargs`` besides the usual arguments, e.g. a ``compute_loss_func``)."""
+    ``trainer_kwargs`` besides the usual arguments, e.g. a ``compute_loss_func``), in fp32 or under bf16 autocast."""
     clock = FirstStepGradients()
     args = TrainingArguments(output_dir=folder, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                              max_steps=1, learning_rate=1e-3, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
-                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True, bf16=False,
+                             report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True, bf16=bf16,
                              parallel_config=parallel or mf.ParallelConfig())
     trainer = trainer_class(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock],
                             **trainer_kwargs)
@@ -161,3 +162,12 @@ def assert_same(grads, loss, ref_grads, ref_loss):
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def assert_bf16_close(loss: float, ref_loss: float, fp32_loss: float) -> None:
+    """A layout's first-step loss under bf16 autocast against stand-alone's under bf16 autocast (within
+    :data:`tolerances.BF16_LAYOUT`); ``fp32_loss``, stand-alone's in fp32, shows that autocast was on there."""
+    from tolerances import BF16_LAYOUT
+
+    assert math.isfinite(loss) and loss == pytest.approx(ref_loss, **BF16_LAYOUT), (loss, ref_loss)
+    assert ref_loss != fp32_loss  # the bf16 reference really ran in bf16

@@ -2,7 +2,9 @@
 embeddings (Llama family); the norm + dropout of summed embeddings (BERT).
 
 Token embeddings are plain ``nn.Embedding`` modules owned by each model; their tensor-parallel style
-(``embedding_rowwise``, i.e. vocabulary-sharded) is declared in the model's plan, not here.
+(``embedding_rowwise``, i.e. vocabulary-sharded) is declared in the model's plan, not here. Where transformers builds
+a table with ``padding_idx`` (Llama-flavoured token tables, BERT's, RoBERTa's positions), ours has it too: that row
+starts at zero and gets no gradient, so the padding token never learns.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from .norms import build_norm
 
 
 class LearnedPositionEmbedding(nn.Embedding):
-    """Absolute positions looked up in a learned table of ``max_positions`` rows."""
+    """Absolute positions looked up in a learned table of ``max_positions`` rows (``padding_idx``: the row that
+    padding tokens sit at, RoBERTa's, kept at zero)."""
 
-    def __init__(self, max_positions: int, hidden_size: int) -> None:
-        super().__init__(max_positions, hidden_size)
+    def __init__(self, max_positions: int, hidden_size: int, padding_idx: int | None = None) -> None:
+        super().__init__(max_positions, hidden_size, padding_idx=padding_idx)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
         return super().forward(position_ids)

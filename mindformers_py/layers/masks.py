@@ -69,16 +69,12 @@ def build_attention_mask(
         if keep.shape[-1] < kv_length + kv_offset:
             keep = torch.nn.functional.pad(keep, (0, kv_length + kv_offset - keep.shape[-1]), value=False)
         keep = keep[:, kv_offset : kv_offset + kv_length]
-        # A left-padding query row would otherwise see no key at all and SDPA would return NaN; letting it see
-        # itself keeps the numbers finite (its output is never used).
+        # Queries, padding ones included, see the real keys the mask allows them, as in transformers (a right-padding
+        # query sees its row's real tokens before it, not itself). A query left with no key at all (left padding)
+        # sees itself, so that SDPA stays finite (its output is never used).
         own = k_pos[None, :] == q_pos[:, None]
-        if causal:
-            mask = (mask & keep[:, None, None, :]) | own[None, None]
-        else:
-            # Bidirectional queries, padding ones included, see every real token of their row, as in transformers;
-            # only a row without any real token sees itself (and stays finite).
-            empty = ~keep.any(-1)
-            mask = (mask & keep[:, None, None, :]) | (own[None, None] & empty[:, None, None, None])
+        mask = mask & keep[:, None, None, :]
+        mask = mask | (own[None, None] & ~mask.any(-1, keepdim=True))
     return mask
 
 

@@ -22,29 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
 from ..utils.damaged_files import unreadable_safetensors
-from ..utils.safetensors_io import INDEX_NAME, SAFETENSORS_DTYPES, WEIGHTS_NAME
-
-def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint folder (the index's shards, or ``model.safetensors``); a folder without
-    weights, a damaged index or a shard it lists but the folder lacks is a one-line CheckpointError."""
-    folder = Path(folder)
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is damaged ({e}); re-save or re-download the checkpoint") from None
-        files = [folder / name for name in names]
-        for path in files:
-            if not path.is_file():
-                raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
-        return files
-    if (folder / WEIGHTS_NAME).is_file():
-        return [folder / WEIGHTS_NAME]
-    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    raise CheckpointError(f"no weights in {folder}: expected {WEIGHTS_NAME} or {INDEX_NAME} (found: "
-                          f"{', '.join(found) or 'nothing'}); only safetensors checkpoints are loaded")
-
+from ..utils.safetensors_io import SAFETENSORS_DTYPES, weight_files
 
 class CheckpointReader:
     """The tensors of a safetensors checkpoint folder by name, read lazily (see the module docstring).
@@ -54,7 +32,7 @@ class CheckpointReader:
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
-        self.files = checkpoint_files(self.folder)
+        self.files = weight_files(self.folder)  # the index's shards, or model.safetensors
         self._where: dict[str, Path] = {}
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._offset: dict[str, int] = {}  # where each tensor's bytes start in its file

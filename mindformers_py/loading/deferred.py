@@ -98,8 +98,8 @@ def unchanged_record(model: nn.Module) -> DeferredWeights | None:
         return None
     for name, param in now.items():
         ref, version, dtype = then[name]
-        if ref() is not param or param._version != version or param.dtype != dtype:
-            return None
+        if ref() is not param or param.is_inference() or param._version != version or param.dtype != dtype:
+            return None  # (an inference tensor put in by hand keeps no version counter: not the record's value)
     return record
 
 
@@ -109,8 +109,8 @@ def meta_parameter(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bo
 
 
 def draw_seed() -> int:
-    """A seed for a model's inits, drawn from torch's global generator."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+    """A seed for a model's inits, drawn from torch's global (CPU) generator, whatever the default device is."""
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
 
 
 def module_seed(seed: int, module_name: str) -> int:
@@ -152,9 +152,12 @@ def build_empty(model_class: type[nn.Module], config: Any) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers.initialization import no_init_weights
 
-    with init_empty_weights(include_buffers=False), no_init_weights():
-        model = model_class(config)
-    model.tie_weights()  # skipped with the inits; tied parameters are then one object, filled once
+    # Outside inference mode (a script may load inside torch.inference_mode()): the model's tensors are ordinary
+    # ones, which keep version counters and can be trained later, as transformers' loaded weights can.
+    with torch.inference_mode(False):
+        with init_empty_weights(include_buffers=False), no_init_weights():
+            model = model_class(config)
+        model.tie_weights()  # skipped with the inits; tied parameters are then one object, filled once
     tag_module_names(model)
     model.__dict__[TIED_ATTR] = {f"{module.__dict__[NAME_ATTR]}.{attr}".lstrip("."): group[0]
                                  for group in _holders(model) for module, attr in group[1:]}
@@ -280,6 +283,12 @@ def materialize(model: nn.Module, device: torch.device | str | Callable[[str], t
     record = deferred_record(model)
     if record is None or not has_meta_parameters(model):
         return model
+    with torch.inference_mode(False):  # ordinary tensors, also when loading inside torch.inference_mode()
+        return _materialize(model, record, device)
+
+
+def _materialize(model: nn.Module, record: DeferredWeights,
+                 device: torch.device | str | Callable[[str], torch.device] | None) -> nn.Module:
     root = next(m for m in model.modules() if m.__dict__.get(RECORD_ATTR) is record)
     place = device if callable(device) else (lambda name, d=torch.device(device or "cpu"): torch.device(d))
     pending = [(name, module, attr, param) for name, module, attr, param in _param_names(model) if param.is_meta]

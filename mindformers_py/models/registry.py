@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Callable
 
 from ..task_registry import get_task
-from .lazy_registration import CHECKPOINT_LOADER, Deferred, load_builtin_families, register_deferred_model
+from .lazy_registration import BUILTIN_CONFIGS, CHECKPOINT_LOADER, Deferred, load_builtin_families, register_deferred_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -91,6 +91,11 @@ def families() -> list[Family]:
     """Every family, the built-in ones imported first. ``import mindformers_py`` imports no family (each costs torch
     and transformers' modeling code), so the table fills on first read; ``registry.FAMILIES`` is this list too."""
     load_builtin_families()
+    # In the built-in table's order whatever order their packages were imported in (error messages list presets and
+    # model types from here: the same text in every process), families registered by users after them.
+    builtin = [package + "." for package, _ in BUILTIN_CONFIGS.values()]
+    _FAMILIES.sort(key=lambda family: next(
+        (i for i, package in enumerate(builtin) if family.config_class.__module__.startswith(package)), len(builtin)))
     return _FAMILIES
 
 

@@ -25,8 +25,8 @@ in fp32 whose backward also yields the bias gradient. Either way only one block'
 backward recomputes them from the saved log-sum-exp.
 
 Masks are those of a single device, built per block from the whole sequence's padding and document ids
-(:class:`AttentionView`): causal or not, Mistral's sliding window, padding (a query always sees itself; a
-bidirectional row without any real token sees only itself), packed documents (positions restarting at 0), as
+(:class:`AttentionView`): causal or not, Mistral's sliding window, padding (a query sees the real keys it may see,
+and only itself when there are none), packed documents (positions restarting at 0), as
 :func:`~mindformers_py.layers.masks.build_attention_mask` does.
 """
 
@@ -87,6 +87,19 @@ class AttentionView:
         return self.attention_mask.bool()
 
     @functools.cached_property
+    def sees_a_key(self) -> torch.Tensor | None:
+        """(B, T) whether each query of a padded batch has a real key it may see in the whole sequence (a query
+        without one sees itself instead); None when the batch is not padded."""
+        keep = self.keep
+        if keep is None:
+            return None
+        upto = keep.long().cumsum(-1)  # real keys at or before each position
+        seen = upto if self.causal else upto[:, -1:].expand_as(upto)
+        if self.sliding_window is not None:  # minus those at or before q - window, which it no longer sees
+            seen = seen - torch.nn.functional.pad(upto, (self.sliding_window, 0))[:, :upto.shape[-1]]
+        return seen > 0
+
+    @functools.cached_property
     def documents(self) -> torch.Tensor | None:
         """(B, T) index of each token's document in packed rows (causal, no padding mask), else None."""
         if self.attention_mask is not None or self.position_ids is None or not self.causal:
@@ -108,12 +121,8 @@ class AttentionView:
         if docs is not None:
             mask = mask & (docs[:, q_pos][:, None, :, None] == docs[:, k_pos][:, None, None, :])
         if keep is not None:
-            own = (k == q)[None, None]
-            if self.causal:
-                mask = (mask & keep[:, k_pos][:, None, None, :]) | own
-            else:
-                empty = ~keep.any(-1)
-                mask = (mask & keep[:, k_pos][:, None, None, :]) | (own & empty[:, None, None, None])
+            lonely = ~self.sees_a_key[:, q_pos]  # (B, nq)
+            mask = (mask & keep[:, k_pos][:, None, None, :]) | ((k == q)[None, None] & lonely[:, None, :, None])
         return mask
 
     @property

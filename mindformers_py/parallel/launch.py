@@ -117,18 +117,23 @@ def check_world_size(required: int) -> int:
     return env.world_size
 
 
+def _cause(err: ChildFailedError) -> tuple[int, Any]:
+    """``(rank, failure)`` of the rank that caused the job to fail (see :func:`_failure_summary`)."""
+    def order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
+        rank, failure = item
+        return failure.exitcode == -signal.SIGTERM, failure.exitcode >= 0, failure.timestamp, rank
+
+    return min(err.failures.items(), key=order)
+
+
 def _failure_summary(err: ChildFailedError) -> str:
     """``rank R of the job failed with exit code C (SIGNAL)[: first line of its exception][ (N more rank(s) failed)]``.
 
-    The rank named is the cause: one killed by a signal before those that raised (a peer's death makes the others'
-    collectives fail with connection errors, sometimes before the agent sees the kill), then the earliest. SIGTERM
-    comes last among signals: it is what the agent sends the ranks it stops, so a rank that got it while it was
-    failing because of its peer would otherwise be named for the peer's SIGKILL."""
-    def order(item: tuple[int, Any]) -> tuple[bool, bool, float, int]:
-        rank, failure = item
-        return failure.exitcode >= 0, failure.exitcode == -signal.SIGTERM, failure.timestamp, rank
-
-    rank, failure = min(err.failures.items(), key=order)
+    The rank named is the cause: one killed by a signal (SIGKILL, an out-of-memory kill) before those that exited
+    with an error (a peer's death makes the others' collectives fail with connection errors, sometimes before the
+    agent sees the kill), then the earliest. SIGTERM comes after both: it is what the agent sends the ranks it stops
+    once one failed, so a rank ended by it is a consequence unless nothing else failed."""
+    rank, failure = _cause(err)
     code = failure.exitcode
     how = f"exit code {code}"
     if code < 0:
@@ -259,7 +264,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 def _launch_error(err: ChildFailedError, suffix: str = "") -> LaunchError:
     error = LaunchError(_describe_failure(err) + suffix)
-    error.rank, failure = err.get_first_failure()
+    error.rank, failure = _cause(err)
     error.exitcode = failure.exitcode
     return error
 

@@ -52,19 +52,22 @@ def pipeline(
         tokenizer: a tokenizer object or folder; None loads the one saved in the model's checkpoint folder (a preset
             name needs one given).
         **kwargs: passed to the pipeline class as with ``transformers.pipeline`` (``device``, ``batch_size``,
-            generation parameters such as ``max_new_tokens``, ...); ``dtype``/``torch_dtype`` apply when the model is
-            loaded here. ``parallel_config`` (a :class:`~mindformers_py.ParallelConfig` with ``model_parallel``,
+            generation parameters such as ``max_new_tokens``, ...). transformers' loading arguments load the model
+            and preprocessor here, as in ``transformers.pipeline``: ``model_kwargs`` (a dict of ``from_pretrained``
+            keywords), ``dtype``/``torch_dtype``, ``device_map``, ``revision``, ``token``, ``trust_remote_code``
+            (the last three also for the tokenizer) and ``use_fast`` (the tokenizer's). ``parallel_config`` (a :class:`~mindformers_py.ParallelConfig` with ``model_parallel``,
             ``pipeline_stage`` and, for MoE models, ``expert_parallel``) makes a generating pipeline run in a pool of
             worker processes holding the model sharded (:mod:`.parallel_pool`); the pool stays up until ``close()``,
             the end of a ``with`` block, or interpreter exit.
     """
     entry = get_pipeline(task)
-    load_kwargs = {key: kwargs.pop(key) for key in ("dtype", "torch_dtype") if kwargs.get(key) is not None}
+    load_kwargs, preprocessor_kwargs = _loading_arguments(kwargs)
     parallel_config = kwargs.pop("parallel_config", None)
     pooled = None
     if parallel_config is not None:
-        if kwargs.get("device") is not None:
-            raise MindFormersError("device= does not apply with parallel_config: each worker process uses its own "
+        placed = next((key for key in ("device", "device_map") if kwargs.get(key) or load_kwargs.get(key)), None)
+        if placed is not None:
+            raise MindFormersError(f"{placed}= does not apply with parallel_config: each worker process uses its own "
                                    "device (GPU LOCAL_RANK, else the CPU)")
         from .parallel_pool import start_pooled_model  # the launcher's imports only for parallel pipelines
 
@@ -76,9 +79,31 @@ def pipeline(
     else:
         model, folder = load_model(entry, model, **load_kwargs)
     given = tokenizer if entry.preprocessor == "tokenizer" else kwargs.pop(entry.preprocessor, None)
-    preprocessor = load_preprocessor(entry, given, folder, model)
+    preprocessor = load_preprocessor(entry, given, folder, model, **preprocessor_kwargs)
     arguments = {**entry.defaults, **kwargs, entry.preprocessor: preprocessor}
     return entry.pipeline_class(model=model, task=task_name(task, entry), **arguments)
+
+
+_MODEL_LOADING = ("dtype", "torch_dtype", "device_map")
+_HUB_LOADING = ("revision", "token", "trust_remote_code")
+
+
+def _loading_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Take transformers' loading arguments of ``pipeline()`` out of ``kwargs`` (so they never reach the pipeline
+    class, whose ``generate`` would refuse them): ``(from_pretrained keywords, preprocessor keywords)``."""
+    load_kwargs = dict(kwargs.pop("model_kwargs", None) or {})
+    for key in _MODEL_LOADING + _HUB_LOADING:
+        value = kwargs.pop(key, None)
+        if value is None:
+            continue
+        if key in load_kwargs:  # transformers refuses the same argument given twice
+            raise MindFormersError(f"pipeline got {key}= both directly and in model_kwargs; give it once")
+        load_kwargs[key] = value
+    preprocessor_kwargs = {key: load_kwargs[key] for key in _HUB_LOADING if key in load_kwargs}
+    if kwargs.get("use_fast") is not None:
+        preprocessor_kwargs["use_fast"] = kwargs.pop("use_fast")
+    kwargs.pop("use_fast", None)
+    return load_kwargs, preprocessor_kwargs
 
 
 __all__ = ["pipeline", "PipelineTask", "register_pipeline", "get_pipeline", "PIPELINES", "TextClassificationPipeline",

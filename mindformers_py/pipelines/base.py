@@ -18,6 +18,7 @@ from typing import Any
 from transformers import AutoImageProcessor, AutoTokenizer, Pipeline, PreTrainedModel
 
 from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
+from ..models.hub import HUB_KWARGS, resolve_source
 from ..adapters.files import is_adapter_folder
 from ..auto import auto_class_for
 from ..errors import MindFormersError, invalid_choice
@@ -117,7 +118,9 @@ def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreT
     if isinstance(model, PreTrainedModel) or is_peft_model(model):
         return model, None
     if isinstance(model, (str, os.PathLike)):
-        folder = Path(model)
+        # where the files are: the folder itself, a packaged checkpoint's, a hub repository's cached snapshot
+        hub = {key: load_kwargs[key] for key in HUB_KWARGS if load_kwargs.get(key) not in (None, False, "")}
+        folder = Path(resolve_source(model, **{k: v for k, v in hub.items() if k != "subfolder"}), hub.get("subfolder", ""))
         if is_adapter_folder(model):  # a saved peft adapter: its base model, then the adapter on it
             return from_pretrained_with_adapter(task.auto_model, model, **load_kwargs), folder
         loaded, info = task.auto_model.from_pretrained(model, output_loading_info=True, **load_kwargs)
@@ -134,8 +137,10 @@ def load_model(task: PipelineTask, model: Any, **load_kwargs: Any) -> tuple[PreT
     raise MindFormersError(f"model={type(model).__name__} is not a model, a checkpoint folder or a preset name")
 
 
-def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model: PreTrainedModel) -> Any:
-    """The preprocessor given (an object or a folder), else the one saved with the model's checkpoint."""
+def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model: PreTrainedModel,
+                      **load_kwargs: Any) -> Any:
+    """The preprocessor given (an object or a folder), else the one saved with the model's checkpoint;
+    ``load_kwargs`` (``use_fast``, ``revision``, ...) go to its ``from_pretrained``."""
     loader = PREPROCESSOR_LOADERS[task.preprocessor]
     if given is not None and not isinstance(given, (str, os.PathLike)):
         return given
@@ -148,4 +153,4 @@ def load_preprocessor(task: PipelineTask, given: Any, folder: Path | None, model
             "without a checkpoint folder"
         )
     with loading_from(source, task.preprocessor, f"save one there or pass {task.preprocessor}=..."):
-        return loader.from_pretrained(os.fspath(source))
+        return loader.from_pretrained(os.fspath(source), **load_kwargs)

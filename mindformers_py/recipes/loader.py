@@ -1,8 +1,9 @@
 """Reading a task recipe (YAML) and applying command-line overrides to it.
 
 A recipe has the sections ``model``, ``tokenizer``, ``data``, ``training`` (TrainingArguments fields),
-``parallel`` (ParallelConfig fields), ``generate`` and optionally ``peft`` (a peft adapter: peft's type and that
-config's fields; MindFormers' ``pet_config`` is its alias), plus top-level ``run_mode``. Overrides name a field by
+``parallel`` (ParallelConfig fields; MindFormers r2.0's ``parallelism`` section is read into it), ``generate`` and
+optionally ``peft`` (a peft adapter: peft's type and that config's fields; MindFormers' ``pet_config`` is its
+alias), plus top-level ``run_mode``. Overrides name a field by
 its bare name when that name is unique across ``training``/``parallel``/top level (``--max_steps 8``,
 ``--parallel_mode semi_auto_parallel``) or by a dotted path (``--model.num_layers 4``,
 ``--parallel.recompute.recompute full``).
@@ -85,8 +86,49 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise MindFormersError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    data = from_mindformers_r2(data, str(path))
     check_recipe(data, str(path))
     return data
+
+
+MINDFORMERS_R2_PARALLELISM = {"data_parallel_shard": "data_parallel", "tensor_parallel": "model_parallel",
+                              "context_parallel": "context_parallel", "pipeline_parallel": "pipeline_stage",
+                              "expert_parallel": "expert_parallel"}
+"""MindFormers r2.0's ``parallelism:`` names -> ours (r1.x's, which ``parallel:`` takes as they are)."""
+
+
+def from_mindformers_r2(recipe: dict[str, Any], where: str) -> dict[str, Any]:
+    """``recipe`` with a MindFormers r2.0 ``parallelism:`` section read into ``parallel:``: its sizes under our names
+    (:data:`MINDFORMERS_R2_PARALLELISM`), ``data_parallel_shard`` as FSDP (ZeRO-3, ``optimizer_shard: 3``, unless
+    the recipe sets ``optimizer_shard``) over that many data-parallel ranks, and the layout applied as given
+    (``semi_auto_parallel``) when a size is above 1 and no ``parallel_mode`` is set. Other r2.0 keys are refused."""
+    section = recipe.get("parallelism")
+    if section is None:
+        return recipe
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: section 'parallelism' must be a mapping, got {section!r}")
+    recipe = {k: v for k, v in recipe.items() if k != "parallelism"}
+    parallel = dict(recipe.get("parallel") or {})
+    for key, value in section.items():
+        if key not in MINDFORMERS_R2_PARALLELISM:
+            raise ConfigError(f"{where}: parallelism.{key} is not one of MindFormers r2.0's names read here "
+                              f"({', '.join(MINDFORMERS_R2_PARALLELISM)}); other fields go in the parallel section")
+        if key == "data_parallel_shard" and value == -1:
+            raise ConfigError(f"{where}: parallelism.data_parallel_shard=-1 (every device left) is not read here; give "
+                              "the number of data-parallel ranks")
+        ours = MINDFORMERS_R2_PARALLELISM[key]
+        if ours in parallel and parallel[ours] != value:
+            raise ConfigError(f"{where}: parallelism.{key}={value!r} contradicts parallel.{ours}={parallel[ours]!r}; "
+                              "keep one")
+        parallel[ours] = value
+    sizes = [v for k, v in parallel.items() if k in MINDFORMERS_R2_PARALLELISM.values()]
+    if any(isinstance(v, int) and v > 1 for v in sizes):
+        parallel.setdefault("parallel_mode", "semi_auto_parallel")
+    shard = section.get("data_parallel_shard")
+    if isinstance(shard, int) and shard > 1:
+        parallel.setdefault("optimizer_shard", 3)
+    recipe["parallel"] = parallel
+    return recipe
 
 
 def check_recipe(recipe: dict[str, Any], where: str) -> None:

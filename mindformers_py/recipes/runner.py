@@ -12,19 +12,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..adapters.config import recipe_peft_config
 from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
-from ..models.packaged import resolve_checkpoint_name
+from ..models.hub import TOKENIZER_FILES, hub_options, resolve_source
 from ..parallel.config import ParallelConfig
 from ..parallel.context_config import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from
-from .loader import apply_overrides, check_recipe, dump_recipe, parse_overrides
+from .loader import apply_overrides, check_recipe, dump_recipe, from_mindformers_r2, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def recipe_task(recipe: dict[str, Any]) -> TaskSpec:
 def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> dict[str, Any]:
     """Run a recipe dict (with CLI-style ``overrides``); returns the final metrics (and the pipeline's outputs on
     ``generate.prompts``)."""
-    recipe = apply_overrides(recipe, parse_overrides(overrides or []))
+    recipe = apply_overrides(from_mindformers_r2(recipe, "recipe"), parse_overrides(overrides or []))
     check_recipe(recipe, "recipe")
     run_mode = recipe.get("run_mode", "train")
     check_choice("run_mode", run_mode, RUN_MODES)
@@ -58,8 +59,12 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     model_s = dict(recipe.get("model") or {})
     name_or_path = model_s.pop("name_or_path", None)
     if name_or_path is None:
-        raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder or an HF checkpoint folder")
-    name_or_path = str(resolve_checkpoint_name(name_or_path))  # a packaged checkpoint's hub name -> its folder
+        raise ConfigError("model.name_or_path is required: a preset name, our checkpoint folder, an HF checkpoint folder "
+                          "or a Hugging Face Hub id")
+    # a packaged checkpoint's or a Hub repository's id -> its folder (the Hub's files through its cache)
+    hub = hub_options(model_s)
+    name_or_path = str(Path(resolve_source(name_or_path, **{k: v for k, v in hub.items() if k != "subfolder"}),
+                            hub.get("subfolder", "")))
     # A saved adapter (a LoRA run's output) loads its base model, then the adapter on it.
     adapter_dir = name_or_path if is_adapter_folder(name_or_path) else None
     if adapter_dir is not None:
@@ -80,6 +85,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
                           f"recipe's task is {task.name!r}")
     args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
+    _check_output_dir(args, run_mode)
     peft_config = recipe_peft_config(recipe, task.name)
     if peft_config is not None and adapter_dir is not None and run_mode in ("train", "finetune"):
         raise ConfigError(f"model.name_or_path={adapter_dir!r} is a saved adapter and the recipe has a peft section; "
@@ -244,7 +250,7 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
-        folder = str(resolve_checkpoint_name(tok_s.name_or_path))
+        folder = str(resolve_source(tok_s.name_or_path, files=TOKENIZER_FILES))
         with loading_from(folder, "tokenizer"):
             return AutoTokenizer.from_pretrained(folder)
     if Path(name_or_path, "tokenizer_config.json").is_file():
@@ -280,9 +286,11 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
                             processing_class=tokenizer, compute_metrics=compute,
                             peft_config=peft_config if run_mode in ("train", "finetune") else None)
-    if args.process_index == 0:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, Path(args.output_dir) / RESOLVED_NAME)
+    if args.process_index == 0:  # the resolved recipe, once every check of the run has passed
+        if run_mode in ("train", "finetune"):
+            trainer.add_callback(_recipe_recorder(recipe))
+        else:
+            _record_recipe(recipe, args.output_dir)
     results: dict[str, Any] = {}
     if generating and val is not None:
         # The data's own baselines the trained model is measured against (seq2seq: the function's name as its
@@ -381,9 +389,40 @@ def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts:
     from ..data.progress import progress_shown_to_workers
     from ..parallel.launch import launch
 
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    resolved = Path(output_dir) / RESOLVED_NAME
-    dump_recipe(recipe, resolved)  # the workers run the resolved recipe, overrides included
-    with progress_shown_to_workers():  # this process showed the data's progress: the ranks prepare it quietly
-        launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
+    # The workers run the resolved recipe, overrides included, from a file of their own: the output folder is
+    # written by the run itself, once its checks have passed on every rank (its rank 0 records the recipe there).
+    with tempfile.TemporaryDirectory(prefix="mindformers_py-recipe-") as folder:
+        resolved = Path(folder) / RESOLVED_NAME
+        dump_recipe(recipe, resolved)
+        with progress_shown_to_workers():  # this process showed the data's progress: the ranks prepare it quietly
+            launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
     return {}
+
+
+def _check_output_dir(args: Any, run_mode: str) -> None:
+    """Refuse, before anything is prepared or written (in the launching process and in every rank alike), a
+    training run into a folder that holds another run, unless the recipe resumes it, overwrites it, or the
+    launcher restarted this run (it then resumes from its own checkpoints)."""
+    from ..parallel.restarts import restart_info
+    from ..trainer.checkpoint import check_output_dir
+
+    if run_mode in ("train", "finetune") and not args.resume_from_checkpoint and restart_info() is None:
+        check_output_dir(args.output_dir, args.overwrite_output_dir)
+
+
+def _record_recipe(recipe: dict[str, Any], output_dir: str) -> None:
+    """Write the resolved recipe (``run_config.yaml``) into the run's folder, so the run can be repeated as is."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, Path(output_dir) / RESOLVED_NAME)
+
+
+def _recipe_recorder(recipe: dict[str, Any]) -> Any:
+    """A Trainer callback writing the resolved recipe when training begins: after every check of ``train()`` has
+    passed, so a refused run leaves the recipe of the run that made the folder's model in place."""
+    from transformers import TrainerCallback
+
+    class RecordRecipe(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            _record_recipe(recipe, args.output_dir)
+
+    return RecordRecipe()

@@ -38,7 +38,18 @@ def schedulers() -> tuple[str, ...]:
 METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
-REPORT_TARGETS = ("tensorboard",)
+REPORT_TARGETS = ("tensorboard", "mlflow", "wandb")
+"""What ``report_to`` names: TensorBoard (a dependency), and the trackers transformers' integrations drive where their
+package is installed (:data:`TRACKER_PACKAGES`)."""
+TRACKER_PACKAGES = {"mlflow": "mlflow (or mlflow-skinny)", "wandb": "wandb"}
+"""Tracker -> the package it needs (``pip install`` name)."""
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether the package of tracker ``name`` is importable (TensorBoard always is)."""
+    import importlib.util
+
+    return name not in TRACKER_PACKAGES or importlib.util.find_spec(name) is not None
 
 
 
@@ -111,8 +122,10 @@ class TrainingArguments:
     logging_dir: str | None = None
     """TensorBoard folder; None = ``<output_dir>/runs``."""
     report_to: str | list[str] = "tensorboard"
-    """Integrations that receive the logs: ``"tensorboard"``, ``"all"`` (= tensorboard) or ``"none"``. HF v5
-    defaults to none; we default to TensorBoard. ``log.jsonl`` is written whatever this says."""
+    """Integrations that receive the logs: ``"tensorboard"``, ``"mlflow"`` and ``"wandb"`` (transformers'
+    integrations, configured by their own environment variables: ``MLFLOW_TRACKING_URI``, ``WANDB_MODE=offline``,
+    ...; their package must be installed), ``"all"`` (every one installed) or ``"none"``. HF v5 defaults to none; we
+    default to TensorBoard. ``log.jsonl`` is written whatever this says."""
     run_name: str | None = None
     """A name for the run, shown in TensorBoard's text tab; None = the ``output_dir`` name."""
     disable_tqdm: bool = False
@@ -226,6 +239,21 @@ class TrainingArguments:
     """How training is spread over processes (MindFormers' parallel_config); a mapping of its fields is accepted.
     The default runs in one process."""
 
+    activation_checkpointing: bool | None = None
+    """transformers' switch for activation recomputation: True turns on ``parallel_config.recompute="full"`` (whole
+    transformer layers re-run in backward) when the layout asks for no recompute (a layout's own ``recompute``
+    setting is kept); None: as ``gradient_checkpointing`` says, else False."""
+    gradient_checkpointing: bool | None = None
+    """The older name of ``activation_checkpointing`` (transformers 5 keeps it as an alias); after construction both
+    hold the same value."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
+        # A keyword that is no field is refused here in one line, before the dataclass's __init__ raises a TypeError.
+        for name in kwargs:
+            if name not in cls.field_names():
+                raise unknown_field(cls, name)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         self._convert()
         self.validate()
@@ -240,11 +268,7 @@ class TrainingArguments:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> TrainingArguments:
         """Build from a YAML section or CLI strings; unknown keys are refused with the valid names."""
-        data = dict(data or {})
-        unknown = [k for k in data if k not in cls.field_names()]
-        if unknown:
-            raise ConfigError(f"{unknown[0]} is not a TrainingArguments field; valid fields: {', '.join(cls.field_names())}")
-        return cls(**data)
+        return cls(**dict(data or {}))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-serialisable dict of every field, accepted back by :meth:`from_dict` (``bf16`` and
@@ -275,6 +299,11 @@ class TrainingArguments:
                 continue
             setattr(self, name, coerce_value(name, getattr(self, name), hints[name]))
         self.parallel_config = ParallelConfig.coerce(self.parallel_config, "parallel_config")
+        if self.activation_checkpointing is None:  # transformers' rule: the older name counts when the new is unset
+            self.activation_checkpointing = bool(self.gradient_checkpointing)
+        self.gradient_checkpointing = self.activation_checkpointing
+        if self.activation_checkpointing and self.parallel_config.recompute.recompute is False:
+            self.parallel_config = dataclasses.replace(self.parallel_config, recompute="full")
         self._resolve_bf16()
         self._resolve_torch_compile()
         if isinstance(self.report_to, str):
@@ -282,7 +311,11 @@ class TrainingArguments:
         report = [r.lower() for r in self.report_to]
         for target in report:
             check_choice("report_to", target, REPORT_TARGETS + ("all", "none"))
-        self.report_to = [] if "none" in report else list(REPORT_TARGETS) if "all" in report else report
+            if not tracker_installed(target):
+                raise ConfigError(f"report_to={target!r} needs the {target} package, which is not installed: pip "
+                                  f"install {TRACKER_PACKAGES[target].split(' ')[0]}")
+        installed = [t for t in REPORT_TARGETS if tracker_installed(t)]  # transformers' "all": every one installed
+        self.report_to = [] if "none" in report else installed if "all" in report else report
         for name in ("lr_scheduler_type", "eval_strategy", "save_strategy", "logging_strategy", "optim"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -432,6 +465,27 @@ class TrainingArguments:
         if self.warmup_steps > 0:
             return math.ceil(self.warmup_steps * max_steps)
         return math.ceil(self.warmup_ratio * max_steps)
+
+
+def unknown_field(cls: type, name: str) -> ConfigError:
+    """The one-line refusal of ``name``, which is no field of ``cls``: a transformers ``TrainingArguments`` field
+    this package does not have is named as such; otherwise the closest field names are suggested."""
+    import difflib
+
+    fields = cls.field_names()
+    close = difflib.get_close_matches(name, fields, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    try:
+        import transformers
+
+        counterpart = getattr(transformers, cls.__name__, transformers.TrainingArguments)
+        theirs = {f.name for f in dataclasses.fields(counterpart)}
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        counterpart, theirs = None, set()
+    if name in theirs:
+        return ConfigError(f"{name} is a transformers {counterpart.__name__} field that {cls.__name__} does not have; "
+                           f"{hint}remove it (valid fields: {', '.join(fields)})")
+    return ConfigError(f"{name} is not a {cls.__name__} field; {hint}valid fields: {', '.join(fields)}")
 
 
 def _at_least(name: str, value: Any, minimum: float, hint: str = "") -> None:

@@ -196,12 +196,32 @@ class SaveBeforeFinalEvaluationCallback(TrainerCallback):
 
 def default_callbacks(args: TrainingArguments) -> list[TrainerCallback]:
     """The callbacks every Trainer starts with (before the user's): flow control, progress, log.jsonl,
-    TensorBoard when ``report_to`` asks for it, and the loss curve."""
+    TensorBoard, MLflow and Weights & Biases when ``report_to`` asks for them, and the loss curve."""
     callbacks: list[TrainerCallback] = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
     if "tensorboard" in args.report_to:
         callbacks.append(TensorBoardCallback())
+    for tracker in ("mlflow", "wandb"):  # transformers' own integrations, driven by the trackers' libraries
+        if tracker in args.report_to:
+            callbacks.append(_tracker_callback(tracker))
     callbacks.append(LossCurveCallback())
     return callbacks
+
+
+def _tracker_callback(name: str) -> TrainerCallback:
+    """transformers' callback of tracker ``name``; MLflow's is given only the numbers of each log (its metrics are
+    numbers: the run's layout, precision and compile lines, which log.jsonl keeps, would each cost a warning)."""
+    from transformers.integrations import MLflowCallback, WandbCallback
+
+    if name == "wandb":
+        return WandbCallback()
+
+    class NumbersToMLflow(MLflowCallback):
+        def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None,
+                   model: Any = None, **kwargs: Any) -> None:
+            numbers = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            super().on_log(args, state, control, logs=numbers, model=model, **kwargs)
+
+    return NumbersToMLflow()
 
 
 def _step_of(line: str) -> float:

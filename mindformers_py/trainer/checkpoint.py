@@ -172,19 +172,29 @@ def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
     return partial
 
 
-def prepare_output_dir(output_dir: str | Path, overwrite: bool | None, logging_dir: str | Path | None) -> None:
-    """Make ``output_dir`` ready for a fresh run. If it holds another run's checkpoints or state: ``overwrite=False``
-    refuses, ``True`` removes those files (checkpoints, state, log, curve, TensorBoard events under ``logging_dir``)
-    first, None trains over them as transformers 5 does (the new run rewrites the state, log and curve). Other files
-    are left alone."""
+def check_output_dir(output_dir: str | Path, overwrite: bool | None) -> list[Path]:
+    """What of another run ``output_dir`` holds (its checkpoints and trainer state), writing nothing; with
+    ``overwrite=False`` a folder holding another run is refused. A new folder is the first way out offered:
+    overwriting deletes that run's checkpoints (a LoRA recipe may be reading its model)."""
     root = Path(output_dir)
     previous = [p for p in checkpoint_folders(root)] + [p for p in (root / TRAINER_STATE_NAME,) if p.exists()]
     if previous and overwrite is False:
         names = ", ".join(p.name for p in previous[:3]) + (", ..." if len(previous) > 3 else "")
         raise MindFormersError(
-            f"output_dir={str(root)!r} holds another run ({names}); pass overwrite_output_dir=True to replace it, "
-            "resume_from_checkpoint=True to continue it, or choose another output_dir"
+            f"output_dir={str(root)!r} holds another run ({names}); give this run a new output_dir (--output_dir "
+            "runs/<new name>), continue that run with resume_from_checkpoint=True, or delete its checkpoints and "
+            "train over it with overwrite_output_dir=True"
         )
+    return previous
+
+
+def prepare_output_dir(output_dir: str | Path, overwrite: bool | None, logging_dir: str | Path | None) -> None:
+    """Make ``output_dir`` ready for a fresh run. If it holds another run's checkpoints or state: ``overwrite=False``
+    refuses (:func:`check_output_dir`), ``True`` removes those files (checkpoints, state, log, curve, TensorBoard
+    events under ``logging_dir``) first, None trains over them as transformers 5 does (the new run rewrites the
+    state, log and curve). Other files are left alone."""
+    root = Path(output_dir)
+    previous = check_output_dir(root, overwrite)
     if previous and overwrite:
         for path in checkpoint_folders(root):
             shutil.rmtree(path)

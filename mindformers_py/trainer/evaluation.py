@@ -52,10 +52,13 @@ class EvaluationMixin:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits, or ``preprocess_logits_for_metrics`` of them) for ``test_dataset`` as NumPy
-        arrays, its label ids when it has labels, and metrics (loss, ``compute_metrics``, speed)."""
+        arrays, its label ids when it has labels (a tuple of arrays with several ``label_names``), and metrics
+        (loss, ``compute_metrics``, speed). With ``args.prediction_loss_only`` only the loss is computed: no
+        predictions, no label ids, no ``compute_metrics`` (transformers' rule)."""
         if self._workers is not None:
             return self._workers.run(self, EvaluationMixin.predict, test_dataset, ignore_keys, metric_key_prefix)
-        output = self._evaluation_loop(test_dataset, "test_dataset", False, ignore_keys, metric_key_prefix)
+        output = self._evaluation_loop(test_dataset, "test_dataset", self.args.prediction_loss_only, ignore_keys,
+                                       metric_key_prefix)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
@@ -63,9 +66,13 @@ class EvaluationMixin:
                         ignore_keys: list[str] | None = None, num_items_in_batch: Any = None
                         ) -> tuple[torch.Tensor | None, Any, torch.Tensor | None]:
         """``(loss, logits, labels)`` of one batch without gradients (HF's signature). The loss is normalised
-        by ``num_items_in_batch`` when given (and the loss accepts it), else a mean over the batch."""
+        by ``num_items_in_batch`` when given (and the loss accepts it), else a mean over the batch. ``labels`` is
+        a tuple when there are several ``label_names`` (a QA model's start and end positions), as in transformers."""
         has_labels = all(isinstance(inputs.get(k), torch.Tensor) for k in self.label_names)
-        labels = inputs.get(self.label_names[0]) if has_labels else None
+        labels = None
+        if has_labels:
+            labels = tuple(inputs[k] for k in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
         if prediction_loss_only and has_labels:
             fused = self._fused_for(inputs)
             if fused is not None:
@@ -132,7 +139,8 @@ class EvaluationMixin:
                             logits = self.preprocess_logits_for_metrics(logits, labels)
                         predictions = _concat(predictions, engine.gather_for_metrics(_to_cpu(logits)))
                     if labels is not None and not prediction_loss_only:
-                        label_ids = _concat(label_ids, engine.gather_for_metrics(labels.cpu()))
+                        label_ids = _concat(label_ids, engine.gather_for_metrics(_to_cpu(labels)))
+                    self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
         finally:
             model.train(was_training)
         loss_sum = engine.all_reduce_sum(loss_sum)

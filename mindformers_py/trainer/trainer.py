@@ -27,7 +27,7 @@ from transformers.utils.generic import find_labels
 from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
 from ..engine.step_loss import NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
-from ..errors import MindFormersError
+from ..errors import ConfigError, MindFormersError
 from ..layers.loss import IGNORE_INDEX
 from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
@@ -36,7 +36,7 @@ from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dat
     forward_columns, is_stream, map_style_length
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
-    prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
+    check_output_dir, prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
     rotate_checkpoints, save_trainer_state
 from .evaluation import EvaluationMixin
 from .fused_loss import FusedCausalLMLoss
@@ -118,6 +118,9 @@ class Trainer(EvaluationMixin):
         if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
             raise MindFormersError("Trainer got both processing_class and tokenizer and they differ; pass one of them")
         self.args = args if args is not None else TrainingArguments()
+        if self.args.eval_strategy != "no" and eval_dataset is None:  # transformers refuses it here too
+            raise ConfigError(f"eval_strategy={self.args.eval_strategy!r} evaluates during training, but the Trainer "
+                              "got no eval_dataset; pass an eval_dataset or set eval_strategy='no'")
         self.processing_class = processing_class if processing_class is not None else tokenizer
         name = task or self.args.task
         self.task_spec: TaskSpec | None = get_task(name) if name else task_of_model(model)
@@ -144,6 +147,7 @@ class Trainer(EvaluationMixin):
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        self._created_lr_scheduler = False  # a schedule train() made is made again by the next train() (transformers)
         self.compute_loss_func = compute_loss_func
         self.model_accepts_loss_kwargs = accepts_loss_kwargs(model)
         self._loss_mode = initial_mode(model)  # how the model's loss relates to num_items_in_batch (engine.loss)
@@ -218,11 +222,27 @@ class Trainer(EvaluationMixin):
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
-        if self._workers is not None:
-            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
-        args, engine = self.args, self.engine
+        args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         restart = restart_info()
+        if not resume and restart is None:  # refused here, before a worker starts or a file is touched
+            check_output_dir(args.output_dir, args.overwrite_output_dir)
+        if self._workers is not None:
+            return self._workers.run(self, Trainer.train, resume_from_checkpoint=resume_from_checkpoint)
+        engine = self.engine
+        dataset, collate = self._prepared(self.train_dataset, "train")
+        global_batch = args.per_device_train_batch_size * engine.dp_size
+        if not is_stream(dataset):  # checked before the folder is prepared: overwriting it deletes another run
+            num_samples = map_style_length(dataset, "train_dataset")
+            if num_samples < global_batch:
+                raise MindFormersError(
+                    f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
+                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
+                    "ranks); use more data or a smaller per_device_train_batch_size"
+                )
+        elif args.max_steps <= 0:
+            raise MindFormersError("an iterable train_dataset has no length, so the run needs max_steps > 0 "
+                                   "(num_train_epochs cannot be turned into steps), as in transformers")
         engine.wait_for_checkpoint()
         if engine.is_main_process:
             remove_partial_checkpoints(args.output_dir)  # left by a run killed while it saved
@@ -240,24 +260,12 @@ class Trainer(EvaluationMixin):
         else:
             check_checkpoint(checkpoint, engine.checkpoint_files())
 
-        dataset, collate = self._prepared(self.train_dataset, "train")
-        global_batch = args.per_device_train_batch_size * engine.dp_size
         data_seed = args.data_seed if args.data_seed is not None else args.seed
         accum = args.gradient_accumulation_steps
         if is_stream(dataset):
-            if args.max_steps <= 0:
-                raise MindFormersError("an iterable train_dataset has no length, so the run needs max_steps > 0 "
-                                       "(num_train_epochs cannot be turned into steps), as in transformers")
             num_samples, max_steps, num_epochs = 0, args.max_steps, math.inf
             source: Any = StreamBatches(dataset, global_batch, engine.shard_indices, collate)
         else:
-            num_samples = map_style_length(dataset, "train_dataset")
-            if num_samples < global_batch:
-                raise MindFormersError(
-                    f"train_dataset has {num_samples} samples, fewer than one batch of {global_batch} "
-                    f"(per_device_train_batch_size={args.per_device_train_batch_size} x {engine.dp_size} data-parallel "
-                    "ranks); use more data or a smaller per_device_train_batch_size"
-                )
             sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices, shuffle=True, seed=data_seed,
                                          drop_last=args.dataloader_drop_last)
             source = EpochBatches(sampler, build_dataloader(
@@ -269,8 +277,11 @@ class Trainer(EvaluationMixin):
 
         if self.optimizer is None:
             self.optimizer = engine.build_optimizer(self.model)
+        if self._created_lr_scheduler:  # the last run's schedule has ended: this run gets its own (transformers)
+            self.lr_scheduler = None
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.optimizer, args, max_steps)
+            self._created_lr_scheduler = True
         self.state = TrainerState(is_local_process_zero=engine.is_local_main_process,
                                   is_world_process_zero=engine.is_main_process)
         position = DataPosition(num_samples=num_samples, global_batch_size=global_batch, data_seed=data_seed)
@@ -355,6 +366,10 @@ class Trainer(EvaluationMixin):
                 loss = engine.forward_backward(self.model_wrapped, micro_batches,
                                                engine.count_items(micro_batches, self.training_loss),
                                                self.training_loss)
+                # transformers' on_substep_end: once per micro-batch but the last (the engine runs a step's
+                # micro-batches together, interleaved under pipeline parallelism, so they fire after them)
+                for _ in micro_batches[1:]:
+                    self.control = self.callback_handler.on_substep_end(args, state, self.control)
                 if args.max_grad_norm > 0:
                     self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(args, state, self.control)
@@ -392,6 +407,10 @@ class Trainer(EvaluationMixin):
             logger.info("loading the best model (%s=%s) from %s", args.metric_for_best_model, state.best_metric,
                         state.best_model_checkpoint)
             engine.load_weights(self.model, state.best_model_checkpoint)
+        if args.save_total_limit == 1 and state.best_model_checkpoint and Path(state.best_model_checkpoint).is_dir() \
+                and engine.is_main_process:
+            # transformers' end of training: the best checkpoint alone remains (the last was kept for resuming)
+            rotate_checkpoints(args.output_dir, 1, keep=[Path(state.best_model_checkpoint)])
         steps_run = state.global_step - start_step
         self._total_loss += self._tr_loss.item()
         train_loss = self._total_loss / max(steps_run, 1)

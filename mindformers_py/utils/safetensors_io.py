@@ -37,27 +37,39 @@ def has_weights(folder: str | os.PathLike) -> bool:
     return (folder / WEIGHTS_NAME).is_file() or (folder / INDEX_NAME).is_file()
 
 
-def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors checkpoint folder into one CPU state dict."""
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its index lists, or ``model.safetensors``.
+
+    A folder may hold both. The shards are read when they are all there: a sharded save over a single-file one
+    leaves the older ``model.safetensors`` behind (transformers reads that stale file; we do not). An index whose
+    shards are gone beside a ``model.safetensors`` is the stale one, left by a single-file save over a sharded one
+    (transformers' ``save_pretrained`` removes the shards, not the index): the single file is read. A folder without
+    weights, a damaged index, or shards missing without a single file is a one-line CheckpointError."""
     folder = Path(folder)
-    if (folder / INDEX_NAME).is_file():
+    index, single = folder / INDEX_NAME, folder / WEIGHTS_NAME
+    if index.is_file():
         try:
-            files = sorted(set(json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{folder / INDEX_NAME} is damaged ({e}); re-save or re-download the checkpoint") from None
-    elif (folder / WEIGHTS_NAME).is_file():
-        files = [WEIGHTS_NAME]
-    else:
-        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        raise CheckpointError(
-            f"no weights in {folder}: expected {WEIGHTS_NAME} or {INDEX_NAME} (found: {', '.join(found) or 'nothing'}); "
-            "only safetensors checkpoints are loaded"
-        )
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is damaged ({e}); re-save or re-download the checkpoint") from None
+        files = [folder / name for name in names]
+        absent = [path for path in files if not path.is_file()]
+        if not absent:
+            return files
+        if not single.is_file():
+            raise CheckpointError(f"{absent[0]} is listed in {INDEX_NAME} but missing")
+        return [single]
+    if single.is_file():
+        return [single]
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    raise CheckpointError(f"no weights in {folder}: expected {WEIGHTS_NAME} or {INDEX_NAME} (found: "
+                          f"{', '.join(found) or 'nothing'}); only safetensors checkpoints are loaded")
+
+
+def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors checkpoint folder (:func:`weight_files`) into one CPU state dict."""
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is listed in {INDEX_NAME} but missing")
+    for path in weight_files(folder):
         try:
             state.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:

@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "model_cards").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "reference").glob("*.md")),
+         *sorted((ROOT / "model_cards").glob("*.md"))]
 LANGUAGES = {"python", "bash", "console", "yaml", "json", "text"}
 MOST_NOT_RUN = 4
 NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")

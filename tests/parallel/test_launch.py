@@ -126,6 +126,37 @@ def test_the_failure_named_is_the_cause_not_the_ranks_the_agent_stopped():
     assert _failure_summary(ChildFailedError("w", alone)) == "rank 1 of the job failed with exit code -15 (SIGTERM)"
     raised = {0: failure(0, 1, 2.0), 1: failure(1, 1, 1.0)}
     assert _failure_summary(ChildFailedError("w", raised)) == "rank 1 of the job failed with exit code 1 (1 more rank(s) failed)"
+    # issue 37: rank 2 raised, the agent stopped the others (SIGTERM, some seen earlier): rank 2 is the cause
+    stopped_after_raise = {0: failure(0, -15, 1.0), 1: failure(1, -15, 1.0), 2: failure(2, 1, 2.0), 3: failure(3, -15, 1.0)}
+    assert _failure_summary(ChildFailedError("w", stopped_after_raise)) == \
+        "rank 2 of the job failed with exit code 1 (3 more rank(s) failed)"
+
+
+# Rank 1 of a CLI job raises (as the MoE pipeline did under bf16) while rank 0 waits, as in a collective, until the
+# launcher stops it.
+_CLI_RANK_ONE_RAISES = """
+import os, sys, time
+from mindformers_py import cli
+
+def show(args):
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("index_add_(): self (BFloat16) and source (Float) must have the same scalar type")
+    time.sleep(120)
+
+cli._cmd_show = show
+sys.exit(cli.main(["show"]))
+"""
+
+
+def test_the_jobs_last_line_names_the_first_failing_rank_and_its_error(tmp_path):
+    script = tmp_path / "rank_one_raises.py"
+    script.write_text(_CLI_RANK_ONE_RAISES)
+    with pytest.raises(LaunchError) as err:
+        launch([str(script)], 2)
+    assert str(err.value) == ("rank 1 of the job failed with exit code 1: RuntimeError: index_add_(): self (BFloat16) "
+                              "and source (Float) must have the same scalar type (1 more rank(s) failed); the other "
+                              "ranks were stopped")
+    assert err.value.rank == 1 and err.value.exitcode == 1
 
 
 def test_a_cli_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):

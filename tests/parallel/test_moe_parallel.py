@@ -20,6 +20,7 @@ from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
 from mindformers_py.trainer.scheduler import create_scheduler
 from test_parallel_layouts import MICRO_BATCHES, RTOL, SEQ, STEPS, VOCAB
+from tolerances import BF16_LAYOUT, BF16_LAYOUT_GRAD_NORM
 
 GLOBAL_BATCH = 8  # two rows per rank and micro-batch at dp4
 
@@ -53,10 +54,10 @@ def global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def training_args(parallel: ParallelConfig) -> TrainingArguments:
+def training_args(parallel: ParallelConfig, bf16: bool = False) -> TrainingArguments:
     return TrainingArguments(output_dir="unused", per_device_train_batch_size=GLOBAL_BATCH // parallel.dp,
                              learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, optim="adamw_torch",
-                             use_cpu=True, parallel_config=parallel, report_to=[], bf16=False)
+                             use_cpu=True, parallel_config=parallel, report_to=[], bf16=bf16)
 
 
 def _loss_fn(model, batch, num_items):
@@ -64,11 +65,12 @@ def _loss_fn(model, batch, num_items):
 
 
 def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None,
-                   qwen3: bool = False) -> dict:
+                   qwen3: bool = False, bf16: bool = False) -> dict:
     """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
-    hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine; the router
-    metrics of the run reduced over the ranks; optionally a consolidated checkpoint."""
-    engine = build_engine(parallel, training_args(parallel))
+    hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine (under bf16
+    autocast with ``bf16``); the router metrics of the run reduced over the ranks; optionally a consolidated
+    checkpoint."""
+    engine = build_engine(parallel, training_args(parallel, bf16))
     engine.setup()
     model = tiny_moe(qwen3, **(moe or {}))
     wrapped = engine.prepare_model(model)
@@ -97,10 +99,12 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
 _REFERENCE: dict = {}
 
 
-def reference(qwen3: bool = False) -> dict:
-    if qwen3 not in _REFERENCE:
-        _REFERENCE[qwen3] = run_moe_layout(ParallelConfig(), qwen3=qwen3)
-    return _REFERENCE[qwen3]
+def reference(qwen3: bool = False, bf16: bool = False) -> dict:
+    """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``), computed once
+    each."""
+    if (qwen3, bf16) not in _REFERENCE:
+        _REFERENCE[qwen3, bf16] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16)
+    return _REFERENCE[qwen3, bf16]
 
 
 def semi(**fields) -> ParallelConfig:
@@ -123,10 +127,15 @@ LAYOUTS_4 = {
     "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them
     "qwen3_moe_dp2_tp2_ep2_zero1": semi(data_parallel=2, model_parallel=2, expert_parallel=2, optimizer_shard=1),
 }
+# Under bf16 autocast (the default where the hardware has it), in the same launches: the router statistics travel
+# between pipeline stages beside bf16 hidden states (dp2 x pp2 x ep2 crashed there, issue 37).
+BF16_LAYOUTS_2 = {"pp2_1f1b_bf16": semi(pipeline_stage=2, micro_batch_num=2)}
+BF16_LAYOUTS_4 = {"dp2_pp2_ep2_bf16": semi(data_parallel=2, pipeline_stage=2, micro_batch_num=2, expert_parallel=2)}
 
 
-def _worker(rank, world_size, layouts, folder=None):
+def _worker(rank, world_size, layouts, bf16_layouts, folder=None):
     out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe")) for name, layout in layouts.items()}
+    out.update({name: run_moe_layout(layout, bf16=True) for name, layout in bf16_layouts.items()})
     if folder is not None:
         out["saved"] = run_moe_layout(semi(data_parallel=4, expert_parallel=4, optimizer_shard=3), save_to=folder)
         from test_peft_layouts import adapter_gradients, moe_peft_model  # LoRA on the experts, on these 4 ranks
@@ -138,13 +147,13 @@ def _worker(rank, world_size, layouts, folder=None):
 
 @pytest.fixture(scope="module")
 def two_process_results():
-    return run_workers(_worker, 2, LAYOUTS_2)
+    return run_workers(_worker, 2, LAYOUTS_2, BF16_LAYOUTS_2)
 
 
 @pytest.fixture(scope="module")
 def four_process_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe_ep_checkpoint")
-    return run_workers(_worker, 4, LAYOUTS_4, str(folder)), folder
+    return run_workers(_worker, 4, LAYOUTS_4, BF16_LAYOUTS_4, str(folder)), folder
 
 
 def _check(results, name):
@@ -172,6 +181,16 @@ def test_expert_adapter_gradients_under_dp2_tp2_ep2(four_process_results):
     from test_peft_layouts import assert_expert_gradients
 
     assert_expert_gradients(four_process_results[0][0]["expert_lora_dp2_tp2_ep2"], "dp2 x tp2 x ep2")
+
+
+@pytest.mark.parametrize("name", [*BF16_LAYOUTS_2, *BF16_LAYOUTS_4])
+def test_bf16_moe_layout_runs_within_bf16_tolerance_of_stand_alone(two_process_results, four_process_results, name):
+    results = two_process_results if name in BF16_LAYOUTS_2 else four_process_results[0]
+    expected = reference(bf16=True)
+    assert expected["losses"] != pytest.approx(reference()["losses"], rel=1e-6)  # bf16 really changed the numerics
+    for rank, result in enumerate(results):
+        for key, tolerance in (("losses", BF16_LAYOUT), ("grad_norms", BF16_LAYOUT_GRAD_NORM)):
+            assert result[name][key] == pytest.approx(expected[key], **tolerance), (name, rank, key, result[name])
 
 
 def test_expert_parallel_checkpoint_consolidates(four_process_results):

@@ -162,6 +162,7 @@ LAYOUTS_4 = {
     "dp2xtp2_zero3_seq_qwen3_selective": ("qwen3", semi(data_parallel=2, model_parallel=2, optimizer_shard=3,
                                                         use_seq_parallel=True, recompute="selective")),
 }
+BF16_LAYOUTS_4 = {"dp2xtp2_bf16": ("llama", semi(data_parallel=2, model_parallel=2))}  # in the 4-process launch
 
 
 def _layouts_worker(rank, world_size, layouts, bf16_layouts=None):
@@ -179,7 +180,7 @@ def two_process_losses():
 @pytest.fixture(scope="module")
 def four_process_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hsdp")
-    return run_workers(_four_worker, 4, LAYOUTS_4, str(folder))
+    return run_workers(_four_worker, 4, LAYOUTS_4, str(folder), BF16_LAYOUTS_4)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
@@ -193,10 +194,18 @@ def test_two_process_layout_matches_stand_alone(two_process_losses, name):
 
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS_2))
 def test_bf16_layout_matches_stand_alone_bf16(two_process_losses, name):
-    flavour = BF16_LAYOUTS_2[name][0]
+    _check_bf16(two_process_losses, name, BF16_LAYOUTS_2[name][0])
+
+
+@pytest.mark.parametrize("name", list(BF16_LAYOUTS_4))
+def test_four_process_bf16_layout_matches_stand_alone_bf16(four_process_results, name):
+    _check_bf16(four_process_results, name, BF16_LAYOUTS_4[name][0])
+
+
+def _check_bf16(all_results, name, flavour):
     expected = run_layout(ParallelConfig(), flavour, bf16=True)
     assert expected != pytest.approx(reference(flavour), rel=1e-6)  # bf16 really changed the numerics
-    for results in two_process_losses:
+    for results in all_results:
         assert results[name] == pytest.approx(expected, rel=BF16_RTOL), (name, results[name], expected)
         assert results[name] != pytest.approx(reference(flavour), rel=1e-5)  # computed in bf16, not fp32
 
@@ -222,10 +231,10 @@ def test_recompute_stand_alone_matches_and_keeps_state_dict_names():
 # -- HSDP and what a layout does to the parameters (4 processes) ---------------------------------------------------
 
 
-def _four_worker(rank, world_size, layouts, folder):
+def _four_worker(rank, world_size, layouts, folder, bf16_layouts):
     from mindformers_py.parallel import build_mesh, parallelize
 
-    results = _layouts_worker(rank, world_size, layouts)
+    results = _layouts_worker(rank, world_size, layouts, bf16_layouts)
     # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
     hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3, optimizer_weight_shard_size=2)
     mesh = build_mesh(hsdp, shard_size=hsdp.shard_size)

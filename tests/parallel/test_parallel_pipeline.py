@@ -12,6 +12,7 @@ from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.parallel.pipeline_stages import layer_ranges, split_model, stage_ids_for_rank, stage_view
 from mindformers_py.task_registry import get_task
+from tolerances import BF16_LAYOUT
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-2
 RTOL = 1e-4
@@ -46,13 +47,19 @@ def eval_batch():
     return ids, ids.clone()
 
 
-def stand_alone_run(flavour, layers, padded=True):
+def autocast(bf16: bool):
+    """bf16 autocast on the CPU (as the engine's), or nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
+def stand_alone_run(flavour, layers, padded=True, bf16=False):
     """Per-step training losses, then the evaluation loss and logits of :func:`eval_batch`."""
     model = tiny_model(flavour, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for ids, mask, labels in batches(padded):
-        loss = model(ids, attention_mask=mask, labels=labels).loss
+        with autocast(bf16):
+            loss = model(ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -62,19 +69,20 @@ def stand_alone_run(flavour, layers, padded=True):
     return losses, out.loss.item(), out.logits
 
 
-def stand_alone_losses(flavour, layers, padded=True):
-    return stand_alone_run(flavour, layers, padded)[0]
+def stand_alone_losses(flavour, layers, padded=True, bf16=False):
+    return stand_alone_run(flavour, layers, padded, bf16)[0]
 
 
-def train_pipeline(pipe, padded=True, rank_batch=None, dp_group=None):
-    """STEPS AdamW steps of a PipelineParallel; ``rank_batch(ids)`` picks this rank's rows and the losses are
-    averaged over ``dp_group`` (data parallel)."""
+def train_pipeline(pipe, padded=True, rank_batch=None, dp_group=None, bf16=False):
+    """STEPS AdamW steps of a PipelineParallel (under bf16 autocast with ``bf16``); ``rank_batch(ids)`` picks this
+    rank's rows and the losses are averaged over ``dp_group`` (data parallel)."""
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=LR)
     losses = []
     for ids, mask, labels in batches(padded):
         if rank_batch is not None:
             ids, mask, labels = rank_batch(ids), rank_batch(mask), rank_batch(labels)
-        loss = pipe.step({"input_ids": ids, "labels": labels, "attention_mask": mask})
+        with autocast(bf16):
+            loss = pipe.step({"input_ids": ids, "labels": labels, "attention_mask": mask})
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
             loss /= dist.get_world_size(dp_group)
@@ -146,11 +154,19 @@ PP_CASES = [
 ]
 
 
+# Under bf16 autocast, in the same launch: (schedule, flavour, layers, micro-batches, virtual stages).
+BF16_PP_CASE = ("1f1b", "llama", 5, 4, 1)
+
+
 def _pp2_worker(rank, world_size, cases):
     from mindformers_py.parallel.mesh import build_mesh
     from mindformers_py.parallel.pipeline_parallel import build_pipeline
 
     results = {}
+    schedule, flavour, layers, micro, _ = BF16_PP_CASE
+    config = ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=micro,
+                            pipeline_schedule=schedule)
+    results["bf16"] = train_pipeline(build_pipeline(tiny_model(flavour, layers), config, build_mesh(config)), bf16=True)
     for schedule, flavour, layers, micro, virtual in cases:
         config = ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=micro,
                                 pipeline_schedule=schedule, virtual_pipeline_stages=virtual)
@@ -187,6 +203,14 @@ def test_pp2_losses_match_stand_alone(pp2_results, case):
     assert expected[0] != expected[-1]  # the steps really changed the weights
 
 
+def test_pp2_under_bf16_autocast_stays_within_bf16_tolerance_of_stand_alone(pp2_results):
+    _, flavour, layers, _, _ = BF16_PP_CASE
+    expected = stand_alone_losses(flavour, layers, bf16=True)
+    assert expected != pytest.approx(stand_alone_losses(flavour, layers), rel=1e-6)  # bf16 changed the numerics
+    for results in pp2_results:
+        assert results["bf16"] == pytest.approx(expected, **BF16_LAYOUT), (results["bf16"], expected)
+
+
 def test_the_model_cut_to_a_ranks_stages_holds_exactly_its_parameters(pp2_results):
     first, last = (results["1f1b"] for results in pp2_results)
     assert first[5] and last[5]  # the cut model's parameters are the pipeline parts' parameters
@@ -199,7 +223,7 @@ def test_the_model_cut_to_a_ranks_stages_holds_exactly_its_parameters(pp2_result
 # -- composed with tensor and data parallelism (4 processes) ----------------------------------------------------
 
 
-def _composed_layout(dp, tp, extra):
+def _composed_layout(dp, tp, extra, bf16=False):
     from mindformers_py.parallel.data import apply_data_parallel
     from mindformers_py.parallel.mesh import build_mesh
     from mindformers_py.parallel.pipeline_parallel import build_pipeline
@@ -213,7 +237,8 @@ def _composed_layout(dp, tp, extra):
         if tp > 1:
             apply_tensor_parallel(part, mesh.tp_mesh, sequence_parallel=config.sequence_parallel,
                                   vocab_parallel=config.vocab_parallel)
-        return apply_data_parallel(part, mesh, config)
+        # under bf16, ZeRO-3 takes FSDP2's bf16 mixed-precision policy (the engine's), here inside autocast too
+        return apply_data_parallel(part, mesh, config, param_dtype=torch.bfloat16 if bf16 else None)
 
     pipe = build_pipeline(tiny_model("llama"), config, mesh, parallelize=parallelize)
     rows = BATCH // dp
@@ -222,25 +247,26 @@ def _composed_layout(dp, tp, extra):
         return t[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
 
     # Equal token counts per data-parallel rank, so the mean of rank means is the batch mean.
-    return train_pipeline(pipe, padded=False, rank_batch=rank_batch, dp_group=mesh.dp_mesh.get_group())
+    return train_pipeline(pipe, padded=False, rank_batch=rank_batch, dp_group=mesh.dp_mesh.get_group(), bf16=bf16)
 
 
 def _composed_worker(rank, world_size, cases):
     return {name: _composed_layout(*case) for name, case in cases.items()}
 
 
-# name: (data_parallel, model_parallel, other ParallelConfig fields), all with pipeline_stage=2 and 1F1B.
+# name: (data_parallel, model_parallel, other ParallelConfig fields[, bf16]), all with pipeline_stage=2 and 1F1B.
 COMPOSED_CASES = {
     "tp2xpp2": (1, 2, {}),
     "tp2xpp2_seq_vocab_parallel": (1, 2, {"use_seq_parallel": True, "vocab_emb_dp": False}),
     "dp2xpp2": (2, 1, {}),
     "dp2xpp2_zero3": (2, 1, {"optimizer_shard": 3}),
 }
+BF16_COMPOSED_CASES = {"dp2xpp2_zero3_bf16": (2, 1, {"optimizer_shard": 3}, True)}  # FSDP2's bf16 policy on stages
 
 
 @pytest.fixture(scope="module")
 def composed_results():
-    return run_workers(_composed_worker, 4, COMPOSED_CASES)
+    return run_workers(_composed_worker, 4, {**COMPOSED_CASES, **BF16_COMPOSED_CASES})
 
 
 @pytest.mark.parametrize("case", list(COMPOSED_CASES))
@@ -248,6 +274,13 @@ def test_composed_layouts_match_stand_alone(composed_results, case):
     expected = stand_alone_losses("llama", 4, padded=False)
     for rank, results in enumerate(composed_results):
         assert results[case] == pytest.approx(expected, rel=RTOL), (rank, results[case], expected)
+
+
+@pytest.mark.parametrize("case", list(BF16_COMPOSED_CASES))
+def test_composed_layout_under_bf16_stays_within_bf16_tolerance_of_stand_alone(composed_results, case):
+    expected = stand_alone_losses("llama", 4, padded=False, bf16=True)
+    for rank, results in enumerate(composed_results):
+        assert results[case] == pytest.approx(expected, **BF16_LAYOUT), (rank, results[case], expected)
 
 
 # -- through the Trainer: one flag apart from stand-alone -----------------------------------------------------------

@@ -25,6 +25,7 @@ from mindformers_py.cli import main
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
+from tolerances import BF16_LAYOUT_GRAD_NORM
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "tasks" / "gpt" / "finetune_lora.yaml"
@@ -71,15 +72,15 @@ def _loss(model, inputs, num_items):
     return model(**inputs, num_items_in_batch=num_items).loss
 
 
-def adapter_gradients(parallel: ParallelConfig, build=peft_model) -> dict[str, torch.Tensor]:
+def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = False) -> dict[str, torch.Tensor]:
     """Whole gradients of every trainable tensor of ``build()`` after one step of two micro-batches under
-    ``parallel``."""
+    ``parallel`` (fp32, or under bf16 autocast)."""
     import torch.distributed as dist
 
     from mindformers_py.engine import build_engine
 
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=BATCH // parallel.dp, use_cpu=True,
-                             parallel_config=parallel, report_to=[], bf16=False)  # fp32: compared with stand-alone
+                             parallel_config=parallel, report_to=[], bf16=bf16)
     engine = build_engine(parallel, args)
     engine.setup()
     model = build()
@@ -184,6 +185,7 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
     out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()},
                  "expert_gradients": {name: adapter_gradients(layout, moe_peft_model)
                                       for name, layout in EXPERT_GRADIENT_LAYOUTS.items()}}
+    out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
         per_rank = ["--per_device_train_batch_size", "4"] if "--data_parallel" in flags else []
@@ -228,6 +230,19 @@ def assert_expert_gradients(got: dict[str, torch.Tensor], name: str) -> None:
 @pytest.mark.parametrize("name", list(EXPERT_GRADIENT_LAYOUTS))
 def test_expert_adapter_gradients_equal_stand_alone(job, name):
     assert_expert_gradients(job[1]["expert_gradients"][name], name)
+
+
+BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch
+
+
+def gradient_norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads.values()])))
+
+
+def test_adapter_gradients_under_bf16_stay_within_bf16_tolerance_of_stand_alone(job):
+    expected = gradient_norm(adapter_gradients(ParallelConfig(), bf16=True))
+    assert expected != gradient_norm(adapter_gradients(ParallelConfig()))  # bf16 changed the numerics
+    assert job[1]["bf16_norm"] == pytest.approx(expected, **BF16_LAYOUT_GRAD_NORM)
 
 
 @pytest.mark.parametrize("name", list(RECIPE_LAYOUTS))

@@ -120,3 +120,18 @@ def test_bad_input_is_a_clear_error(checkpoints, tmp_path):
     model.save_pretrained(tmp_path / "no_tokenizer")
     with pytest.raises(mf.CheckpointError, match="no tokenizer could be loaded from"):
         mf.pipeline("text-generation", model=tmp_path / "no_tokenizer")
+
+
+def test_loading_arguments_load_the_model_as_in_transformers(checkpoints):
+    """pipeline()'s loading arguments (model_kwargs, device_map, revision, use_fast, ...) load the model and the
+    tokenizer, as transformers.pipeline uses them, instead of reaching generate (issue 37)."""
+    _, _, hf_dir, _ = checkpoints
+    kw = dict(device_map="cpu", revision="main", use_fast=True, trust_remote_code=True)
+    loading = {"attn_implementation": "eager", "dtype": "float32"}  # transformers adds to the dict it is given
+    theirs = transformers.pipeline("text-generation", model=str(hf_dir), model_kwargs=dict(loading), **kw)
+    ours = mf.pipeline("text-generation", model=hf_dir, model_kwargs=dict(loading), **kw)
+    assert ours.model.config._attn_implementation == theirs.model.config._attn_implementation == "eager"
+    call = dict(max_new_tokens=8, do_sample=False)
+    assert _same(_run(ours, PROMPTS, call), _run(theirs, PROMPTS, call))
+    with pytest.raises(mf.MindFormersError, match="dtype= both directly and in model_kwargs"):
+        mf.pipeline("text-generation", model=hf_dir, dtype="float32", model_kwargs={"dtype": "float32"})

@@ -13,7 +13,7 @@ import pytest
 
 import mindformers_py as mf
 from dist_utils import run_workers
-from task_heads import HEADS, N, assert_same, first_step
+from task_heads import HEADS, N, assert_bf16_close, assert_same, first_step
 
 @pytest.mark.parametrize("head", HEADS)
 def test_gradient_accumulation_splits_give_one_batch_gradients(head, tmp_path):
@@ -61,6 +61,12 @@ def _heads_for(layout: dict) -> list[str]:
     return [h for h in OUR_HEADS if not (layout.get("use_seq_parallel") and h in ("moe_causal_lm", "seq2seq_lm"))]
 
 
+# Each family once more under bf16 autocast, in the same launch (issue 37: layouts ran in fp32 only): GPT, ViT and T5
+# cut into pipeline stages, BERT with tensor and sequence parallelism, GPT-MoE with its experts split.
+BF16_CASES = [("pp2", "causal_lm"), ("tp2_sequence_parallel", "bert_masked_lm"), ("pp2", "image_classification"),
+              ("pp2", "seq2seq_lm"), ("dp2_ep2", "moe_causal_lm")]
+
+
 def _layout_job(rank: int, world: int, folder: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
@@ -69,13 +75,23 @@ def _layout_job(rank: int, world: int, folder: str) -> dict:
             grads, loss = first_step(head, batch, 2, f"{folder}/{name}-{head}",
                                      mf.ParallelConfig(parallel_mode="semi_auto_parallel", **layout))
             out[name, head] = ({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grads.items()}, loss)
+    for name, head in BF16_CASES:
+        layout = LAYOUTS[name]
+        out[name, head, "bf16"] = first_step(head, N // layout.get("data_parallel", 1), 2, f"{folder}/{name}-{head}-bf16",
+                                             mf.ParallelConfig(parallel_mode="semi_auto_parallel", **layout),
+                                             bf16=True)[1]
     return out
 
 
-def test_pipeline_and_tensor_parallel_layouts_give_stand_alone_gradients_for_every_head(tmp_path):
+@pytest.fixture(scope="module")
+def layout_results(tmp_path_factory):
+    return run_workers(_layout_job, 2, str(tmp_path_factory.mktemp("layouts")))
+
+
+def test_pipeline_and_tensor_parallel_layouts_give_stand_alone_gradients_for_every_head(layout_results, tmp_path):
     """pp2 (each rank holds half the parameters), tp2 with sequence parallelism and, for the MoE head, dp2 with its
     experts split over the 2 ranks, with accumulation 2."""
-    results = run_workers(_layout_job, 2, str(tmp_path))
+    results = layout_results
     for head in OUR_HEADS:
         ref_grads, ref_loss = first_step(head, N, 1, str(tmp_path / f"ref-{head}"))
         for rank in range(2):
@@ -85,3 +101,12 @@ def test_pipeline_and_tensor_parallel_layouts_give_stand_alone_gradients_for_eve
                 held = {k: ref_grads[k if k in ref_grads else TIED[k]] for k in grads}
                 assert held and (name != "pp2" or len(held) < len(ref_grads)), (name, head)
                 assert_same(grads, loss, held, ref_loss)
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=[f"{name}-{head}" for name, head in BF16_CASES])
+def test_each_family_runs_its_layout_under_bf16_within_tolerance(layout_results, tmp_path, case):
+    name, head = case
+    ref_loss = first_step(head, N, 1, str(tmp_path / "bf16"), bf16=True)[1]
+    fp32_loss = first_step(head, N, 1, str(tmp_path / "fp32"))[1]
+    for rank in range(2):
+        assert_bf16_close(layout_results[rank][name, head, "bf16"], ref_loss, fp32_loss)

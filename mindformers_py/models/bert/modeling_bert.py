@@ -92,8 +92,10 @@ class BertModel(BertPreTrainedModel):
             raise ConfigError("add_cross_attention=True needs is_decoder=True: cross-attention layers belong to a "
                               "decoder (transformers' EncoderDecoderModel sets both)")
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
+        # transformers' tables: the padding token's row (and RoBERTa's padding position) stays zero, learns nothing
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                                        config.pad_token_id if config.padded_positions else None)
         self.embed_token_types = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.drop = EmbeddingNorm(config.hidden_size, config.norm_eps, config.hidden_dropout, config.norm_type,
                                   config.norm_bias)

@@ -301,6 +301,12 @@ class GPTConfig(PretrainedConfig):
         return ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_hidden_layers
 
     @property
+    def embedding_padding_idx(self) -> int | None:
+        """The token embedding row of ``pad_token_id``, kept at zero and without gradient, in the Llama flavour (as
+        transformers builds Llama, Mistral, Qwen2 and their MoE models); None in GPT-2's, whose table has none."""
+        return self.pad_token_id if self.flavour == "llama" else None
+
+    @property
     def cross_attends(self) -> bool:
         """Whether the layers have a cross-attention sublayer (``add_cross_attention`` on a GPT-2 flavour)."""
         return bool(self.add_cross_attention) and self.flavour == "gpt2"

@@ -84,7 +84,7 @@ class GPTModel(GPTPreTrainedModel):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.embedding_padding_idx)
         if config.position_embedding_type == "learned":
             self.embed_positions = LearnedPositionEmbedding(config.max_position_embeddings, config.hidden_size)
         else:
@@ -191,6 +191,8 @@ class GPTModel(GPTPreTrainedModel):
             if router_stats is None:
                 router_stats = hidden_states.new_zeros(hidden_states.shape[0], self.config.num_hidden_layers,
                                                        stat_width(moe.expert_num), dtype=torch.float32)
+            else:  # summed in fp32 on every stage: a bf16 mixed-precision wrapper (FSDP2's) casts a stage's inputs
+                router_stats = router_stats.float()
             padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
             token_mask = attention_mask[:, -length:] if padding else None
             for layer in self.layers:

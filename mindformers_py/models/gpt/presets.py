@@ -53,5 +53,5 @@ GPT_PRESETS.update({
                           moe_config=dict(expert_num=128, num_experts_chosen=8, moe_intermediate_size=768,
                                           routing_policy="dropless", norm_topk_prob=True, aux_loss_factor=0.001)),
 })
-# MindFormers-style aliases.
-GPT_PRESETS["gpt2"] = GPT_PRESETS["gpt_small"]
+# No preset is called "gpt2": that name is GPT-2's repository on the Hugging Face Hub, whose weights it must load
+# (models/hub.py), never a random model of its shape. gpt_small is that shape.
