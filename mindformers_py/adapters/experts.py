@@ -27,19 +27,29 @@ def with_expert_parameters(model: nn.Module, config: Any, name: str) -> Any:
     where the model also has modules of that name (a dense layer's MLP), else they leave it (peft would refuse a
     name that matches no module)."""
     targets = getattr(config, "target_modules", None)
-    if getattr(config, "peft_type", None) is None or str(config.peft_type.value) != "LORA" or \
-            not targets or isinstance(targets, str):
+    if getattr(config, "peft_type", None) is None or not targets or isinstance(targets, str):
         return config
     projections = sorted({attr for module in model.modules() if isinstance(module, GroupedExperts)
                           for attr, _ in module.named_parameters(recurse=False)})
     named = [target for target in targets if target.rsplit(".", 1)[-1] in projections]
     if not named:
         return config
+    modules = [n for n, _ in model.named_modules() if n]
+    if str(config.peft_type.value) != "LORA":
+        # peft adapts parameters (target_parameters) with LoRA alone; its other adapters wrap modules, and stacked
+        # experts have none per projection (transformers 5's MoE models alike). Where a dense layer has a module of
+        # that name, the name adapts that module and the experts stay frozen, as peft does on transformers' models.
+        alone = [t for t in named if not any(n == t or n.endswith(f".{t}") for n in modules)]
+        if alone:
+            kind = str(config.peft_type.value).lower()
+            raise ConfigError(f"{name}.target_modules names the experts' projections ({', '.join(sorted(alone))}), "
+                              f"which type={kind} cannot adapt: peft adapts stacked expert weights with LoRA only "
+                              "(target_parameters); use type: lora, or leave them out")
+        return config
     if config.lora_dropout:
         raise ConfigError(f"{name}.lora_dropout={config.lora_dropout} is not valid with the experts' projections "
                           f"in target_modules ({', '.join(named)}): peft's LoRA on stacked expert weights takes no "
                           "dropout; set lora_dropout=0 or leave the experts' projections out")
-    modules = [n for n, _ in model.named_modules() if n]
     config = copy.copy(config)
     parameters = set(config.target_parameters or ())
     parameters |= {f"experts.{target.rsplit('.', 1)[-1]}" for target in named}

@@ -270,3 +270,21 @@ def test_prompt_learning_is_refused_under_process_layouts():
     with pytest.raises(ConfigError, match=r"peft type 'prompt_tuning' trains in one process only .*pipeline_stage=2"):
         refuse_prompt_learning(prompt, "pipeline_stage=2")
     refuse_prompt_learning(apply_peft(gpt(), {"type": "lora", "r": 2}), "pipeline_stage=2")  # LoRA runs anywhere
+
+
+@pytest.mark.parametrize("kind", ["ia3", "loha", "oft"])
+def test_other_adapters_naming_only_the_experts_projections_are_refused_in_one_line(kind):
+    """peft adapts stacked expert weights with LoRA alone (target_parameters); another adapter type whose
+    target_modules names the experts' projections, with no dense layer of that name, gets a ConfigError naming the
+    names and the type (peft said only that no module matched)."""
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16, moe_config={
+                              "expert_num": 4, "num_experts_chosen": 2, "moe_intermediate_size": 16})
+    section = {"type": kind, "target_modules": ["q_proj", "gate_proj", "down_proj"]}
+    if kind == "ia3":
+        section["feedforward_modules"] = ["down_proj"]
+    with pytest.raises(ConfigError, match=rf"projections \(down_proj, gate_proj\), which type={kind} cannot adapt"):
+        apply_peft(mf.GPTForCausalLM(config), section, task="causal_lm")
+    section = {"type": kind, "target_modules": ["q_proj", "v_proj"]}  # the attention alone is theirs to adapt
+    model = apply_peft(mf.GPTForCausalLM(config), section, task="causal_lm")
+    assert not any("experts" in n for n, p in model.named_parameters() if p.requires_grad)
