@@ -15,7 +15,7 @@ import transformers
 
 import mindformers_py as mf
 from dist_utils import run_workers
-from layout_loading_workers import load_under_layouts
+from layout_loading_workers import load_sources_under_layouts, load_under_layouts
 
 TWO_RANKS = {
     "zero3": dict(data_parallel=2, optimizer_shard=3),
@@ -76,19 +76,21 @@ def test_each_rank_reads_its_shards_of_an_hf_checkpoint_and_holds_the_stand_alon
     _check(run_workers(load_under_layouts, 2, folder, "causal_lm", layouts), folder, "causal_lm", layouts)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path, kind):
+def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path):
     """Each expert-parallel rank holds, and reads from the file, only its own experts' tensors (the file keeps one
-    tensor per expert; our model stacks them)."""
-    folder = _checkpoint(tmp_path, kind)
+    tensor per expert; our model stacks them): Mixtral's and Qwen3-MoE's checkpoints, in one launch."""
+    folders = {kind: _checkpoint(tmp_path, kind) for kind in ("mixtral", "qwen3_moe")}
     layouts = {"ep2": dict(data_parallel=2, expert_parallel=2),
                "ep2_zero3": dict(data_parallel=2, expert_parallel=2, optimizer_shard=3)}
-    results = run_workers(load_under_layouts, 2, folder, "causal_lm", layouts)
-    _check(results, folder, "causal_lm", layouts, sharded={"ep2": 0.7, "ep2_zero3": 0.55})
-    for name in layouts:
-        for rank, per_rank in enumerate(results):
-            experts = {int(key.split(".experts.")[1].split(".")[0]) for key in per_rank[name][3] if ".experts." in key}
-            assert experts == {2 * rank, 2 * rank + 1}, (name, rank, sorted(per_rank[name][3]))
+    per_kind = run_workers(load_sources_under_layouts, 2, folders, "causal_lm", layouts)
+    for kind, folder in folders.items():
+        results = [ranks[kind] for ranks in per_kind]
+        _check(results, folder, "causal_lm", layouts, sharded={"ep2": 0.7, "ep2_zero3": 0.55})
+        for name in layouts:
+            for rank, per_rank in enumerate(results):
+                experts = {int(key.split(".experts.")[1].split(".")[0]) for key in per_rank[name][3]
+                           if ".experts." in key}
+                assert experts == {2 * rank, 2 * rank + 1}, (kind, name, rank, sorted(per_rank[name][3]))
 
 
 def test_random_inits_are_the_same_under_every_layout(tmp_path):
