@@ -1,7 +1,7 @@
 """The Qwen3 recipes through the CLI at test size: the tiny Qwen3-MoE pretraining (tasks/gpt_moe/
-pretrain_qwen3_moe_tiny.yaml) stand-alone and under dp2 x ep2 with the same losses, its per-layer expert loads in
-log.jsonl, its checkpoint exported as transformers' qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by
-transformers (tasks/gpt/finetune_lora_qwen3.yaml), adapting the experts' projections by name, under ep2 too."""
+pretrain_qwen3_moe_tiny.yaml) with its per-layer expert loads in the logs and its checkpoint exported as transformers'
+qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by transformers (tasks/gpt/finetune_lora_qwen3.yaml),
+adapting the experts' projections by name, under ep2 too."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _logs(out: Path) -> list[dict]:
     return [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
 
 
-def pretrain(files: Path, out: Path, *flags: str, data_parallel: int = 1) -> int:
+def pretrain(files: Path, out: Path, *flags: str) -> int:
     """The recipe at test size: 2 layers of width 64 with 4 experts of 32, 32-token blocks, 3 steps, fp32."""
     small = ["--model.num_hidden_layers", "2", "--model.hidden_size", "64", "--model.max_position_embeddings", "64",
              "--model.moe_config.expert_num", "4", "--model.moe_config.moe_intermediate_size", "32",
@@ -45,19 +45,20 @@ def pretrain(files: Path, out: Path, *flags: str, data_parallel: int = 1) -> int
              "--data.validation_files", str(files / "val.txt"), "--data.block_size", "32", "--max_steps", "3",
              "--logging_steps", "1", "--learning_rate", "0.01", "--disable_tqdm", "true", "--save_strategy", "no",
              "--eval_strategy", "no", "--generate.prompts", "[]", "--output_dir", str(out), "--report_to", "[]",
-             "--per_device_train_batch_size", str(8 // data_parallel), "--bf16", "false"]
+             "--per_device_train_batch_size", "8", "--bf16", "false"]
     return main(["run", str(PRETRAIN), *small, *flags])
 
 
-def test_qwen3_moe_pretraining_recipe_under_expert_parallelism(files, tmp_path, monkeypatch):
+def test_qwen3_moe_pretraining_recipe_logs_each_layer_and_exports(files, tmp_path, monkeypatch):
+    """Stand-alone only: the recipe's model under expert parallelism is test_moe_parallel.py's (qwen3_moe_* layouts,
+    gradients against stand-alone) and the CLI's MoE layouts are test_moe_recipe.py's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert pretrain(files, tmp_path / "sa") == 0
-    assert pretrain(files, tmp_path / "ep2", *EP2, data_parallel=2) == 0
-    expected, got = _logs(tmp_path / "sa"), _logs(tmp_path / "ep2")
-    assert len(expected) == len(got) == 3
-    for a, b in zip(expected, got):
-        for key in ("loss", "grad_norm", "aux_loss", "load_imbalance/layer_0", "load_imbalance/layer_1"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
+    logs = _logs(tmp_path / "sa")
+    assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]
+    for h in logs:  # each MoE layer's most loaded expert against its mean; their mean is the overall figure
+        layers = [h[f"load_imbalance/layer_{i}"] for i in range(2)]
+        assert all(value >= 1 for value in layers) and sum(layers) / 2 == pytest.approx(h["load_imbalance"])
     config = json.loads((tmp_path / "sa" / "config.json").read_text())
     assert config["qk_norm"] and config["moe_config"]["shared_expert_num"] == 0
     assert main(["convert", str(tmp_path / "sa"), str(tmp_path / "hf"), "--to", "hf"]) == 0
