@@ -412,6 +412,8 @@ class RouterMetrics:
         cols = stat_columns(self.num_experts)
         stats = sums["router_stats"][self.moe_layers]  # (moe layers, width)
         counts = stats[:, cols["counts"]]
+        if not counts.any():  # nothing counted (a pipeline without the router loss carries no statistics): no zeros
+            return {}
         mean_load = counts.mean(-1).clamp(min=1e-12)
         logs = {"aux_loss": float(sums["aux_loss"]) / max(steps, 1)}
         if self.z_loss:

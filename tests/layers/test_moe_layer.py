@@ -195,6 +195,22 @@ def test_model_logs_router_metrics():
     assert model.training_metrics.pop("cpu")["router_stats"].sum() == 0
 
 
+def test_expert_loads_are_logged_without_the_router_loss():
+    """A Qwen3-MoE checkpoint sets output_router_logits false: the loss is the language model's alone (as in
+    transformers), and the run's logs still get each layer's expert load (they were all zeros); nothing counted
+    logs nothing rather than zeros."""
+    model = mf.AutoModelForCausalLM.from_pretrained("qwen3_moe_tiny", num_hidden_layers=2, hidden_size=64,
+                                                    vocab_size=128, output_router_logits=False).train()
+    ids = torch.randint(0, 128, (2, 16))
+    out = model(ids, labels=ids)
+    tracker = model.training_metrics
+    logs = tracker.summarize(tracker.pop("cpu"), steps=1)
+    assert abs(sum(v for k, v in logs.items() if k.startswith("expert_load/")) - 1) <= 1e-6
+    assert all(logs[f"load_imbalance/layer_{i}"] >= 1 for i in tracker.moe_layers)
+    assert tracker.summarize(tracker.pop("cpu"), steps=1) == {}
+    assert out.aux_loss is None and out.loss < model(ids, labels=ids, output_router_logits=True).loss
+
+
 def test_expert_load_is_logged_per_layer():
     """Each MoE layer's most loaded expert against its mean, and its dropped share, from the summed statistics:
     layer 0 balanced, layer 2 routing everything to expert 1 and dropping a quarter (layer 1 is dense)."""
