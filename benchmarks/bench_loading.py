@@ -29,9 +29,10 @@ shards (6.0 GB), made once into ``runs/bench_loading/qwen3_moe_slice``. Its reci
 ``tasks/gpt/finetune_lora_qwen3.yaml`` with the same flags and its LoRA on the attention only
 (``--peft.target_modules [q_proj,k_proj,v_proj,o_proj]``: LoRA on the experts, peft's ``ParamWrapper``, makes every
 expert's updated weight anew in each forward and its gradient in backward, 0.4 GB per projection and layer here in
-bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16) and 8 new tokens per sample, stand-alone and
-under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128 experts of every
-layer).
+bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16; with the
+attention alone it peaked at 8.88 GiB, its step still 20 minutes on 2 shared cores) and 8 new tokens per sample,
+stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128
+experts of every layer).
 
     python benchmarks/bench_loading.py                     # all of it (about 10 minutes on 2 cores)
     python benchmarks/bench_loading.py --skip-recipe       # the load comparison only
