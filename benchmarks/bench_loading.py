@@ -19,11 +19,25 @@ transformers' ``save_pretrained`` in 4 shards (3.0 GB). It is made once into ``-
    batches of 32, its (32 x 32 x 128K) fp32 logits and their loss would be the largest thing any process holds, in
    every layout alike, and take minutes.
 3. The planner's memory estimate of each layout's rank (``mindformers_py.planner``'s cost model for the same model,
-   batch and sequence on a CPU "device") beside the measured peaks.
+   batch and sequence on a CPU "device", the process's runtime included) beside the measured peaks.
+
+``--checkpoint qwen3_moe_slice``: the same three parts for an expert-heavy checkpoint, a slice of Qwen3-30B-A3B at its
+real widths (hidden 2048, 32 heads, 4 key/value heads of 128, 128 experts of 768, top-8, its 151936-token vocabulary,
+untied) with 4 layers instead of 48: 3.00 B parameters, 2.42 B of them in experts, random bf16 values written by
+transformers' ``save_pretrained`` (one tensor per expert and projection, as transformers writes Qwen3-MoE) in 1 GB
+shards (6.0 GB), made once into ``runs/bench_loading/qwen3_moe_slice``. Its recipe is
+``tasks/gpt/finetune_lora_qwen3.yaml`` with the same flags and its LoRA on the attention only
+(``--peft.target_modules [q_proj,k_proj,v_proj,o_proj]``: LoRA on the experts, peft's ``ParamWrapper``, makes every
+expert's updated weight anew in each forward and its gradient in backward, 0.4 GB per projection and layer here in
+bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16; with the
+attention alone it peaked at 8.88 GiB, its step still 20 minutes on 2 shared cores) and 8 new tokens per sample,
+stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128
+experts of every layer).
 
     python benchmarks/bench_loading.py                     # all of it (about 10 minutes on 2 cores)
     python benchmarks/bench_loading.py --skip-recipe       # the load comparison only
     python benchmarks/bench_loading.py --layouts dp2_zero3 # one layout
+    python benchmarks/bench_loading.py --checkpoint qwen3_moe_slice   # the expert-heavy checkpoint
 """
 
 from __future__ import annotations
@@ -49,12 +63,33 @@ LAYOUTS = {
     "pp2": ["--parallel_mode", "semi_auto_parallel", "--pipeline_stage", "2", "--micro_batch_num", "2",
             "--per_device_train_batch_size", "2"],
 }
+MOE_LAYOUTS = {
+    "stand_alone": [],
+    "ep2": ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2"],
+}
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                 tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
+
+# Qwen3-30B-A3B's widths (its config.json), 4 of its 48 layers
+QWEN3_MOE_SLICE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+                       bos_token_id=151643, eos_token_id=151645)
+# name -> (transformers config and model classes, config, shard size, the LoRA recipe, its layouts, its LoRA's
+# target modules (None: the recipe's), the recipe's other flags)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+CHECKPOINTS = {
+    "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "tasks/gpt/finetune_lora.yaml", LAYOUTS,
+                 None, []),
+    "qwen3_moe_slice": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE_SLICE, "1GB",
+                        "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, ATTENTION,
+                        ["--generate.max_new_tokens", "8"]),
+}
 
 # One side of the load comparison, run in a fresh interpreter: prints one JSON line.
 _LOAD = r"""
@@ -74,28 +109,34 @@ print(json.dumps({"load_s": loaded, "load_peak": loaded_peak, "forward_s": time.
 """
 
 
-def make_checkpoint(folder: Path) -> None:
-    """The 1.50 B bf16 Llama checkpoint in 4 shards, written by transformers (once)."""
+def make_checkpoint(folder: Path, name: str = "llama_1b") -> None:
+    """The checkpoint ``name`` (:data:`CHECKPOINTS`) in bf16 shards, written by transformers (once)."""
     if (folder / "model.safetensors.index.json").is_file():
         return
     import torch
     import transformers
 
+    config_class, model_class, fields, shard_size = CHECKPOINTS[name][:4]
     print(f"making the checkpoint in {folder} (once) ...", flush=True)
-    config = transformers.LlamaConfig(**LLAMA_1B, dtype="bfloat16")
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    config = getattr(transformers, config_class)(**fields, dtype="bfloat16")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the parameters made in bf16 directly (no fp32 copy of the model)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, model_class)(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".llama_1b-", dir=folder.parent))
-    model.save_pretrained(tmp, max_shard_size="800MB")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    model.save_pretrained(tmp, max_shard_size=shard_size)
     os.replace(tmp, folder)
 
 
@@ -178,14 +219,18 @@ class PeakWatcher:
         self._thread.join()
 
 
-def run_recipe(folder: Path, layout: str, out_root: Path) -> tuple[float, dict[str, int], int]:
-    """(wall seconds, peak RSS per rank, the launcher's peak) of the LoRA recipe under ``layout``."""
+def run_recipe(folder: Path, layout: str, out_root: Path, checkpoint: str = "llama_1b") -> tuple[float, dict[str, int], int]:
+    """(wall seconds, peak RSS per rank, the launcher's peak) of the checkpoint's LoRA recipe under ``layout``."""
     output = out_root / layout
-    cmd = [sys.executable, "-m", "mindformers_py", "run", str(ROOT / "tasks/gpt/finetune_lora.yaml"),
+    recipe, layouts, targets, extra = CHECKPOINTS[checkpoint][4:]
+    if targets is not None:
+        extra = [*extra, "--peft.target_modules", "[" + ",".join(targets) + "]"]
+    cmd = [sys.executable, "-m", "mindformers_py", "run", str(ROOT / recipe),
            "--model.name_or_path", str(folder), "--max_steps", "1", "--per_device_train_batch_size", "1",
            "--data.block_size", "32", "--data.max_eval_samples", "4", "--per_device_eval_batch_size", "4",
            "--output_dir", str(output),
-           "--overwrite_output_dir", "true", "--eval_strategy", "no", "--save_strategy", "no", *LAYOUTS[layout]]
+           "--overwrite_output_dir", "true", "--eval_strategy", "no", "--save_strategy", "no",
+           "--gradient_accumulation_steps", "1", *extra, *layouts[layout]]
     start = time.perf_counter()
     log = open(out_root / f"{layout}.log", "w")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -201,10 +246,11 @@ def run_recipe(folder: Path, layout: str, out_root: Path) -> tuple[float, dict[s
     return wall, ranks, launcher
 
 
-def planner_estimate(folder: Path, layout: str) -> float:
+def planner_estimate(folder: Path, layout: str, checkpoint: str = "llama_1b") -> float:
     """The planner's estimate (bytes, :func:`mindformers_py.planner.cost_model.estimate_memory`) of the busiest rank
     of ``layout`` for this recipe: the bf16 base, the recipe's LoRA adapter, batch 1 x 32 tokens, the activation
-    dtype the run uses (bf16 where the CPU has it natively)."""
+    dtype the run uses (bf16 where the CPU has it natively) and the process's runtime (the CPU's, as
+    ``DeviceSpec.detect`` gives it)."""
     import yaml
 
     from mindformers_py.adapters.config import recipe_peft_config
@@ -213,57 +259,66 @@ def planner_estimate(folder: Path, layout: str) -> float:
     from mindformers_py.engine.precision import native_bf16
     from mindformers_py.parallel import ParallelConfig
     from mindformers_py.planner.cost_model import estimate_memory
+    from mindformers_py.planner.device_spec import DeviceSpec
 
     config = resolve_config(str(folder))[0]
-    recipe = yaml.safe_load((ROOT / "tasks/gpt/finetune_lora.yaml").read_text())
+    recipe_path, layouts, targets = CHECKPOINTS[checkpoint][4:7]
+    recipe = yaml.safe_load((ROOT / recipe_path).read_text())
+    if targets is not None:
+        recipe["peft"]["target_modules"] = targets
     trainable = adapter_parameter_count(recipe_peft_config(recipe, "causal_lm"), config)
-    flags = LAYOUTS[layout]
+    flags = layouts[layout]
     fields = {flags[i].lstrip("-"): flags[i + 1] for i in range(0, len(flags), 2)}
     batch = int(fields.pop("per_device_train_batch_size", 1))
     fields = {k: (v if k == "parallel_mode" else v == "true" if v in ("true", "false") else int(v))
               for k, v in fields.items()}
     parallel = ParallelConfig(**fields) if fields else ParallelConfig()
     estimate = estimate_memory(config, parallel, per_device_batch=batch, seq_length=32,
-                               act_bytes=2 if native_bf16("cpu") else 4, trainable_params=trainable, param_bytes=2)
+                               act_bytes=2 if native_bf16("cpu") else 4, trainable_params=trainable, param_bytes=2,
+                               runtime_bytes=DeviceSpec.detect("cpu").runtime_bytes)
     return float(estimate.total)
 
 
-def compare_recipe(folder: Path, layouts: list[str]) -> None:
+def compare_recipe(folder: Path, layouts: list[str], checkpoint: str = "llama_1b") -> None:
     """Part 2: the LoRA recipe from the checkpoint under each layout."""
-    out_root = ROOT / "runs" / "bench_loading" / "lora"
+    out_root = ROOT / "runs" / "bench_loading" / f"lora_{checkpoint}"
     out_root.mkdir(parents=True, exist_ok=True)
     results = {}
     for layout in layouts:
         print(f"  LoRA recipe, {layout} ...", flush=True)
-        results[layout] = run_recipe(folder, layout, out_root)
+        results[layout] = run_recipe(folder, layout, out_root, checkpoint)
         wall, ranks, launcher = results[layout]
         print(f"  {layout}: {wall:.0f} s, " + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(ranks.items()))
               + (f", launcher {_gib(launcher)}" if layout != "stand_alone" else ""), flush=True)
     base = max(results["stand_alone"][1].values()) if "stand_alone" in results else None
-    print("\n| layout | wall | peak RSS per process | largest / stand-alone | planner's estimate (model state + "
-          "activations, no runtime) |")
+    print("\n| layout | wall | peak RSS per process | largest / stand-alone | planner's estimate (runtime "
+          "included) |")
     print("|---|---|---|---|---|")
     for layout, (wall, ranks, launcher) in results.items():
         peaks = ", ".join(f"{k}: {_gib(v)}" for k, v in sorted(ranks.items()))
         ratio = f"{max(ranks.values()) / base:.2f}x" if base else "-"
-        estimate = planner_estimate(folder, layout)
+        estimate = planner_estimate(folder, layout, checkpoint)
         print(f"| {layout} | {wall:.0f} s | {peaks} | {ratio} | {_gib(estimate)} "
               f"({max(ranks.values()) / estimate:.2f}x of it measured) |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--folder", type=Path, default=ROOT / "runs" / "bench_loading" / "llama_1b")
+    parser.add_argument("--checkpoint", choices=list(CHECKPOINTS), default="llama_1b")
+    parser.add_argument("--folder", type=Path, default=None, help="default: runs/bench_loading/<checkpoint>")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=None, choices=sorted({*LAYOUTS, *MOE_LAYOUTS}),
+                        help="default: every layout of the checkpoint's recipe")
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-recipe", action="store_true")
     opts = parser.parse_args(argv)
-    make_checkpoint(opts.folder)
+    folder = opts.folder or ROOT / "runs" / "bench_loading" / opts.checkpoint
+    layouts = opts.layouts or list(CHECKPOINTS[opts.checkpoint][5])
+    make_checkpoint(folder, opts.checkpoint)
     if not opts.skip_load:
-        compare_loading(opts.folder, opts.rounds)
+        compare_loading(folder, opts.rounds)
     if not opts.skip_recipe:
-        compare_recipe(opts.folder, opts.layouts)
+        compare_recipe(folder, layouts, opts.checkpoint)
     return 0
 
 

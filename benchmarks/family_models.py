@@ -12,6 +12,8 @@ family    model (transformers class)                                            
 ========  ==========================================================================  ===========================
 gpt       GPT-2, 4 layers x 256, 4 heads, vocabulary 4096 (GPT2LMHeadModel)            8 x 256 tokens
 moe       Mixtral, 4 layers x 256, 8 experts of 384, top-2, vocabulary 4096            8 x 256 tokens
+qwen3     Qwen3, 4 layers x 256, 4 heads (2 KV), q/k norms, vocabulary 4096            8 x 256 tokens
+qwen3_moe Qwen3-MoE, 4 layers x 256, 8 experts of 384, top-2 renormalised, q/k norms   8 x 256 tokens
 bert      BERT, 4 layers x 256, 4 heads, vocabulary 30522, 15% masked (BertForMaskedLM) 16 x 128 tokens
 t5        t5_tiny's shape: 4+4 layers x 256, vocabulary 8192 (T5ForConditionalGeneration) 16 x (128 source + 32 target)
 vit       28 px images, 4 px patches, width 64, 4 layers, 10 classes (ViTForImageClassification) 32 images
@@ -113,6 +115,19 @@ FAMILIES: dict[str, Family] = {
         lambda: transformers.MixtralConfig(
             hidden_size=256, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
             num_local_experts=8, num_experts_per_tok=2, vocab_size=4096, max_position_embeddings=256),
+        _token_rows(4096, 256), batch=8, unit="tokens", items_per_example=256),
+    "qwen3": Family(
+        "qwen3", lambda: transformers.Qwen3ForCausalLM, lambda: mf.AutoModelForCausalLM,
+        lambda: transformers.Qwen3Config(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, vocab_size=4096, max_position_embeddings=256),
+        _token_rows(4096, 256), batch=8, unit="tokens", items_per_example=256),
+    "qwen3_moe": Family(
+        "qwen3_moe", lambda: transformers.Qwen3MoeForCausalLM, lambda: mf.AutoModelForCausalLM,
+        lambda: transformers.Qwen3MoeConfig(
+            hidden_size=256, intermediate_size=768, moe_intermediate_size=384, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, vocab_size=4096, max_position_embeddings=256),
         _token_rows(4096, 256), batch=8, unit="tokens", items_per_example=256),
     "bert": Family(
         "bert", lambda: transformers.BertForMaskedLM, lambda: mf.AutoModelForMaskedLM,

@@ -27,6 +27,13 @@ def tiny_hf_config(kind: str):
         return transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                            shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1],
                                            router_aux_loss_coef=0.02, **{**llama_like, "num_hidden_layers": 3})
+    if kind == "qwen3":  # head_dim 16 (not hidden/heads), biases on q/k/v/o, per-head q/k norms; layer 1 slides
+        return transformers.Qwen3Config(head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=5,
+                                        max_window_layers=1, **llama_like)
+    if kind == "qwen3_moe":  # 4 experts of 24, top-2 renormalised, no shared expert, per-head q/k norms; layer 1 dense
+        return transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,
+                                           router_aux_loss_coef=0.02, **{**llama_like, "num_hidden_layers": 3})
     raise ValueError(kind)
 
 

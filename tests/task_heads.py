@@ -18,9 +18,10 @@ VOCAB, SEQ, N = 64, 12, 8
 HEADS = ["causal_lm", "single_label", "multi_label", "regression", "token_classification", "question_answering",
          "hf_sequence_classifier", "image_classification", "bert_masked_lm", "bert_single_label",
          "bert_token_classification", "bert_question_answering", "moe_causal_lm", "seq2seq_lm"]
-# Heads of the context-parallel tests only (not in HEADS): causal LMs on packed rows (positions restarting at each
-# document, no attention mask) and with Mistral's sliding window.
-EXTRA_HEADS = ["packed_causal_lm", "window_causal_lm"]
+# Heads of the layout tests only (not in HEADS): causal LMs on packed rows (positions restarting at each document,
+# no attention mask), with Mistral's sliding window, Qwen3 (per-head q/k norms, a full then a sliding layer) and
+# Qwen3-MoE (q/k norms, renormalised top-2, no shared expert).
+EXTRA_HEADS = ["packed_causal_lm", "window_causal_lm", "qwen3_causal_lm", "qwen3_moe_causal_lm"]
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "aux_loss_scope": "sequence",
        "aux_loss_factor": 0.1, "z_loss_factor": 0.01, "moe_intermediate_size": 16}
 TARGET = 7  # label tokens of the encoder-decoder's rows
@@ -49,6 +50,12 @@ def make_model(head: str) -> torch.nn.Module:
         return mf.GPTForCausalLM(_config(sliding_window=3))
     if head == "moe_causal_lm":
         return mf.GPTForCausalLM(_config(moe_config=MOE, output_router_logits=True))
+    if head == "qwen3_causal_lm":
+        return mf.GPTForCausalLM(_config(qk_norm=True, sliding_window=3, layer_types=["full_attention",
+                                                                                    "sliding_attention"]))
+    if head == "qwen3_moe_causal_lm":
+        return mf.GPTForCausalLM(_config(qk_norm=True, output_router_logits=True,
+                                         moe_config={**MOE, "norm_topk_prob": True, "z_loss_factor": 0.0}))
     if head == "single_label":
         return mf.GPTForSequenceClassification(_config(num_labels=3))
     if head == "multi_label":
@@ -94,7 +101,8 @@ def make_data(head: str) -> list[dict[str, torch.Tensor]]:
         ids[length:] = 0
         mask = (torch.arange(SEQ) < length).long()
         row = {"input_ids": ids, "attention_mask": mask}
-        kind = "causal_lm" if head in ("moe_causal_lm", "window_causal_lm") else head
+        kind = "causal_lm" if head in ("moe_causal_lm", "window_causal_lm", "qwen3_causal_lm", "qwen3_moe_causal_lm") \
+            else head
         if head.startswith("bert_"):  # sentence pairs: the second half of each row is segment B
             row["token_type_ids"] = ((torch.arange(SEQ) >= length // 2) & (mask == 1)).long()
             kind = head.removeprefix("bert_").replace("masked_lm", "mlm")

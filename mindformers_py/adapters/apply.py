@@ -21,6 +21,7 @@ from ..errors import CheckpointError, ConfigError
 from ..loading.deferred import has_meta_parameters
 from ..parallel.adapter_layers import adapted_model, is_peft_model
 from .config import SECTION, as_peft_config
+from .experts import with_expert_parameters
 from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder
 
 
@@ -31,7 +32,7 @@ def apply_peft(model: nn.Module, peft_config: Any, task: str | None = None, name
     if is_peft_model(model):
         raise ConfigError(f"{name} was given for a model that is already a peft model ({type(model).__name__}); "
                           "pass the base model, or the peft model without a peft config")
-    config = as_peft_config(peft_config, name, task)
+    config = with_expert_parameters(model, as_peft_config(peft_config, name, task), name)
     from peft import get_peft_model
 
     _check_targets(model, config, name)
@@ -150,7 +151,9 @@ def _rank_problem(peft_model: nn.Module, name: str) -> str | None:
         ranks = getattr(module, "r", None)
         if not isinstance(module, BaseTunerLayer) or not isinstance(ranks, Mapping):
             continue
-        fan_in, fan_out = _get_in_out_features(module.get_base_layer())
+        fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if not isinstance(fan_in, int):  # (a LoRA layer knows them; peft's ParamWrapper per expert, not its module's)
+            fan_in, fan_out = _get_in_out_features(module.get_base_layer())
         if fan_in is None:
             continue
         for rank in ranks.values():

@@ -192,6 +192,10 @@ def export_adapter(src: str | Path, dst: str | Path, task: str, base: str | Path
     if family.converter is None:
         raise ConfigError(f"the {family.name} family has no converter to transformers' names")
     kind = str(adapter_config.get("peft_type", "")).upper()
+    if adapter_config.get("target_parameters"):  # LoRA on stacked expert weights (adapters/experts.py)
+        raise ConfigError(f"the adapter in {src} adapts the experts' stacked weights ({', '.join(adapter_config['target_parameters'])}), "
+                          "which transformers' MoE models hold fused (gate_up_proj) with another rank layout: export "
+                          "it merged into a whole HF model (convert --to hf --merge)")
     new_config = dict(adapter_config)
     new_config["base_model_name_or_path"] = hf_base
     if kind in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING"):

@@ -1,6 +1,9 @@
 """Multi-head / grouped-query attention on ``scaled_dot_product_attention`` with transformers' ``Cache`` API:
 self-attention (causal or bidirectional) and cross-attention (queries from a decoder, keys/values from an encoder
-output, cached once per generation in an ``EncoderDecoderCache``), with an optional additive position bias (T5).
+output, cached once per generation in an ``EncoderDecoderCache``), with an optional additive position bias (T5) and
+optional per-head RMSNorms of the queries and keys before the rotary positions (Qwen3, OLMo-2-style ``q_norm`` /
+``k_norm`` over ``head_dim``: each head normalised on its own, so a tensor-parallel rank holding some heads norms
+exactly those, with the one shared weight).
 
 Parallel-aware by construction: projections are separate ``q_proj``/``k_proj``/``v_proj`` (declared
 ``colwise``) and ``o_proj`` (``rowwise``), and every shape is computed from the *local* tensor
@@ -21,6 +24,7 @@ from .dropout import dropout as apply_dropout
 from .embedding import apply_rotary
 from .document_mask import DocumentMask
 from .masks import additive_mask
+from .norms import RMSNorm
 
 
 class Attention(nn.Module):
@@ -47,6 +51,14 @@ class Attention(nn.Module):
             flags, as transformers' encoder-decoder models do).
         upcast: under the eager implementation, compute the scores and their softmax in float32 whatever the
             inputs' dtype (GPT-2's ``reorder_and_upcast_attn``: stability in mixed precision).
+        qk_norm: an RMSNorm over ``head_dim`` on every query head (``q_norm``) and key head (``k_norm``), applied
+            before the rotary positions (Qwen3). Its weights are shared by the heads, so under tensor parallelism
+            they stay whole on every rank and their gradients are summed over the ranks (the plan's
+            ``replicated_with_grad_allreduce``).
+        norm_eps: epsilon of the q/k norms.
+        sliding_window: this layer's window (keys further back are hidden), or None for full attention. The mask the
+            model builds carries it; kept here so what replaces the attention core (context parallelism) sees each
+            layer's own window when layers mix sliding and full attention (``layer_types``).
     """
 
     def __init__(
@@ -64,11 +76,15 @@ class Attention(nn.Module):
         config=None,
         cross_attention: bool = False,
         upcast: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.cross_attention = cross_attention
         self.upcast = upcast
+        self.sliding_window = sliding_window
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.is_causal = is_causal
@@ -79,6 +95,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=out_bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+
+    def _heads(self, proj: nn.Module, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) projected to (B, heads, T, hs), each head normed on its own first when the layer has
+        q/k norms (on (B, T, heads, hs), the layout a tensor-parallel rank's norm sees its heads in)."""
+        b, t, _ = x.shape
+        out = proj(x).view(b, t, -1, self.head_dim)
+        if norm is not None:
+            out = norm(out)
+        return out.transpose(1, 2)
 
     def forward(
         self,
@@ -107,9 +134,9 @@ class Attention(nn.Module):
         if self.cross_attention:
             return self._cross_attend(hidden_states, attention_mask, past_key_values, key_value_states)
         hidden_states = cast_for_autocast(hidden_states)
-        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self._heads(self.q_proj, self.q_norm, hidden_states)  # (B, nh, T, hs)
+        k = self._heads(self.k_proj, self.k_norm, hidden_states)  # (B, nkv, T, hs)
+        v = self._heads(self.v_proj, None, hidden_states)
         if position_embeddings is not None:
             q, k = apply_rotary(q, k, *position_embeddings)
         if past_key_values is not None:
@@ -129,7 +156,7 @@ class Attention(nn.Module):
         """Cross-attention of ``hidden_states`` (B, T, C) to ``source`` (B, S, C), whose keys/values an
         ``EncoderDecoderCache`` keeps after the first call (``source`` may then be None)."""
         b, t, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q = self._heads(self.q_proj, self.q_norm, hidden_states)  # (B, nh, T, hs)
         cross = getattr(cache, "cross_attention_cache", None)
         if cross is not None and cache.is_updated.get(self.layer_idx):
             k, v = cross.layers[self.layer_idx].keys, cross.layers[self.layer_idx].values
@@ -137,10 +164,9 @@ class Attention(nn.Module):
             raise MindFormersError("a cross-attention layer needs key_value_states (the encoder output) until its "
                                    "keys and values are cached")
         else:
-            s = source.shape[1]
             source = cast_for_autocast(source)
-            k = self.k_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hs)
-            v = self.v_proj(source).view(b, s, -1, self.head_dim).transpose(1, 2)
+            k = self._heads(self.k_proj, self.k_norm, source)  # (B, nkv, S, hs)
+            v = self._heads(self.v_proj, None, source)
             if cross is not None:
                 k, v = cross.update(k, v, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True

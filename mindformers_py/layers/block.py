@@ -45,7 +45,9 @@ class TransformerBlock(GradientCheckpointingLayer):
 
     Attention options read from the config when it has them: ``attention_scale`` (the softmax scale; None for
     ``head_dim ** -0.5``), ``scale_attn_by_inverse_layer_idx`` (layer i's scale further divided by i + 1) and
-    ``reorder_and_upcast_attn`` (scores and softmax in float32 under the eager implementation), GPT-2's options.
+    ``reorder_and_upcast_attn`` (scores and softmax in float32 under the eager implementation), GPT-2's options;
+    ``qk_norm`` (per-head RMSNorms of queries and keys, Qwen3); ``sliding_window`` with ``attention_kinds()`` (the
+    window of each ``"sliding_attention"`` layer).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False,
@@ -80,6 +82,8 @@ class TransformerBlock(GradientCheckpointingLayer):
             qkv_bias=config.attention_bias, out_bias=config.attention_out_bias, dropout=config.attention_dropout,
             is_causal=is_causal, layer_idx=layer_idx, scale=scale, config=config, cross_attention=cross_attention,
             upcast=bool(getattr(config, "reorder_and_upcast_attn", False)),
+            qk_norm=bool(getattr(config, "qk_norm", False)), norm_eps=config.norm_eps,
+            sliding_window=_window_of(config, layer_idx) if not cross_attention else None,
         )
 
     def forward(
@@ -132,3 +136,13 @@ class TransformerBlock(GradientCheckpointingLayer):
         if self.routed:
             return self.mlp(x, token_mask)
         return self.mlp(x), None
+
+
+def _window_of(config, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` (None for full attention), from a config's ``sliding_window`` and,
+    when it has them, its per-layer ``attention_kinds()``."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "attention_kinds", None)
+    if window is None or kinds is None:
+        return window
+    return window if kinds()[layer_idx] == "sliding_attention" else None

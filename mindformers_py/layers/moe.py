@@ -74,19 +74,42 @@ def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def _aligned(sizes: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether rows of these sizes (an expert's intermediate and hidden widths) are multiples of 16 bytes in
+    ``dtype``, which ``grouped_mm``'s kernels require of every stride (torch 2.13 raises otherwise: e.g. 12-wide
+    experts in bf16, where the per-expert products run instead)."""
+    return all(n * dtype.itemsize % 16 == 0 for n in sizes)
+
+
 def _activation(act: str):
     check_choice("hidden_act", act, sorted(ACT2FN.keys()))
     return functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
 
 
 class Router(nn.Module):
-    """Linear router: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
-    :attr:`MoEConfig.router_dense_type`). Returns the logits (tokens, experts)."""
+    """Linear router with softmax top-k selection (``router_type="softmax_topk"``).
 
-    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32") -> None:
+    ``forward(x)``: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
+    :attr:`MoEConfig.router_dense_type`); returns the logits (tokens, experts), which transformers' output recording
+    collects as ``router_logits``. :meth:`select` turns them into each token's experts and mixing weights.
+
+    Other router kinds subclass it and override :meth:`select` (and may add parameters or buffers of their own, such
+    as a per-expert selection bias); :data:`ROUTERS` names them for ``MoEConfig.router_type``. What a router returns
+    from :meth:`select` is all the MoE block, its statistics and expert parallelism read.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32", top_k: int = 1,
+                 norm_topk_prob: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.dense_type = dense_type
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    @classmethod
+    def from_config(cls, hidden_size: int, moe: MoEConfig) -> Router:
+        """The router an MoE layer of ``moe``'s settings uses."""
+        return cls(hidden_size, moe.expert_num, moe.router_dense_type, moe.num_experts_chosen, moe.norm_topk_prob)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -95,6 +118,20 @@ class Router(nn.Module):
         dtype = getattr(torch, self.dense_type)
         with torch.autocast(x.device.type, enabled=False):  # also under bf16 autocast: the router is precise
             return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs, weights, chosen)`` from the logits (N, E): each expert's probability (N, E) in float32 (what
+        the load-balancing statistics average), and each token's k experts (N, k) with their mixing weights (N, k):
+        the top-k probabilities, renormalised to sum to 1 with ``norm_topk_prob``."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, chosen
+
+
+ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router}
+"""``MoEConfig.router_type`` -> the router class an MoE layer builds (:attr:`~MoEConfig.router_type`'s choices)."""
 
 
 class _PaddedGroups:
@@ -162,9 +199,9 @@ class GroupedExperts(nn.Module):
         expert has -> (R, H): every row through its expert, as grouped matrix products (``F.grouped_mm`` where
         torch has the kernel, else one product per expert over its contiguous rows)."""
         weights = [_local(self.up_proj), _local(self.down_proj)] + ([_local(self.gate_proj)] if self.gated else [])
-        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]):
-            dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
-                else weights[0].dtype  # the kernel is not autocast-aware: cast as autocast would
+        dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
+            else weights[0].dtype  # grouped_mm is not autocast-aware: cast as autocast would
+        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]) and _aligned(weights[0].shape[1:], dtype):
             rows = _PaddedGroups.of(counts, tokens.shape[0]) if tokens.device.type == "cpu" and dtype == torch.bfloat16 \
                 else None
             if rows is not None:
@@ -204,9 +241,8 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts = moe.expert_num
         self.top_k = moe.num_experts_chosen
-        self.norm_topk_prob = moe.norm_topk_prob
         self.capacity_factor = None if moe.routing_policy == "dropless" else moe.capacity_factor
-        self.gate = Router(hidden_size, moe.expert_num, moe.router_dense_type)
+        self.gate = ROUTERS[moe.router_type].from_config(hidden_size, moe)
         self.experts = GroupedExperts(moe.expert_num, hidden_size, moe.expert_size(intermediate_size), act, gated)
         shared = moe.shared_expert_size(intermediate_size)
         self.shared_expert = MLP(hidden_size, shared, act, gated, bias=False) if shared else None
@@ -230,10 +266,7 @@ class MoE(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, h)  # (N, H)
         logits = self.gate(x)  # (N, E)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs, weights, chosen = self.gate.select(logits)
         out, dropped = self._route(x, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -372,18 +405,28 @@ class RouterMetrics:
 
     def summarize(self, sums: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
         """Logged values from the totals of ``steps`` optimizer steps: the router losses per step, the load
-        imbalance (largest over mean expert load, averaged over MoE layers; 1 is perfect balance), each expert's
-        share of the assignments and, with capacity limits, the share of dropped assignments."""
+        imbalance (largest over mean expert load, averaged over MoE layers; 1 is perfect balance) and each layer's
+        own (``load_imbalance/layer_<i>``: its most loaded expert against its mean, as MindFormers and Megatron
+        show it), each expert's share of the assignments and, with capacity limits, the share of dropped
+        assignments, overall and per layer (``dropped_tokens/layer_<i>``)."""
         cols = stat_columns(self.num_experts)
         stats = sums["router_stats"][self.moe_layers]  # (moe layers, width)
         counts = stats[:, cols["counts"]]
+        if not counts.any():  # nothing counted (a pipeline without the router loss carries no statistics): no zeros
+            return {}
         mean_load = counts.mean(-1).clamp(min=1e-12)
         logs = {"aux_loss": float(sums["aux_loss"]) / max(steps, 1)}
         if self.z_loss:
             logs["z_loss"] = float(sums["z_loss"]) / max(steps, 1)
-        logs["load_imbalance"] = float((counts.max(-1).values / mean_load).mean())
+        per_layer = counts.max(-1).values / mean_load  # (moe layers,)
+        logs["load_imbalance"] = float(per_layer.mean())
         if self.capacity_limited:
-            logs["dropped_tokens"] = float(stats[:, cols["dropped"]].sum() / (stats[:, cols["tokens"]].sum() * self.top_k).clamp(min=1))
+            assignments = stats[:, cols["tokens"]] * self.top_k
+            logs["dropped_tokens"] = float(stats[:, cols["dropped"]].sum() / assignments.sum().clamp(min=1))
         load = counts.sum(0) / counts.sum().clamp(min=1e-12)
         logs.update({f"expert_load/{i}": float(v) for i, v in enumerate(load)})
+        logs.update({f"load_imbalance/layer_{i}": float(v) for i, v in zip(self.moe_layers, per_layer)})
+        if self.capacity_limited:
+            dropped = stats[:, cols["dropped"]] / assignments.clamp(min=1)
+            logs.update({f"dropped_tokens/layer_{i}": float(v) for i, v in zip(self.moe_layers, dropped)})
         return logs

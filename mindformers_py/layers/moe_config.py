@@ -16,6 +16,9 @@ ROUTING_POLICIES = ("topk", "dropless")
 ROUTING_POLICY_ALIASES = {"topkrouterv1": "topk", "topkrouterv2": "topk"}
 AUX_LOSS_SCOPES = ("batch", "sequence")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16", "auto")
+ROUTER_TYPES = ("softmax_topk",)
+"""Router kinds (:data:`mindformers_py.layers.moe.ROUTERS` builds each): how a token's expert scores are computed
+and its experts chosen."""
 
 
 @dataclass
@@ -37,9 +40,13 @@ class MoEConfig(_Section):
     """``"topk"``: top-k routing with a per-expert capacity and token dropping (MindFormers' TopkRouterV1/V2, both
     accepted as aliases); ``"dropless"``: every token reaches its k experts (transformers' Mixtral and Qwen-MoE),
     ``capacity_factor`` unused."""
+    router_type: str = "softmax_topk"
+    """How the router scores and chooses experts: ``"softmax_topk"``, a softmax over the experts' logits and the k
+    most probable (Switch Transformer, Mixtral, Qwen-MoE). Each kind is a router class of its own
+    (``mindformers_py.layers.moe.ROUTERS``)."""
     norm_topk_prob: bool = True
-    """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral); False keeps the raw
-    softmax probabilities (Qwen1.5/2-MoE)."""
+    """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral, Qwen3-MoE); False keeps
+    the raw softmax probabilities (Qwen1.5/2-MoE)."""
     aux_loss_factor: float = 0.05
     """Weight of the load-balancing loss (Switch Transformer, transformers' ``router_aux_loss_coef``) added to the
     training loss when the model's ``output_router_logits`` is on; 0 disables it."""
@@ -66,6 +73,9 @@ class MoEConfig(_Section):
     The softmax over experts always runs in float32."""
     mlp_only_layers: tuple[int, ...] = ()
     """Indices of layers that keep a dense MLP instead of experts (transformers' ``mlp_only_layers``)."""
+    decoder_sparse_step: int = 1
+    """Every this-many-th layer routes to experts (layers ``step - 1``, ``2·step - 1``, ...; the others are dense),
+    as transformers' Qwen-MoE ``decoder_sparse_step``; 1: every layer not in ``mlp_only_layers``."""
     router_jitter_noise: float = 0.0
     """In training, multiply the MoE block's input by noise drawn uniformly from ``[1 - j, 1 + j]`` before routing
     (transformers' Mixtral ``router_jitter_noise``, from Switch Transformer); 0 disables it. Evaluation is never
@@ -88,6 +98,8 @@ class MoEConfig(_Section):
         self.shared_expert_num = _to_int("shared_expert_num", self.shared_expert_num, minimum=0)
         self.use_shared_expert_gating = _to_bool("use_shared_expert_gating", self.use_shared_expert_gating)
         self.router_dense_type = _to_choice("router_dense_type", self.router_dense_type, ROUTER_DTYPES)
+        self.router_type = _to_choice("router_type", self.router_type, ROUTER_TYPES)
+        self.decoder_sparse_step = _to_int("decoder_sparse_step", self.decoder_sparse_step)
         layers = _split_list(self.mlp_only_layers)
         if isinstance(layers, (str, int)):
             layers = [layers]
@@ -100,6 +112,7 @@ class MoEConfig(_Section):
         _require_int("expert_num", self.expert_num)
         _require_int("num_experts_chosen", self.num_experts_chosen)
         _require_int("shared_expert_num", self.shared_expert_num, minimum=0)
+        _require_int("decoder_sparse_step", self.decoder_sparse_step)
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name))
@@ -115,6 +128,8 @@ class MoEConfig(_Section):
             raise invalid_choice("aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
         if self.router_dense_type not in ROUTER_DTYPES:
             raise invalid_choice("router_dense_type", self.router_dense_type, ROUTER_DTYPES)
+        if self.router_type not in ROUTER_TYPES:
+            raise invalid_choice("router_type", self.router_type, ROUTER_TYPES)
         for name in ("norm_topk_prob", "use_shared_expert_gating"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not valid; expected true or false")
@@ -139,6 +154,11 @@ class MoEConfig(_Section):
     def is_moe(self) -> bool:
         """Whether the model has more than one expert."""
         return self.expert_num > 1
+
+    def routed_layers(self, num_layers: int) -> list[int]:
+        """Indices of the layers (of ``num_layers``) whose MLP is a mixture of experts: every
+        ``decoder_sparse_step``-th one not in ``mlp_only_layers``."""
+        return [i for i in range(num_layers) if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0]
 
     def expert_capacity(self, num_tokens: int) -> int | None:
         """Assignments one expert accepts from a batch of ``num_tokens`` (None for ``"dropless"``: no limit)."""

@@ -11,6 +11,12 @@ of the inputs is a plain rename (:class:`Renamed`): it is read directly (a slice
 slice). Any other output (:class:`Derived`) is recomputed from its recorded calls on the real tensors when it is
 loaded, one output at a time. A call that needs values to decide (``torch.equal``, ``bool(tensor)``: T5 compares its
 head with its embedding to decide whether they are tied) is run on the real tensors during the trace.
+
+A rank that holds a block of a derived tensor (an expert-parallel rank: its experts of a stacked expert weight;
+under tensor parallelism, a slice of each) asks for that block alone (:meth:`ConversionTrace.fill_block`): the block
+is pushed back through the recorded calls that only move data (``stack``, ``cat``, ``chunk``, ``split``,
+``contiguous``, ``clone``) to the blocks of the checkpoint tensors it comes from, and only those are read. Experts are
+most of a mixture-of-experts checkpoint's bytes, so each rank reads about its share of the file.
 """
 
 from __future__ import annotations
@@ -122,11 +128,11 @@ class ConversionTrace:
     def __init__(self, reader: CheckpointReader, convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None) -> None:
         self.reader = reader
         self._known: dict[int, tuple[_Call, tuple[int, ...]] | str] = {}
-        self._alive: list[torch.Tensor] = []  # keeps traced tensors alive, so their ids stay unique
+        self._alive: dict[int, torch.Tensor] = {}  # keeps traced tensors alive (so their ids stay unique), by id
         inputs = {key: reader.meta_tensor(key) for key in reader.keys()}
         for key, tensor in inputs.items():
             self._known[id(tensor)] = key
-            self._alive.append(tensor)
+            self._alive[id(tensor)] = tensor
         if convert is None:
             outputs = inputs
         else:
@@ -145,7 +151,7 @@ class ConversionTrace:
 
     def _record(self, tensor: torch.Tensor, call: _Call, path: tuple[int, ...]) -> None:
         self._known[id(tensor)] = (call, path)
-        self._alive.append(tensor)
+        self._alive[id(tensor)] = tensor
 
     def _real(self, node: int, memo: dict[int, Any] | None = None) -> torch.Tensor:
         """The real value of traced tensor ``node``: a checkpoint view, or its recorded call replayed."""
@@ -169,6 +175,89 @@ class ConversionTrace:
             return self.reader.tensor(source.key)
         with torch.no_grad():
             return self._real(source.node)
+
+    def fill_block(self, key: str, out: torch.Tensor, offset: tuple[int, ...]) -> bool:
+        """Write the block of our tensor ``key`` that starts at ``offset`` and has ``out``'s shape into ``out``,
+        reading only the checkpoint bytes it comes from; returns False (writing nothing) when a call on its way
+        is not one that merely moves data, so the block cannot be traced back (then load the whole value)."""
+        source = self.sources[key]
+        if isinstance(source, Renamed):
+            pieces = [(source.key, tuple(offset), tuple(out.shape), ())]
+        else:
+            pieces = self._pieces(source.node, tuple(offset), tuple(out.shape), ())
+        if pieces is None:
+            return False
+        with torch.no_grad():
+            for name, start, shape, where in pieces:
+                target = out
+                for index in where:  # the piece's place in the block, one call's indexing at a time
+                    target = target[index]
+                whole_rows = all(o == 0 and n == full for o, n, full in
+                                 zip(start[1:], shape[1:], self.reader.shape(name)[1:]))
+                if whole_rows and target.is_contiguous() and target.dtype == self.reader.dtype(name) and target.dim():
+                    self.reader.read_rows(name, start[0], target)  # plain file reads, no page mapped
+                    continue
+                block = self.reader.tensor(name)
+                for dim, (o, n) in enumerate(zip(start, shape)):
+                    block = block.narrow(dim, o, n)
+                target.copy_(block)
+        return True
+
+    def _pieces(self, node: int, offset: tuple[int, ...], shape: tuple[int, ...],
+                where: tuple) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple]] | None:
+        """The checkpoint blocks (name, offset, shape, where) that make the block ``offset``/``shape`` of traced tensor
+        ``node``, ``where`` the indexings that lead from the requested block to the piece's place; None when a call
+        on the way does more than move data."""
+        entry = self._known[node]
+        if isinstance(entry, str):
+            return [(entry, offset, shape, where)]
+        call, path = entry
+        func, args, kwargs = call.func, call.args, call.kwargs
+        if func in (torch.Tensor.contiguous, torch.Tensor.clone) and isinstance(args[0], _Ref) and not path:
+            return self._pieces(args[0].node, offset, shape, where)
+        if func in (torch.stack, torch.cat) and not path:
+            parts = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if not all(isinstance(p, _Ref) for p in parts) or not isinstance(dim, int):
+                return None
+            dim %= len(shape)
+            out: list = []
+            begin = 0
+            for part in parts:
+                size = 1 if func is torch.stack else self._alive[part.node].shape[dim]
+                lo, hi = max(offset[dim], begin), min(offset[dim] + shape[dim], begin + size)
+                if lo < hi:
+                    if func is torch.stack:  # one index of the new dimension: the part's block, without that dimension
+                        sub_offset, sub_shape = offset[:dim] + offset[dim + 1:], shape[:dim] + shape[dim + 1:]
+                        index = where + ((slice(None),) * dim + (lo - offset[dim],),)
+                    else:
+                        sub_offset = offset[:dim] + (lo - begin,) + offset[dim + 1:]
+                        sub_shape = shape[:dim] + (hi - lo,) + shape[dim + 1:]
+                        index = where + ((slice(None),) * dim + (slice(lo - offset[dim], hi - offset[dim]),),)
+                    found = self._pieces(part.node, sub_offset, sub_shape, index)
+                    if found is None:
+                        return None
+                    out += found
+                begin += size
+            return out
+        if func in (torch.Tensor.chunk, torch.chunk, torch.Tensor.split, torch.split) and len(path) == 1 \
+                and isinstance(args[0], _Ref):
+            source = self._alive[args[0].node]
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % source.dim()
+            count = kwargs.get("chunks", kwargs.get("split_size_or_sections", args[1] if len(args) > 1 else None))
+            if func in (torch.Tensor.chunk, torch.chunk):
+                if not isinstance(count, int):
+                    return None
+                size = -(-source.shape[dim] // count)
+                starts = [i * size for i in range(count)]
+            elif isinstance(count, int):
+                starts = list(range(0, source.shape[dim], count))
+            else:
+                starts = [sum(count[:i]) for i in range(len(count))]
+            start = starts[path[0]]
+            moved = offset[:dim] + (offset[dim] + start,) + offset[dim + 1:]
+            return self._pieces(args[0].node, moved, shape, where)
+        return None
 
     def is_renamed(self, key: str) -> bool:
         """Whether our tensor ``key`` is a checkpoint tensor as stored (so a slice of it can be read alone)."""

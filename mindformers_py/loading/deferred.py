@@ -12,7 +12,9 @@ parameters). The model carries a :class:`DeferredWeights` record saying where ea
   CPU stays a view of the memory-mapped file (no copy, as transformers loads), anything else is converted or
   computed one tensor at a time;
 * a parameter that is a DTensor (tensor, expert or FSDP2 sharding) gets only this rank's slice of the value:
-  renamed checkpoint tensors are sliced before a byte is read, so a rank reads only its part;
+  renamed checkpoint tensors are sliced before a byte is read, so a rank reads only its part; a tensor the converter
+  assembles (stacked experts) is traced back to the checkpoint tensors its slice comes from, so an expert-parallel
+  rank reads only its own experts;
 * a parameter the checkpoint lacks (a preset, a new head) is initialised by the model's own ``_init_weights`` on its
   module, whole, under a seed derived from the record's seed and the module's name, then sliced: every layout gets
   the values stand-alone gets, whatever the order or the rank.
@@ -316,6 +318,11 @@ def _materialize(model: nn.Module, record: DeferredWeights,
                     key = record.sources[name]
                     if sharded and _read_own_rows(entry[3], trace, key):
                         continue
+                    if sharded and _read_own_block(entry[3], trace, key):
+                        reader.close()  # unmap the pages read for this block
+                        continue
+                    if not sharded and _read_assembled(entry, trace, key, place(name)):
+                        continue
                     _fill(entry, lambda key=key: trace.value(key), place(name))
                     if sharded:  # unmap the file now: the pages read for this slice stop counting as this process's
                         reader.close()
@@ -370,6 +377,54 @@ def _read_own_rows(param: torch.Tensor, trace: ConversionTrace, key: str) -> boo
         return False
     stored.read_rows(name, offset[0], local)
     return True
+
+
+def _read_assembled(entry: tuple, trace: ConversionTrace, key: str, device: torch.device) -> bool:
+    """Fill an ordinary CPU parameter that the converter assembles from several checkpoint tensors (stacked
+    experts) by reading those tensors straight into it (:meth:`ConversionTrace.fill_block`): one copy, and no page of
+    the files mapped; returns whether it did."""
+    name, module, attr, param = entry
+    if trace.is_renamed(key) or device.type != "cpu" or tuple(trace.shapes[key]) != tuple(param.shape):
+        return False
+    value = torch.empty(param.shape, dtype=param.dtype)
+    if not trace.fill_block(key, value, (0,) * value.dim()):
+        return False
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    return True
+
+
+def _read_own_block(param: torch.Tensor, trace: ConversionTrace, key: str) -> bool:
+    """Fill the DTensor ``param`` with its own block of our tensor ``key`` read from just the checkpoint tensors (or
+    parts of them) it comes from (see :meth:`ConversionTrace.fill_block`): an expert-parallel rank's experts of a
+    stacked expert weight, from their per-expert tensors; returns whether it did."""
+    if not isinstance(param, DTensor):
+        return False
+    local = param.to_local()
+    offset = _block_offset(param)
+    if local.device.type != "cpu" or offset is None:
+        return False
+    return trace.fill_block(key, local, offset)
+
+
+def _block_offset(param: DTensor) -> tuple[int, ...] | None:
+    """Where this rank's part of ``param`` starts in the whole tensor, when the part is one block (a run of indices
+    along each dimension); None otherwise. Found by torch's own placement rules applied to the indices of each
+    dimension (no communication): FSDP2 over expert-parallel shards is a ``_StridedShard`` whose parts are blocks."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import placement_types
+
+    sharding = (Shard, getattr(placement_types, "_StridedShard", Shard))  # (private in torch 2.13)
+    local_shape = param.to_local().shape
+    offset = []
+    for dim, size in enumerate(param.shape):
+        placements = [p if isinstance(p, sharding) and p.dim == dim else Replicate() for p in param.placements]
+        index = torch.arange(size).view([1] * dim + [size] + [1] * (param.dim() - dim - 1))
+        held = distribute_tensor(index, param.device_mesh, placements, src_data_rank=None).to_local().flatten()
+        if held.numel() != local_shape[dim] or (held.numel() and not torch.equal(
+                held, torch.arange(int(held[0]), int(held[0]) + held.numel()))):
+            return None
+        offset.append(int(held[0]) if held.numel() else 0)
+    return tuple(offset)
 
 
 def local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ averaged over those ranks (:attr:`~.mesh.ParallelMesh.batch_mesh`), so a step gi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -74,6 +75,19 @@ class _Stack:
         self.bias = bias if isinstance(bias, RelativePositionBias) else None
         self.view: AttentionView | None = None
         self.signature = inspect.signature(module.forward)
+        self._windowed: dict[int | None, tuple[AttentionView, AttentionView]] = {}
+
+    def view_with_window(self, window: int | None) -> AttentionView | None:
+        """The current view for a layer whose own sliding window is ``window`` (layers may mix sliding and full
+        attention: Qwen2's and Qwen3's ``layer_types``); one per window and forward pass, so its masks are derived
+        once."""
+        view = self.view
+        if view is None or view.sliding_window == window:
+            return view
+        cached = self._windowed.get(window)
+        if cached is None or cached[0] is not view:
+            cached = self._windowed[window] = (view, dataclasses.replace(view, sliding_window=window))
+        return cached[1]
 
 
 class ContextParallel:
@@ -226,15 +240,17 @@ def _stacks(model: nn.Module) -> list[_Stack]:
 
 
 class _SelfAttentionCore:
-    """The ``core`` of a self-attention layer under context parallelism (the layer's own when nothing is split)."""
+    """The ``core`` of a self-attention layer under context parallelism (the layer's own when nothing is split),
+    with the layer's own sliding window (``window``: None for full attention)."""
 
-    def __init__(self, stack: _Stack, context: ContextParallel) -> None:
+    def __init__(self, stack: _Stack, context: ContextParallel, window: int | None = None) -> None:
         self.stack = stack
         self.context = context
+        self.window = window
 
     def __call__(self, q, k, v, mask, is_causal: bool, dropout: float = 0.0, scale: float | None = None,
                  return_weights: bool = False):
-        view = self.stack.view
+        view = self.stack.view_with_window(self.window)
         if view is None:
             return attention_core(q, k, v, mask, is_causal, dropout, scale, return_weights)
         return context_attention(q, k, v, view, self.context.groups, dropout, scale), None
@@ -267,8 +283,10 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> nn.Mod
         context.stacks.append(stack)
         stack.module.register_forward_pre_hook(_view_hook(stack, context), with_kwargs=True)
         for attention in _stack_attentions(stack.module):
-            core = _CrossAttentionCore if attention.cross_attention else _SelfAttentionCore
-            attention.core = core(stack, context)
+            if attention.cross_attention:
+                attention.core = _CrossAttentionCore(stack, context)
+            else:
+                attention.core = _SelfAttentionCore(stack, context, attention.sliding_window)
     if task is not None and task.model_input != "input_ids":
         _cut_embeddings(model, stacks[0], context)
     if task is not None and task.items != "tokens":

@@ -24,9 +24,19 @@ what happens around that call:
 
 With ``expert_parallel=1`` only the tensor-parallel split applies, and the experts' parameters join the data
 parallelism of their layer like any other.
+
+**Adapters on the experts.** peft's LoRA on the stacked expert weights (``target_parameters``, its ``ParamWrapper``)
+adds ``scaling · B_e A_e`` to each expert's weight while the experts run; its factors hold every expert and are
+replicated like the layer's other parameters. Around those wrappers the update is computed in DTensor's terms
+(the factors are handed over as replicated DTensors on the experts' mesh, so each rank adds its own experts' slice of
+the update), and in backward DTensor gathers each factor's gradient from the ranks that computed its
+experts' parts. Every rank of an expert-parallel group then holds the group's gradient, which data parallelism would
+add up ``ep`` times: a gradient hook divides it by ``ep``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -34,7 +44,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..layers.moe import GroupedExperts
 from .config import FSDP, NONE, ParallelConfig
@@ -61,7 +71,47 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         routing = _ExpertRouting(experts.num_experts, mesh)
         experts.register_forward_pre_hook(routing.dispatch)
         experts.register_forward_hook(routing.combine)
+    for wrapper in _expert_adapters(model):
+        _replicate_adapter_factors(wrapper, mesh)
     return model
+
+
+def _expert_adapters(model: nn.Module) -> list[nn.Module]:
+    """The outermost peft ``ParamWrapper`` around each experts module (peft nests one per adapted parameter)."""
+    found = []
+    for module in model.modules():
+        if not hasattr(module, "parameter_name") or not hasattr(module, "get_base_layer"):
+            continue
+        if isinstance(module.get_base_layer(), GroupedExperts) and not any(
+                child is module for parent in found for child in parent.modules()):
+            found.append(module)
+    return found
+
+
+def _replicate_adapter_factors(wrapper: nn.Module, mesh: ParallelMesh) -> None:
+    """Make each peft ``ParamWrapper`` in ``wrapper`` hand its LoRA update to the experts' weight as replicated
+    DTensors on the experts' mesh, and divide its factors' gradients by ``ep`` (see the module docstring)."""
+    for module in wrapper.modules():
+        if not hasattr(module, "parameter_name"):
+            continue
+        for method in ("get_delta_factors", "get_delta_weight"):  # peft's one-adapter and general paths
+            original = getattr(module, method, None)
+            if original is not None:
+                setattr(module, method, functools.partial(_replicated, original, module, mesh.ep))
+
+
+def _replicated(method, wrapper: nn.Module, ep: int, *args, **kwargs):
+    """``method``'s tensors as replicated DTensors on the mesh of the expert weight ``wrapper`` adapts (which
+    expert data parallelism may have extended since), their gradients divided by ``ep``; other values as they
+    are. (Scaled here, not by hooks on the factors: data parallelism replaces those parameters.)"""
+    out = method(*args, **kwargs)
+    weight = wrapper.get_param()
+    if not isinstance(weight, DTensor):
+        return out
+    mesh = weight.device_mesh
+    place = lambda t: DTensor.from_local(_ScaledGradient.apply(t, 1.0 / ep), mesh, [Replicate()] * mesh.ndim,  # noqa: E731
+                                         run_check=False) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+    return tuple(place(t) for t in out) if isinstance(out, tuple) else place(out)
 
 
 def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
@@ -136,6 +186,19 @@ class _ExpertRouting:
         if self.ep_group is None:
             return output
         return funcol.all_to_all_single_autograd(output[self.restore], self.sent, self.received, self.ep_group)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 class _ReplicatedInput(torch.autograd.Function):

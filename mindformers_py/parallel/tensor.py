@@ -15,6 +15,10 @@ plan string                torch style
                            Only with ``vocab_emb_dp=False``, where in training the logits are instead kept
                            sharded (``Shard(-1)`` DTensor) for ``loss_parallel``; in eval mode (evaluation,
                            generation) they are gathered into an ordinary full tensor.
+``replicated_with_grad_``  ``SequenceParallel(sequence_dim=2)`` on a per-head norm (Qwen3's ``q_norm`` /
+``allreduce``              ``k_norm``): its weight whole on every rank (a ``Replicate`` DTensor), its input the
+                           rank's heads (B, T, heads, hs) marked sharded on the heads, so the weight's gradient,
+                           a partial sum over this rank's heads, is summed over the ranks.
 =========================  =================================================================================
 
 With ``vocab_emb_dp=True`` (MindFormers' default) the embedding and the LM head stay whole on every
@@ -56,7 +60,9 @@ from ..errors import ConfigError, invalid_choice
 from ..layers import RMSNorm
 from .adapter_layers import adapter_styles
 
-PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output")
+PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "replicated_with_grad_allreduce")
+# Where a per-head norm's input keeps its heads: (B, T, heads, head_dim), as layers.attention applies them.
+_HEADS_DIM = 2
 # Where the residual stream is cut into sequence shards: the base model's embedding dropout, which runs after
 # token and position embeddings are summed (so positions see the whole sequence).
 SEQUENCE_SCATTER_MODULE = "drop"
@@ -111,6 +117,8 @@ def _styles(
                 block_inputs.add(name.rpartition(".")[0])
             elif kind == "rowwise":
                 styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+            elif kind == "replicated_with_grad_allreduce":
+                styles[name] = SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True)
             elif kind == "embedding_rowwise":
                 if vocab_parallel:
                     styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -126,7 +134,7 @@ def _styles(
     if not sequence_parallel:
         return styles
     for name, module in model.named_modules():
-        if isinstance(module, NORM_TYPES) and not inside_whole(name):
+        if isinstance(module, NORM_TYPES) and not inside_whole(name) and name not in styles:  # (not per-head norms)
             # Local outputs, like every other style here: residual sums then never mix DTensors with tensors
             # (post-norm blocks add a norm's output to a sublayer's).
             styles[name] = SequenceParallel(use_local_output=True)

@@ -53,12 +53,15 @@ class MemoryEstimate:
     """The gradient of one micro-batch's logits as backward starts, in fp32 and again in the compute dtype, beside
     everything saved: at a 128K vocabulary the largest single term of a 1B model's step (8 bytes of 6 per token and
     vocabulary entry under bf16)."""
+    runtime: int = 0
+    """What the process holds before any model tensor: the framework, its libraries and the data
+    (:attr:`~.device_spec.DeviceSpec.runtime_bytes`)."""
 
     @property
     def total(self) -> int:
         """Sum of all kinds."""
         return (self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.context
-                + self.logits_gradient)
+                + self.logits_gradient + self.runtime)
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
@@ -94,6 +97,8 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     core = 3 * q + lse  # q, k and v expanded to the query heads, log-sum-exp
     output = q  # SDPA's output, also o_proj's input
     scores = shape.heads * tokens * seq // tp if attention_scores and seq else 0
+    # per-head RMSNorms of q and k: each keeps its input and normalised value (rotary needs neither) and a statistic
+    qk_norms = 2 * (q + kv) + (shape.heads + shape.kv_heads) * tokens // tp if shape.qk_norm else 0
     per_ffn = shape.act_saved + (3 if shape.gated_mlp else 1)
     mlp = per_ffn * ffn
     if kind == "moe":
@@ -104,12 +109,12 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     dropout_masks = (2 * hidden + scores) // act_bytes if shape.dropout else 0  # bool masks, one byte each
     if recompute == "selective":
         if "self_attn" in select:
-            core, output, scores, cross = 0, 0, 0, norm if cross else 0  # only the normed inputs, in ``norm``
+            core, output, scores, qk_norms, cross = 0, 0, 0, 0, norm if cross else 0  # only the normed inputs
         elif "attention_core" in select:
             core, scores = q + 2 * kv, 0  # the checkpoint keeps its inputs q, k, v
         if "mlp" in select:
             mlp = 0  # only the normed input, counted in ``norm``
-    return (2 * norm + core + output + scores + mlp + cross + dropout_masks) * act_bytes
+    return (2 * norm + core + qk_norms + output + scores + mlp + cross + dropout_masks) * act_bytes
 
 
 def _mean_layer_activation_bytes(shape: ModelShape, *args: Any) -> float:
@@ -137,7 +142,7 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
                     act_bytes: int = FP32_BYTES, attention_scores: bool = False,
                     kv_exchange: str = "ring", trainable_params: int | None = None,
-                    param_bytes: int = FP32_BYTES) -> MemoryEstimate:
+                    param_bytes: int = FP32_BYTES, runtime_bytes: int = 0) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -151,7 +156,13 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     :mod:`.context_cost`). ``trainable_params`` (a peft adapter's trainable parameters) keeps gradients and AdamW
     state for those alone, spread over the ranks like the model's own (the frozen base is held and sharded as
     before). ``param_bytes`` is the size the parameters are held in (2 for a model loaded in bf16; gradients and
-    AdamW state stay fp32).
+    AdamW state stay fp32). ``runtime_bytes`` is what the process holds besides (its device's
+    :attr:`~.device_spec.DeviceSpec.runtime_bytes`).
+
+    Under ZeRO-3 the busiest moment of a rank is FSDP2 making its largest unit whole (a layer, or the input
+    embedding or output head, which are units of their own): the gathered buffer and the parameter copied out of it
+    exist together, twice the unit in the dtype it is gathered in (measured on a 128K-vocabulary 1B model: +0.98
+    GiB as its 0.49 GiB bf16 embedding was gathered).
     """
     shape = as_shape(model_config)
     pc = parallel_config
@@ -188,8 +199,12 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
             acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
         experts = int(stage_layers * layer_experts)
-        estimate = _state_bytes(int(params) - experts, experts, layer_params, dp, ep, pc.zero_stage, int(acts),
+        units = [layer_params]  # what FSDP2 gathers at once: a layer, or the embedding / head this stage holds
+        units += [shape.embedding_params(vocab_tp)] if first else []
+        units += [shape.head_params(vocab_tp)] if last and not (pp == 1 and shape.tied_embeddings) else []
+        estimate = _state_bytes(int(params) - experts, experts, max(units), dp, ep, pc.zero_stage, int(acts),
                                 accumulating=micro > 1, compute_bytes=act_bytes, param_bytes=param_bytes)
+        estimate.runtime = runtime_bytes
         estimate.recompute = rematerialised
         if trainable_params is not None:  # an adapter: only its parameters have gradients and optimizer state
             share = min(1.0, trainable_params / max(shape.total_params(), 1))
@@ -214,24 +229,26 @@ def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_by
     return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
 
 
-def _state_bytes(params: int, expert_params: int, layer_params: int, dp: int, ep: int, zero: int,
+def _state_bytes(params: int, expert_params: int, unit_params: int, dp: int, ep: int, zero: int,
                  activations: int, accumulating: bool = False, compute_bytes: int = FP32_BYTES,
                  param_bytes: int = FP32_BYTES) -> MemoryEstimate:
     """Parameters, gradients and AdamW state of ``params`` fp32 parameters sharded by ZeRO ``zero`` over ``dp``
     ranks, and of ``expert_params`` (already split over ``ep``) sharded over the ``dp / ep`` ranks holding the same
     experts. ``accumulating``: gradients of several micro-batches are summed before they are reduced (pipeline
-    schedules); ``compute_bytes`` is the size of the parameters gathered for compute."""
-    dense = _zero_state(params, layer_params, dp, zero, accumulating, compute_bytes, param_bytes)
+    schedules); ``compute_bytes`` is the size of the parameters gathered for compute; ``unit_params`` the largest
+    unit ZeRO-3 gathers at once."""
+    dense = _zero_state(params, unit_params, dp, zero, accumulating, compute_bytes, param_bytes)
     if not expert_params:
         return MemoryEstimate(*dense, activations)
     expert = _zero_state(expert_params, 0, max(dp // ep, 1), zero, accumulating, compute_bytes, param_bytes)
     return MemoryEstimate(*(a + b for a, b in zip(dense, expert)), activations)
 
 
-def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating: bool = False,
+def _zero_state(params: int, unit_params: int, dp: int, zero: int, accumulating: bool = False,
                 compute_bytes: int = FP32_BYTES, param_bytes: int = FP32_BYTES) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes of ``params`` under ZeRO ``zero`` over ``dp`` ranks; the parameters
-    are held in ``param_bytes`` each (a frozen base loaded in bf16: 2), gradients in fp32."""
+    are held in ``param_bytes`` each (a frozen base loaded in bf16: 2), gradients in fp32; ZeRO-3 gathers units of
+    up to ``unit_params``."""
     full, grad_full = params * param_bytes, params * FP32_BYTES
     if dp == 1 or zero == 0:
         return full, grad_full, params * ADAM_STATE_BYTES
@@ -244,6 +261,7 @@ def _zero_state(params: int, layer_params: int, dp: int, zero: int, accumulating
     grads = grad_full + grad_full // dp if accumulating else grad_full // dp
     if zero == 2:  # sharded storage + whole parameters kept from forward through backward
         return full + full // dp, grads, optimizer
-    # zero 3: shards + two layers gathered at a time (the running one and the prefetched one)
-    gathered = params * compute_bytes if accumulating else 2 * layer_params * param_bytes
+    # zero 3: shards + the largest unit gathered: its all-gather buffer and the parameter copied out of it (or the
+    # running unit and the prefetched one), in the dtype it is gathered in (mixed precision casts before gathering)
+    gathered = params * compute_bytes if accumulating else 2 * unit_params * min(param_bytes, compute_bytes)
     return full // dp + gathered, grads, optimizer

@@ -25,6 +25,9 @@ GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40": 181e12,
 # Fraction of peak that large matrix products sustain in training, for GPUs missing from the catalog.
 GPU_EFFICIENCY = 0.7
 CATALOG_FILE = "devices.yaml"
+# What a CPU training process holds before the model (torch, transformers, the package and a recipe's tokenized
+# data; measured by benchmarks/bench_loading.py on the development machine: 0.57 GiB).
+CPU_RUNTIME_BYTES = int(0.57 * GIB)
 # Catalog keys that are not DeviceSpec fields: ``memory`` (a size such as "80GiB") is ``memory_bytes``, and
 # ``gemm_efficiency`` times ``peak_flops`` is ``flops``.
 CATALOG_ONLY_KEYS = ("description", "memory", "gemm_efficiency")
@@ -51,7 +54,12 @@ class DeviceSpec:
     devices_per_node: int = 8
     """Ranks on one node; tensor parallelism stays within a node."""
     headroom: float = 0.1
-    """Fraction of ``memory_bytes`` kept free for allocator fragmentation, temporaries and the runtime."""
+    """Fraction of ``memory_bytes`` kept free for allocator fragmentation, temporaries and what
+    ``runtime_bytes`` leaves out."""
+    runtime_bytes: int = 0
+    """Memory each process holds besides the model's tensors (the framework and its libraries, the data), counted
+    in every estimate: measured for the CPU (:data:`CPU_RUNTIME_BYTES`, what :meth:`detect` sets there); 0 for the
+    catalog's GPUs, whose CUDA context the headroom covers until it is measured."""
     micro_batch_overhead_s: float = 1e-3
     """Fixed cost of running one micro-batch through one stage (kernel launches, Python), which makes very small
     micro-batches lose."""
@@ -112,7 +120,7 @@ class DeviceSpec:
                            peak_flops=peak)
             memory = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else spec.memory_bytes
         else:
-            spec = cls(device_type="cpu", devices_per_node=devices_per_node)
+            spec = cls(device_type="cpu", devices_per_node=devices_per_node, runtime_bytes=CPU_RUNTIME_BYTES)
             available = host_available_memory()
             memory = available // devices_per_node if available else spec.memory_bytes
         if memory_budget is not None:

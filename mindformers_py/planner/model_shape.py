@@ -4,8 +4,8 @@ dicts of every architecture the planner covers (decoders, mixtures of experts, e
 encoders).
 
 The readers here know transformers' architectures only. A reader for an HF ``model_type`` is registered with
-:func:`register_shape_reader`; model types our own families convert (``gpt2``, ``llama``, ``mistral``, ``qwen2``)
-are read through the family's converter, so the planner sees exactly the model we would build. Our own configs are
+:func:`register_shape_reader`; model types our own families convert (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
+``qwen3``, ``qwen3_moe``, ...) are read through the family's converter, so the planner sees exactly the model we would build. Our own configs are
 read as their family says (its registry entry's ``planner_config``: BERT, T5 and ViT as the HF config they export
 to), else field by field, GPT-style. Parameter counts are exact for the HF classes named in each reader (the tests
 compare them with transformers' models on the meta device).
@@ -79,6 +79,9 @@ class ModelShape:
     """Any dropout is active (its masks are kept for backward)."""
     causal: bool = True
     """Self-attention is causal; fused attention kernels then skip the masked half of the scores."""
+    qk_norm: bool = False
+    """Per-head RMSNorms of the queries and keys (Qwen3): ``2 · head_dim`` parameters per layer, whole on every
+    tensor-parallel rank, and their inputs, statistics and outputs kept for backward."""
     experts: int = 1
     """Routed experts per MoE layer (1: dense model)."""
     top_k: int = 1
@@ -132,7 +135,7 @@ class ModelShape:
         experts = {} if moe is None else dict(
             experts=moe.expert_num, top_k=moe.num_experts_chosen, expert_ffn=moe.expert_size(ffn),
             shared_expert_ffn=moe.shared_expert_size(ffn), shared_expert_gate=moe.use_shared_expert_gating,
-            moe_layers=sum(1 for i in range(cfg.num_hidden_layers) if i not in moe.mlp_only_layers))
+            moe_layers=len(moe.routed_layers(cfg.num_hidden_layers)))
         return cls(
             hidden=hidden, layers=cfg.num_hidden_layers, heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
@@ -141,6 +144,7 @@ class ModelShape:
             rope=position == "rope", rms_norm=getattr(cfg, "norm_type", "layernorm") == "rmsnorm",
             norm_bias=bool(getattr(cfg, "norm_bias", True)), qkv_bias=bool(getattr(cfg, "attention_bias", True)),
             out_bias=bool(getattr(cfg, "attention_out_bias", True)), mlp_bias=bool(getattr(cfg, "mlp_bias", True)),
+            qk_norm=bool(getattr(cfg, "qk_norm", False)),
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), learned_positions=position == "learned",
             act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED), dropout=dropout,
             model_type=getattr(cfg, "model_type", "") or "", **experts,
@@ -200,7 +204,7 @@ class ModelShape:
         """Parameters of one attention block on one of ``tp`` tensor-parallel ranks."""
         q, kv, h = self.q_width, self.kv_width, self.hidden
         sharded = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        return sharded // tp + (h if self.out_bias else 0)
+        return sharded // tp + (h if self.out_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
     def _mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2

@@ -254,7 +254,7 @@ def _candidate_json(est: LayoutEstimate, device: DeviceSpec) -> dict[str, Any]:
         "per_device_batch": est.per_device_batch,
         "memory_bytes": {"parameters": mem.parameters, "gradients": mem.gradients, "optimizer": mem.optimizer,
                          "activations": mem.activations, "recompute": mem.recompute, "context": mem.context,
-                         "logits_gradient": mem.logits_gradient, "total": mem.total},
+                         "logits_gradient": mem.logits_gradient, "runtime": mem.runtime, "total": mem.total},
         "fits": est.fits,
         "step_seconds": est.time.as_dict(),
         "tokens_per_second": est.tokens_per_second,

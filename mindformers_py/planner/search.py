@@ -470,7 +470,8 @@ class _Search:
         # A runtime that writes the attention scores to memory also keeps them for backward.
         memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
                                  attention_scores=self.runtime.attention == "materialized",
-                                 kv_exchange=self.runtime.context_kv, trainable_params=self.trainable_params)
+                                 kv_exchange=self.runtime.context_kv, trainable_params=self.trainable_params,
+                                 runtime_bytes=self.device.runtime_bytes)
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)

@@ -173,6 +173,51 @@ def test_exported_adapter_on_transformers_model_gives_our_logits(name, tmp_path)
             f"transformer.h.{i}.attn.c_attn": 6 for i in range(2)}
 
 
+# -- LoRA on the experts of a mixture of experts ----------------------------------------------------------------
+
+
+def test_target_modules_naming_the_experts_projections_adapt_the_experts(tmp_path):
+    """A Qwen3-MoE from transformers' own config: target_modules [q_proj, gate_proj, up_proj, down_proj] adapts the
+    attention, the dense layer's MLP and every MoE layer's stacked expert projections (peft's target_parameters);
+    the adapter reloads, and the model merged and exported to HF qwen3_moe gives the adapter model's logits in
+    transformers' own class."""
+    from hf_models import tiny_hf_model
+
+    tiny_hf_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    base = mf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    base.save_pretrained(tmp_path / "base")
+    section = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]}
+    torch.manual_seed(1)
+    ours = apply_peft(mf.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), section, task="causal_lm")
+    config = ours.peft_config["default"]
+    assert config.target_parameters == ["experts.down_proj", "experts.gate_proj", "experts.up_proj"]
+    assert config.target_modules == {"q_proj", "gate_proj", "up_proj", "down_proj"}  # layer 1 is dense
+    trained = {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert sum("mlp.experts" in n for n in trained) == 2 * 3 * 2  # 2 MoE layers x 3 projections x A, B
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    ours.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ours.eval()(input_ids=ids).logits
+        assert (expected - base(input_ids=ids).logits).abs().max() > 1e-3
+        reloaded = peft.PeftModel.from_pretrained(mf.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                                  tmp_path / "adapter")
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, expected, rtol=0, atol=0)
+        assert main(["convert", str(tmp_path / "adapter"), str(tmp_path / "merged_hf"), "--to", "hf", "--merge"]) == 0
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf").eval()
+        assert type(merged).__name__ == "Qwen3MoeForCausalLM"
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-5)
+    # unmerged, under transformers' names: its fused gate_up_proj has no place for two adapters: one line, nothing
+    assert main(["convert", str(tmp_path / "adapter"), str(tmp_path / "adapter_hf"), "--to", "hf"]) == 2
+    assert not (tmp_path / "adapter_hf").exists()
+    with pytest.raises(ConfigError, match="lora_dropout=0.05 is not valid with the experts' projections"):
+        apply_peft(mf.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), {**section, "lora_dropout": 0.05},
+                   task="causal_lm")
+
+
 # -- the planner -------------------------------------------------------------------------------------------------
 
 
@@ -225,3 +270,21 @@ def test_prompt_learning_is_refused_under_process_layouts():
     with pytest.raises(ConfigError, match=r"peft type 'prompt_tuning' trains in one process only .*pipeline_stage=2"):
         refuse_prompt_learning(prompt, "pipeline_stage=2")
     refuse_prompt_learning(apply_peft(gpt(), {"type": "lora", "r": 2}), "pipeline_stage=2")  # LoRA runs anywhere
+
+
+@pytest.mark.parametrize("kind", ["ia3", "loha", "oft"])
+def test_other_adapters_naming_only_the_experts_projections_are_refused_in_one_line(kind):
+    """peft adapts stacked expert weights with LoRA alone (target_parameters); another adapter type whose
+    target_modules names the experts' projections, with no dense layer of that name, gets a ConfigError naming the
+    names and the type (peft said only that no module matched)."""
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16, moe_config={
+                              "expert_num": 4, "num_experts_chosen": 2, "moe_intermediate_size": 16})
+    section = {"type": kind, "target_modules": ["q_proj", "gate_proj", "down_proj"]}
+    if kind == "ia3":
+        section["feedforward_modules"] = ["down_proj"]
+    with pytest.raises(ConfigError, match=rf"projections \(down_proj, gate_proj\), which type={kind} cannot adapt"):
+        apply_peft(mf.GPTForCausalLM(config), section, task="causal_lm")
+    section = {"type": kind, "target_modules": ["q_proj", "v_proj"]}  # the attention alone is theirs to adapt
+    model = apply_peft(mf.GPTForCausalLM(config), section, task="causal_lm")
+    assert not any("experts" in n for n, p in model.named_parameters() if p.requires_grad)

@@ -30,7 +30,7 @@ def reference(moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset(
     flat = x.reshape(-1, H)
     probs = torch.softmax(flat @ moe.gate.weight.t(), -1)
     weights, chosen = probs.topk(moe.top_k, -1)
-    if moe.norm_topk_prob:
+    if moe.gate.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(flat)
     for t in range(flat.shape[0]):
@@ -195,6 +195,40 @@ def test_model_logs_router_metrics():
     assert model.training_metrics.pop("cpu")["router_stats"].sum() == 0
 
 
+def test_expert_loads_are_logged_without_the_router_loss():
+    """A Qwen3-MoE checkpoint sets output_router_logits false: the loss is the language model's alone (as in
+    transformers), and the run's logs still get each layer's expert load (they were all zeros); nothing counted
+    logs nothing rather than zeros."""
+    model = mf.AutoModelForCausalLM.from_pretrained("qwen3_moe_tiny", num_hidden_layers=2, hidden_size=64,
+                                                    vocab_size=128, output_router_logits=False).train()
+    ids = torch.randint(0, 128, (2, 16))
+    out = model(ids, labels=ids)
+    tracker = model.training_metrics
+    logs = tracker.summarize(tracker.pop("cpu"), steps=1)
+    assert abs(sum(v for k, v in logs.items() if k.startswith("expert_load/")) - 1) <= 1e-6
+    assert all(logs[f"load_imbalance/layer_{i}"] >= 1 for i in tracker.moe_layers)
+    assert tracker.summarize(tracker.pop("cpu"), steps=1) == {}
+    assert out.aux_loss is None and out.loss < model(ids, labels=ids, output_router_logits=True).loss
+
+
+def test_expert_load_is_logged_per_layer():
+    """Each MoE layer's most loaded expert against its mean, and its dropped share, from the summed statistics:
+    layer 0 balanced, layer 2 routing everything to expert 1 and dropping a quarter (layer 1 is dense)."""
+    from mindformers_py.layers.moe import RouterMetrics, stat_width
+
+    metrics = RouterMetrics(3, 4, 2, [0, 2], capacity_limited=True, z_loss=False)
+    cols = stat_columns(4)
+    stats = torch.zeros(3, stat_width(4), dtype=torch.float64)
+    stats[0, cols["counts"]] = torch.tensor([5.0, 5, 5, 5])
+    stats[2, cols["counts"]] = torch.tensor([0.0, 20, 0, 0])
+    stats[[0, 2], cols["tokens"]] = 10.0  # 10 tokens x top-2 = 20 assignments per layer
+    stats[2, cols["dropped"]] = 5.0
+    logs = metrics.summarize({"router_stats": stats, "aux_loss": torch.tensor(0.0), "z_loss": torch.tensor(0.0)}, 1)
+    assert logs["load_imbalance/layer_0"] == 1.0 and logs["load_imbalance/layer_2"] == 4.0
+    assert "load_imbalance/layer_1" not in logs and logs["load_imbalance"] == 2.5
+    assert (logs["dropped_tokens/layer_0"], logs["dropped_tokens/layer_2"], logs["dropped_tokens"]) == (0.0, 0.25, 0.125)
+
+
 @pytest.mark.parametrize(("fields", "fragments"), [
     ({"expert_num": 4, "num_experts_chosen": 5}, ["num_experts_chosen=5", "expert_num=4", "1..4"]),
     ({"expert_num": 4, "capacity_factor": 0.5}, ["capacity_factor=0.5", "routing_policy='topk'", ">= 1"]),
@@ -260,6 +294,23 @@ def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
         results.append((out.detach(), x.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
     for grouped, looped in zip(*results):
         assert (grouped - looped).abs().max().item() <= 1e-5
+
+
+def test_half_precision_experts_whose_rows_are_not_16_byte_multiples_run():
+    """Found by transformers' common model tests on Qwen3-MoE (they fail there too): experts 12 wide in bf16 have
+    24-byte rows, which torch's grouped products refuse; those experts run one product per expert."""
+    torch.manual_seed(0)
+    moe = MoE(H, 12, MoEConfig(expert_num=E, num_experts_chosen=2, routing_policy="dropless"), act="silu", gated=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(3))
+    reference, _ = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = moe(x)
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
+    half, _ = moe.to(torch.float16)(x.half())
+    torch.testing.assert_close(half.float(), reference, rtol=5e-2, atol=5e-2)
 
 
 def test_bf16_grouped_products_pad_each_experts_rows_without_changing_results(monkeypatch):

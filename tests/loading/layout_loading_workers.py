@@ -32,15 +32,43 @@ def held_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def load_under_layouts(rank: int, world_size: int, source: str, task: str, layouts: dict[str, dict],
-                       overrides: dict | None = None) -> dict[str, tuple[dict[str, torch.Tensor], int, bool]]:
+                       overrides: dict | None = None) -> dict[str, tuple[dict[str, torch.Tensor], int, bool, set]]:
     """For each named layout: load ``source`` (a checkpoint folder or a preset, seed 0) deferred, let the layout's
     engine fill its shards; returns (whole weights this rank holds, values it holds itself, whether the model was
-    still all on meta before the engine filled it)."""
+    still all on meta before the engine filled it, the checkpoint tensors whose values this rank read)."""
+    from mindformers_py.loading.checkpoint_reader import CheckpointReader
+
+    read: set[str] = set()
+    view, rows = CheckpointReader.tensor, CheckpointReader.read_rows
+
+    def tensor(self, key):
+        read.add(key)
+        return view(self, key)
+
+    def read_rows(self, key, start, out):
+        read.add(key)
+        return rows(self, key, start, out)
+
+    CheckpointReader.tensor, CheckpointReader.read_rows = tensor, read_rows  # this worker process only
+    try:
+        return _load_each(source, task, layouts, overrides, read)
+    finally:
+        CheckpointReader.tensor, CheckpointReader.read_rows = view, rows
+
+
+def load_sources_under_layouts(rank: int, world_size: int, sources: dict[str, str], task: str,
+                               layouts: dict[str, dict]) -> dict[str, dict]:
+    """:func:`load_under_layouts` for each named source, in one launch."""
+    return {kind: load_under_layouts(rank, world_size, source, task, layouts) for kind, source in sources.items()}
+
+
+def _load_each(source: str, task: str, layouts: dict[str, dict], overrides: dict | None, read: set[str]) -> dict:
     from mindformers_py.auto import auto_class_for
     from mindformers_py.engine import build_engine
 
     results = {}
     for name, fields in layouts.items():
+        read.clear()
         parallel = layout(**fields)
         torch.manual_seed(0)
         with deferred_loading():
@@ -57,6 +85,6 @@ def load_under_layouts(rank: int, world_size: int, source: str, task: str, layou
             held, count = held_weights(part)
             weights.update(held)
             local += count
-        results[name] = (weights, local, all_meta)
+        results[name] = (weights, local, all_meta, set(read))
         engine.teardown()
     return results

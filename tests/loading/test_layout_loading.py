@@ -15,7 +15,7 @@ import transformers
 
 import mindformers_py as mf
 from dist_utils import run_workers
-from layout_loading_workers import load_under_layouts
+from layout_loading_workers import load_sources_under_layouts, load_under_layouts
 
 TWO_RANKS = {
     "zero3": dict(data_parallel=2, optimizer_shard=3),
@@ -40,10 +40,14 @@ def _checkpoint(tmp_path, kind: str):
     elif kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
                                                                      n_positions=64, bos_token_id=0, eos_token_id=0))
-    else:
+    elif kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, num_local_experts=4, num_experts_per_tok=2))
+    else:  # qwen3_moe: one tensor per expert and projection in the file, as transformers saves it
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2))
     folder = tmp_path / kind
     model.save_pretrained(folder, max_shard_size="60KB")  # several shards: each rank reads across them
     return str(folder)
@@ -56,7 +60,7 @@ def _check(results, source: str, task: str, layouts, overrides=None, sharded=SHA
     total = sum(v.numel() for v in reference.values())
     for name in layouts:
         for rank, per_rank in enumerate(results):
-            weights, local, all_meta = per_rank[name]
+            weights, local, all_meta, _ = per_rank[name]
             assert all_meta, f"{name} rank {rank}: the model was not built on meta"
             assert weights, name
             for key, value in weights.items():
@@ -73,11 +77,20 @@ def test_each_rank_reads_its_shards_of_an_hf_checkpoint_and_holds_the_stand_alon
 
 
 def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path):
-    folder = _checkpoint(tmp_path, "mixtral")
+    """Each expert-parallel rank holds, and reads from the file, only its own experts' tensors (the file keeps one
+    tensor per expert; our model stacks them): Mixtral's and Qwen3-MoE's checkpoints, in one launch."""
+    folders = {kind: _checkpoint(tmp_path, kind) for kind in ("mixtral", "qwen3_moe")}
     layouts = {"ep2": dict(data_parallel=2, expert_parallel=2),
                "ep2_zero3": dict(data_parallel=2, expert_parallel=2, optimizer_shard=3)}
-    _check(run_workers(load_under_layouts, 2, folder, "causal_lm", layouts), folder, "causal_lm", layouts,
-           sharded={"ep2": 0.7, "ep2_zero3": 0.55})
+    per_kind = run_workers(load_sources_under_layouts, 2, folders, "causal_lm", layouts)
+    for kind, folder in folders.items():
+        results = [ranks[kind] for ranks in per_kind]
+        _check(results, folder, "causal_lm", layouts, sharded={"ep2": 0.7, "ep2_zero3": 0.55})
+        for name in layouts:
+            for rank, per_rank in enumerate(results):
+                experts = {int(key.split(".experts.")[1].split(".")[0]) for key in per_rank[name][3]
+                           if ".experts." in key}
+                assert experts == {2 * rank, 2 * rank + 1}, (kind, name, rank, sorted(per_rank[name][3]))
 
 
 def test_random_inits_are_the_same_under_every_layout(tmp_path):

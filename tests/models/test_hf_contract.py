@@ -54,8 +54,8 @@ def _converted_architectures():
     text, seq2seq = {"input_ids": ids}, {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
     vit = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
                                  image_size=8, patch_size=4)
-    return {**{kind: (tiny_hf_config(kind), text) for kind in ("gpt2", "llama", "mistral", "qwen2", "mixtral",
-                                                               "qwen2_moe")},
+    return {**{kind: (tiny_hf_config(kind), text) for kind in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral",
+                                                               "qwen2_moe", "qwen3_moe")},
             "bert": (tiny_bert_config("bert"), text), "roberta": (tiny_bert_config("roberta"), text),
             "t5": (tiny_t5_config("t5"), seq2seq), "mt5": (tiny_t5_config("mt5"), seq2seq),
             "vit": (vit, {"pixel_values": torch.randn(2, 3, 8, 8)})}
@@ -225,7 +225,7 @@ def test_each_flavour_answers_its_transformers_names():
     assert llama.norm_eps == llama.rms_norm_eps == 1e-5 and not hasattr(llama, "n_layer")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
     import re
 
@@ -237,6 +237,7 @@ def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
         assert any(regex.match(name) for name in names), pattern
     assert set(plan) <= set(mf.GPTConfig.base_model_tp_plan)
     assert any("shared_expert" in p for p in plan) == (kind == "qwen2_moe")
+    assert any(p.endswith("q_norm") for p in plan) == kind.startswith("qwen3")
 
 
 # -- 5. configs transformers runs: Mixtral's router jitter, GPT-2's attention options ----------------------------------

@@ -1,6 +1,6 @@
 """Context parallelism: each sequence split over 2 or 4 ranks gives a stand-alone step's gradients (<= 1e-4 relative)
 for every algorithm (ring, Ulysses, hybrid) and family (GPT with GQA, padding, packed rows and a sliding window;
-GPT-MoE; BERT; ViT; T5), alone and with data, tensor + sequence, pipeline, ZeRO-3 and expert parallelism, recompute
+Qwen3 mixing full and sliding layers, with per-head q/k norms; GPT-MoE and Qwen3-MoE; BERT; ViT; T5), alone and with data, tensor + sequence, pipeline, ZeRO-3 and expert parallelism, recompute
 and gradient accumulation; what cannot be split is refused in one line before anything starts.
 
 The rows of tests/task_heads.py are right-padded to different lengths, and 12 tokens do not divide into the 2 x 4
@@ -157,8 +157,8 @@ def test_layout_and_family_refusals():
 
 # -- gradients against stand-alone (gloo) --------------------------------------------------------------------------
 
-FAMILIES = ["causal_lm", "packed_causal_lm", "window_causal_lm", "moe_causal_lm", "bert_masked_lm", "bert_single_label",
-            "question_answering", "image_classification", "seq2seq_lm"]
+FAMILIES = ["causal_lm", "packed_causal_lm", "window_causal_lm", "qwen3_causal_lm", "moe_causal_lm", "qwen3_moe_causal_lm",
+            "bert_masked_lm", "bert_single_label", "question_answering", "image_classification", "seq2seq_lm"]
 # (name, layout, heads, per-rank batch, accumulation)
 TWO_RANKS = [
     *((algo, dict(context_parallel=2, context_parallel_algo=algo), FAMILIES, N, 1) for algo in ("ring", "ulysses")),
@@ -174,13 +174,16 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("cp4_ring", dict(context_parallel=4), ["causal_lm", "moe_causal_lm"], N, 1),
     ("cp4_ulysses", dict(context_parallel=4, context_parallel_algo="ulysses"), ["bert_masked_lm"], N, 1),
-    ("cp4_hybrid", dict(context_parallel=4, context_parallel_algo="hybrid"), ["causal_lm", "packed_causal_lm",
-                                                                            "seq2seq_lm"], N, 1),
+    ("cp4_hybrid", dict(context_parallel=4, context_parallel_algo="hybrid"),
+     ["causal_lm", "packed_causal_lm", "qwen3_causal_lm", "seq2seq_lm"], N, 1),
     ("dp2_cp2", dict(data_parallel=2, context_parallel=2), ["causal_lm", "image_classification"], N // 2, 1),
-    ("cp2_tp2_sequence_parallel", dict(context_parallel=2, model_parallel=2, use_seq_parallel=True), ["causal_lm"], N, 1),
+    ("cp2_tp2_sequence_parallel", dict(context_parallel=2, model_parallel=2, use_seq_parallel=True),
+     ["causal_lm", "qwen3_causal_lm"], N, 1),
     ("cp2_tp2_ulysses", dict(context_parallel=2, model_parallel=2, context_parallel_algo="ulysses"), ["causal_lm"], N, 1),
-    ("cp2_pp2", dict(context_parallel=2, pipeline_stage=2, micro_batch_num=2), ["causal_lm", "moe_causal_lm"], N, 1),
-    ("dp2_cp2_ep4", dict(data_parallel=2, context_parallel=2, expert_parallel=4), ["moe_causal_lm"], N // 2, 1),
+    ("cp2_pp2", dict(context_parallel=2, pipeline_stage=2, micro_batch_num=2),
+     ["causal_lm", "qwen3_causal_lm", "moe_causal_lm"], N, 1),
+    ("dp2_cp2_ep4", dict(data_parallel=2, context_parallel=2, expert_parallel=4), ["moe_causal_lm", "qwen3_moe_causal_lm"],
+     N // 2, 1),
 ]
 # Once more under bf16 autocast, in the same launches (issue 37): the blocks' attention in bf16 with a T5 bias, and
 # an MoE model's router statistics handed between the stages of a context-parallel pipeline.

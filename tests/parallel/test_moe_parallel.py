@@ -3,7 +3,8 @@ sequence-wise load-balancing loss and the z-loss on) trains with stand-alone's p
 gradient accumulation) when its experts are split over expert-parallel ranks borrowed from data parallelism, with
 tensor parallelism, ZeRO 1/2/3, recompute and pipeline stages (where the router statistics travel from stage to
 stage), and the same gradient norms (which AdamW's updates would not show a constant factor in); its checkpoints
-consolidate to whole weights; the router metrics are the stand-alone ones.
+consolidate to whole weights; the router metrics are the stand-alone ones. The layouts named ``qwen3_moe_*`` run a
+Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert).
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "
        "use_shared_expert_gating": True}
 
 
-def tiny_moe(**moe) -> mf.GPTForCausalLM:
-    """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads)."""
+QWEN3_MOE = {**MOE, "shared_expert_num": 0, "use_shared_expert_gating": False, "norm_topk_prob": True}
+
+
+def tiny_moe(qwen3: bool = False, **moe) -> mf.GPTForCausalLM:
+    """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads); ``qwen3``:
+    Qwen3-MoE's shape."""
     config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=SEQ, output_router_logits=True,
-                          moe_config={**MOE, **moe})
+                          qk_norm=qwen3, moe_config={**(QWEN3_MOE if qwen3 else MOE), **moe})
     torch.manual_seed(0)
     return mf.GPTForCausalLM(config).train()
 
@@ -60,14 +65,14 @@ def _loss_fn(model, batch, num_items):
 
 
 def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None,
-                   bf16: bool = False) -> dict:
+                   qwen3: bool = False, bf16: bool = False) -> dict:
     """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
     hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine (under bf16
     autocast with ``bf16``); the router metrics of the run reduced over the ranks; optionally a consolidated
     checkpoint."""
     engine = build_engine(parallel, training_args(parallel, bf16))
     engine.setup()
-    model = tiny_moe(**(moe or {}))
+    model = tiny_moe(qwen3, **(moe or {}))
     wrapped = engine.prepare_model(model)
     optimizer = engine.build_optimizer(model)
     scheduler = create_scheduler(optimizer, engine.args, STEPS)
@@ -94,11 +99,12 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
 _REFERENCE: dict = {}
 
 
-def reference(bf16: bool = False) -> dict:
-    """Stand-alone's run (fp32, or under bf16 autocast), computed once each."""
-    if bf16 not in _REFERENCE:
-        _REFERENCE[bf16] = run_moe_layout(ParallelConfig(), bf16=bf16)
-    return _REFERENCE[bf16]
+def reference(qwen3: bool = False, bf16: bool = False) -> dict:
+    """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``), computed once
+    each."""
+    if (qwen3, bf16) not in _REFERENCE:
+        _REFERENCE[qwen3, bf16] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16)
+    return _REFERENCE[qwen3, bf16]
 
 
 def semi(**fields) -> ParallelConfig:
@@ -111,11 +117,15 @@ LAYOUTS_2 = {
     "dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3, recompute="full"),
     "tp2": semi(model_parallel=2),
     "pp2_gpipe": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="gpipe"),
+    "qwen3_moe_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3, recompute="full"),
+    "qwen3_moe_tp2": semi(model_parallel=2),
+    "qwen3_moe_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
 }
 # dp4 x ep4, dp2 x tp2 x ep2 and dp2 x pp2 x ep2 run through the recipe and the CLI (test_moe_recipe.py).
 LAYOUTS_4 = {
     "dp4_ep2": semi(data_parallel=4, expert_parallel=2),  # experts replicated over pairs of ranks
     "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them
+    "qwen3_moe_dp2_tp2_ep2_zero1": semi(data_parallel=2, model_parallel=2, expert_parallel=2, optimizer_shard=1),
 }
 # Under bf16 autocast (the default where the hardware has it), in the same launches: the router statistics travel
 # between pipeline stages beside bf16 hidden states (dp2 x pp2 x ep2 crashed there, issue 37).
@@ -124,10 +134,14 @@ BF16_LAYOUTS_4 = {"dp2_pp2_ep2_bf16": semi(data_parallel=2, pipeline_stage=2, mi
 
 
 def _worker(rank, world_size, layouts, bf16_layouts, folder=None):
-    out = {name: run_moe_layout(layout) for name, layout in layouts.items()}
+    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe")) for name, layout in layouts.items()}
     out.update({name: run_moe_layout(layout, bf16=True) for name, layout in bf16_layouts.items()})
     if folder is not None:
         out["saved"] = run_moe_layout(semi(data_parallel=4, expert_parallel=4, optimizer_shard=3), save_to=folder)
+        from test_peft_layouts import adapter_gradients, moe_peft_model  # LoRA on the experts, on these 4 ranks
+
+        out["expert_lora_dp2_tp2_ep2"] = adapter_gradients(
+            semi(data_parallel=2, model_parallel=2, expert_parallel=2), moe_peft_model)
     return out
 
 
@@ -143,7 +157,7 @@ def four_process_results(tmp_path_factory):
 
 
 def _check(results, name):
-    expected = reference()
+    expected = reference(name.startswith("qwen3_moe"))
     for rank, result in enumerate(results):
         assert result[name]["losses"] == pytest.approx(expected["losses"], rel=RTOL), (name, rank, result[name], expected)
         assert result[name]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=RTOL), (name, rank, result[name])
@@ -161,6 +175,12 @@ def test_two_process_moe_layout_matches_stand_alone(two_process_results, name):
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_four_process_moe_layout_matches_stand_alone(four_process_results, name):
     _check(four_process_results[0], name)
+
+
+def test_expert_adapter_gradients_under_dp2_tp2_ep2(four_process_results):
+    from test_peft_layouts import assert_expert_gradients
+
+    assert_expert_gradients(four_process_results[0][0]["expert_lora_dp2_tp2_ep2"], "dp2 x tp2 x ep2")
 
 
 @pytest.mark.parametrize("name", [*BF16_LAYOUTS_2, *BF16_LAYOUTS_4])

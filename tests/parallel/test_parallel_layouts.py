@@ -28,8 +28,11 @@ MICRO_BATCHES = 2  # gradient accumulation inside each step: exercises the no-sy
 
 
 def tiny_model(flavour: str) -> mf.GPTForCausalLM:
-    """The same tiny GPT on every rank (same seed): 2 layers, hidden 64, 4 heads (2 KV heads for llama)."""
-    extra = {"num_key_value_heads": 2} if flavour == "llama" else {}
+    """The same tiny GPT on every rank (same seed): 2 layers, hidden 64, 4 heads (2 KV heads for llama; "qwen3" is
+    llama with Qwen3's per-head q/k norms)."""
+    extra = {"num_key_value_heads": 2} if flavour in ("llama", "qwen3") else {}
+    if flavour == "qwen3":
+        flavour, extra["qk_norm"] = "llama", True
     config = mf.GPTConfig(flavour=flavour, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=SEQ, **extra)
     torch.manual_seed(0)
@@ -135,6 +138,10 @@ LAYOUTS_2 = {
     "tp2_seq_parallel": ("llama", semi(model_parallel=2, use_seq_parallel=True)),
     "tp2_vocab_parallel_tied": ("gpt2", semi(model_parallel=2, vocab_emb_dp=False)),
     "tp2_seq_vocab_parallel": ("llama", semi(model_parallel=2, use_seq_parallel=True, vocab_emb_dp=False)),
+    # Qwen3's q/k norms stay per head, their weights whole with gradients summed over the tensor-parallel ranks
+    "tp2_qwen3": ("qwen3", semi(model_parallel=2)),
+    "tp2_seq_parallel_qwen3": ("qwen3", semi(model_parallel=2, use_seq_parallel=True)),
+    "zero2_qwen3": ("qwen3", dp(optimizer_shard=2)),
     "dp2_recompute_full": ("gpt2", dp(recompute="full")),
     "dp2_recompute_selective": ("llama", dp(recompute="selective")),
     "zero3_recompute_first_layer": ("llama", dp(optimizer_shard=3, recompute=RecomputeConfig(recompute=1))),
@@ -152,6 +159,8 @@ LAYOUTS_4 = {
                                              use_seq_parallel=True, vocab_emb_dp=False)),
     "dp2xtp2_zero1_recompute": ("llama", semi(data_parallel=2, model_parallel=2, optimizer_shard=1,
                                               recompute="full")),
+    "dp2xtp2_zero3_seq_qwen3_selective": ("qwen3", semi(data_parallel=2, model_parallel=2, optimizer_shard=3,
+                                                        use_seq_parallel=True, recompute="selective")),
 }
 BF16_LAYOUTS_4 = {"dp2xtp2_bf16": ("llama", semi(data_parallel=2, model_parallel=2))}  # in the 4-process launch
 

@@ -2,7 +2,9 @@
 
 One 2-process job runs everything multi-process: the adapter gradients of one optimizer step (two accumulated
 micro-batches) under dp2, ZeRO-1, ZeRO-3, tp2 with sequence parallelism, pp2 and recompute through the engines,
-compared with stand-alone's (fp32; the LoRA matrices start random so both A and B get gradients); then the LoRA
+compared with stand-alone's (fp32; the LoRA matrices start random so both A and B get gradients); the same for a
+Qwen3-MoE whose experts' projections ``target_modules`` names (peft's LoRA on the stacked expert weights) under dp2,
+ZeRO-3, ep2, ep2 with ZeRO-3, tp2 and pp2 (dp2 x tp2 x ep2 runs in test_moe_parallel.py's 4-process job); then the LoRA
 recipe (``tasks/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
 tp2 and pp2 (GPT-2 flavour, biases and a tied head), whose per-step losses must be stand-alone's (run through the CLI); and a ZeRO-3 run's adapter and
 checkpoint, which a stand-alone run loads and resumes.
@@ -44,6 +46,20 @@ def peft_model() -> torch.nn.Module:
     return apply_peft(model, LORA, task="causal_lm").train()
 
 
+def moe_peft_model() -> torch.nn.Module:
+    """A tiny Qwen3-MoE (4 experts of 16, top-2) with random LoRA matrices on its attention and, through the names
+    gate_proj / up_proj / down_proj, on its experts' stacked projections (the same on every rank)."""
+    torch.manual_seed(0)
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, qk_norm=True,
+                          output_router_logits=True, moe_config={
+                              "expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless",
+                              "moe_intermediate_size": 16, "aux_loss_scope": "sequence"})
+    model = mf.GPTForCausalLM(config)
+    torch.manual_seed(1)
+    return apply_peft(model, LORA, task="causal_lm").train()
+
+
 def batch() -> dict[str, torch.Tensor]:
     """One global batch; a left-padded row makes the ranks' label counts unequal."""
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -56,9 +72,9 @@ def _loss(model, inputs, num_items):
     return model(**inputs, num_items_in_batch=num_items).loss
 
 
-def adapter_gradients(parallel: ParallelConfig, bf16: bool = False) -> dict[str, torch.Tensor]:
-    """Whole gradients of every trainable tensor after one step of two micro-batches under ``parallel`` (fp32, or
-    under bf16 autocast)."""
+def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Whole gradients of every trainable tensor of ``build()`` after one step of two micro-batches under
+    ``parallel`` (fp32, or under bf16 autocast)."""
     import torch.distributed as dist
 
     from mindformers_py.engine import build_engine
@@ -67,7 +83,7 @@ def adapter_gradients(parallel: ParallelConfig, bf16: bool = False) -> dict[str,
                              parallel_config=parallel, report_to=[], bf16=bf16)
     engine = build_engine(parallel, args)
     engine.setup()
-    model = peft_model()
+    model = build()
     wrapped = engine.prepare_model(model)
     local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
     micro = [{k: v[i::2] for k, v in local.items()} for i in range(2)]
@@ -100,6 +116,16 @@ GRADIENT_LAYOUTS = {
     "tp2_sequence_parallel": _semi(model_parallel=2, use_seq_parallel=True),
     "pp2": _semi(pipeline_stage=2, micro_batch_num=2),
     "zero2_recompute": _dp(optimizer_shard=2, recompute="full"),
+}
+# Qwen3-MoE with LoRA on its experts (the dense layers' losses are not split-invariant with the batch-wide router
+# loss, so its router loss is per sequence)
+EXPERT_GRADIENT_LAYOUTS = {
+    "dp2": _dp(),
+    "zero3": _dp(optimizer_shard=3),
+    "ep2": _semi(data_parallel=2, expert_parallel=2),
+    "ep2_zero3_recompute": _semi(data_parallel=2, expert_parallel=2, optimizer_shard=3, recompute="full"),
+    "tp2": _semi(model_parallel=2),
+    "pp2": _semi(pipeline_stage=2, micro_batch_num=2),
 }
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
@@ -156,7 +182,9 @@ def losses(out: Path) -> list[float]:
 def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
     from mindformers_py.recipes import load_recipe, run_recipe
 
-    out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()}}
+    out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()},
+                 "expert_gradients": {name: adapter_gradients(layout, moe_peft_model)
+                                      for name, layout in EXPERT_GRADIENT_LAYOUTS.items()}}
     out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
@@ -186,6 +214,22 @@ def test_adapter_gradients_equal_stand_alone(job, name):
     for key, grad in expected.items():
         assert grad.abs().max() > 0, key
         torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+def assert_expert_gradients(got: dict[str, torch.Tensor], name: str) -> None:
+    """``got`` equals stand-alone's gradients of :func:`moe_peft_model`: 8 attention projections and 6 stacked
+    expert projections (3 per MoE layer), A and B each."""
+    expected = adapter_gradients(ParallelConfig(), moe_peft_model)
+    assert set(got) == set(expected) and len(expected) == 28
+    assert sum(".experts." in key for key in expected) == 12
+    for key, grad in expected.items():
+        assert grad.abs().max() > 0, key
+        torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(EXPERT_GRADIENT_LAYOUTS))
+def test_expert_adapter_gradients_equal_stand_alone(job, name):
+    assert_expert_gradients(job[1]["expert_gradients"][name], name)
 
 
 BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch

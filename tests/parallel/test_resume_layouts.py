@@ -1,6 +1,6 @@
 """A checkpoint the Trainer saved under dp2 + ZeRO-3 resumes through the Trainer under other layouts (tensor and
-pipeline parallel, dp4, stand-alone), optimizer state included, on stand-alone's loss curve: GPT, GPT-MoE (saved with
-expert parallelism) and BERT (masked LM). The pipeline pairs failed before: the last stage's copy of the tied
+pipeline parallel, dp4, stand-alone), optimizer state included, on stand-alone's loss curve: GPT, GPT-MoE in
+Qwen3-MoE's shape (per-head q/k norms, no shared expert; saved with expert parallelism) and BERT (masked LM). The pipeline pairs failed before: the last stage's copy of the tied
 embedding found no optimizer state of its own in a checkpoint without stages, and an MoE model without router loss
 sent router statistics no loss used (so no gradient came back).
 
@@ -33,7 +33,7 @@ def model(family: str):
         return mf.BertForMaskedLM(mf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                 intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                                                 attention_probs_dropout_prob=0.0))  # dropout masks differ by layout
-    moe = {"flavour": "llama", "num_key_value_heads": 2, "moe_config": MOE} if family == "moe" else {}
+    moe = {"flavour": "llama", "num_key_value_heads": 2, "qk_norm": True, "moe_config": MOE} if family == "moe" else {}
     return mf.GPTForCausalLM(mf.GPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=SEQ, **moe))
 

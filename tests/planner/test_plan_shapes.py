@@ -42,6 +42,13 @@ TINY = [
                                                  num_key_value_heads=2, intermediate_size=256, vocab_size=1000)),
     ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                              num_key_value_heads=2, intermediate_size=256, vocab_size=1000)),
+    ("Qwen3Config", "Qwen3ForCausalLM", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=48,
+                                             num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
+                                             attention_bias=True)),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=48, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2,
+                                                   mlp_only_layers=[3], vocab_size=1000)),
     ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0,
                                            eos_token_id=0)),
 ]

@@ -60,7 +60,8 @@ def saved_activation_bytes(model, ids):
 
 
 @pytest.mark.parametrize("kw", [dict(flavour="gpt2"), dict(flavour="llama", num_key_value_heads=2),
-                                dict(flavour="llama", tie_word_embeddings=True, attention_bias=True)])
+                                dict(flavour="llama", tie_word_embeddings=True, attention_bias=True),
+                                dict(flavour="llama", qk_norm=True, attention_bias=True, attention_out_bias=True)])
 def test_parameter_count_is_exact(kw):
     cfg = tiny(**kw)
     with torch.device("meta"):
@@ -69,10 +70,10 @@ def test_parameter_count_is_exact(kw):
     assert estimate_memory(cfg, layout(), 1, 8).parameters == 4 * model.num_parameters()
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("recompute", [False, "full", "selective"])
 def test_activation_estimate_matches_saved_tensors(flavour, recompute):
-    cfg = tiny(flavour)
+    cfg = tiny("llama", qk_norm=True) if flavour == "qwen3" else tiny(flavour)
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(cfg).train()
     apply_recompute(model, RecomputeConfig(recompute=recompute))
@@ -100,6 +101,23 @@ def test_memory_falls_with_sharding_recompute_and_model_parallelism():
     gpipe = estimate_memory(cfg, layout(pp=2, micro_batch_num=4, pipeline_schedule="gpipe"), batch, seq)
     one_f_one_b = estimate_memory(cfg, layout(pp=2, micro_batch_num=4), batch, seq)
     assert gpipe.activations > one_f_one_b.activations  # GPipe keeps every micro-batch in flight
+
+
+def test_zero3_counts_its_largest_unit_gathered_and_every_estimate_the_runtime():
+    """At a peak under ZeRO-3 FSDP2 holds the largest unit it gathers twice (the all-gather buffer and the parameter
+    copied out of it); at a 32K vocabulary and width 64 that unit is the output head, not a layer (counting two layers
+    left a 1B model's ZeRO-3 rank 48% under its measured peak). The process's runtime is counted on the CPU."""
+    cfg = tiny("llama", vocab_size=32000, num_key_value_heads=2)
+    shape = ModelShape.from_config(cfg)
+    unit = shape.head_params()  # the untied head: the final norm and 32000 x 64
+    assert unit > shape.embedding_params() > 2 * shape.layer_params()
+    zero3 = estimate_memory(cfg, layout(dp=2, optimizer_shard=3), 1, 8)
+    assert zero3.parameters == 4 * shape.total_params() // 2 + 2 * 4 * unit  # fp32 shards + the head gathered, twice
+    plain = estimate_memory(cfg, layout(), 1, 8)
+    assert estimate_memory(cfg, layout(), 1, 8, runtime_bytes=GIB).total == plain.total + GIB
+    cpu = DeviceSpec.detect("cpu")
+    assert cpu.runtime_bytes > GIB // 2  # measured 0.57 GiB for a CPU training process
+    assert plan(cfg, 1, 1, 8, device=cpu).chosen.memory.runtime == cpu.runtime_bytes
 
 
 def test_activations_grow_with_batch_and_sequence():

@@ -77,11 +77,15 @@ def test_router_values_are_logged_beside_the_loss(stand_alone):
     assert {"aux_loss", "load_imbalance", *(f"expert_load/{i}" for i in range(4))} <= set(first)
     assert sum(first[f"expert_load/{i}"] for i in range(4)) == pytest.approx(1.0)
     assert "dropped_tokens" not in first  # dropless: nothing to drop
+    # each MoE layer's most loaded expert against its mean; their mean is the overall figure
+    layers = [first[f"load_imbalance/layer_{i}"] for i in range(2)]
+    assert all(value >= 1 for value in layers) and sum(layers) / 2 == pytest.approx(first["load_imbalance"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(next((stand_alone / "runs").rglob("events.*")).parent))
     events.Reload()
-    assert {"train/loss", "train/aux_loss", "train/load_imbalance", "train/expert_load/3"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "train/aux_loss", "train/load_imbalance", "train/expert_load/3",
+            "train/load_imbalance/layer_1"} <= set(events.Tags()["scalars"])
 
 
 def test_capacity_limits_count_and_log_dropped_tokens(files, tmp_path):
@@ -89,6 +93,9 @@ def test_capacity_limits_count_and_log_dropped_tokens(files, tmp_path):
                "--model.moe_config.capacity_factor", "1.0") == 0
     logs = _logs(tmp_path)
     assert all(0 < h["dropped_tokens"] < 1 for h in logs), logs
+    for h in logs:  # the layers' shares average to the overall one (every layer routes as many tokens)
+        layers = [h[f"dropped_tokens/layer_{i}"] for i in range(2)]
+        assert all(0 <= value < 1 for value in layers) and sum(layers) / 2 == pytest.approx(h["dropped_tokens"])
 
 
 def test_progress_bar_shows_the_router_values():

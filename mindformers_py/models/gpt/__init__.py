@@ -1,4 +1,4 @@
-"""GPT family (GPT-2 and Llama flavours; GPT-MoE with a ``moe_config``)."""
+"""GPT family (GPT-2 and Llama flavours, Qwen3's q/k norms; GPT-MoE with a ``moe_config``)."""
 
 from ...utils.lazy_exports import lazy_exports as _lazy_exports
 from .. import registry as _registry
@@ -19,19 +19,13 @@ __all__ = ["GPTConfig", "GPTModel", "GPTForCausalLM", "GPTDoubleHeadsModel", "GP
 __getattr__, __dir__ = _lazy_exports(__name__, dict.fromkeys(
     [*_MODELS.names.values(), *_EXTRA_MODELS.names.values(), "GPTPreTrainedModel"], ".modeling_gpt"), globals())
 
-_HF_CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-_HF_SEQ_CLS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification",
-               "mistral": "MistralForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-               "mixtral": "MixtralForSequenceClassification", "qwen2_moe": "Qwen2MoeForSequenceClassification"}
-_HF_BASE = {"gpt2": "GPT2Model", "llama": "LlamaModel", "mistral": "MistralModel", "qwen2": "Qwen2Model",
-            "mixtral": "MixtralModel", "qwen2_moe": "Qwen2MoeModel"}
-_HF_TOKEN_CLS = {"gpt2": "GPT2ForTokenClassification", "llama": "LlamaForTokenClassification",
-                 "mistral": "MistralForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
-                 "mixtral": "MixtralForTokenClassification", "qwen2_moe": "Qwen2MoeForTokenClassification"}
-_HF_QA = {"gpt2": "GPT2ForQuestionAnswering", "llama": "LlamaForQuestionAnswering",
-          "mistral": "MistralForQuestionAnswering", "qwen2": "Qwen2ForQuestionAnswering",
-          "mixtral": "MixtralForQuestionAnswering", "qwen2_moe": "Qwen2MoeForQuestionAnswering"}
+_HF_NAMES = {"gpt2": "GPT2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+_HF_CAUSAL_LM = {kind: f"{name}ForCausalLM" for kind, name in _HF_NAMES.items()} | {"gpt2": "GPT2LMHeadModel"}
+_HF_SEQ_CLS = {kind: f"{name}ForSequenceClassification" for kind, name in _HF_NAMES.items()}
+_HF_BASE = {kind: f"{name}Model" for kind, name in _HF_NAMES.items()}
+_HF_TOKEN_CLS = {kind: f"{name}ForTokenClassification" for kind, name in _HF_NAMES.items()}
+_HF_QA = {kind: f"{name}ForQuestionAnswering" for kind, name in _HF_NAMES.items()}
 
 _registry.register_family(_registry.Family(
     name="gpt",

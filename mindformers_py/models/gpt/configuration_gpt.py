@@ -18,10 +18,12 @@ FLAVOURS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
         position_embedding_type="learned", norm_type="layernorm", norm_eps=1e-5, norm_bias=True, hidden_act="gelu_new",
         gated_mlp=False, attention_bias=True, attention_out_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        qk_norm=False,
     ),
     "llama": dict(
         position_embedding_type="rope", norm_type="rmsnorm", norm_eps=1e-6, norm_bias=False, hidden_act="silu",
         gated_mlp=True, attention_bias=False, attention_out_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        qk_norm=False,
     ),
 }
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
@@ -42,6 +44,9 @@ _TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
     "layers.*.self_attn.v_proj": "colwise",
+    # Qwen3's per-head q/k norms: one weight shared by the heads, whole on every rank, its gradient summed over them.
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.o_proj": "rowwise",
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
@@ -55,12 +60,14 @@ _TP_PLAN = {
 
 def _tp_plan_of(config: "GPTConfig") -> dict[str, str]:
     """The entries of the plan whose modules this config's model has: the dense MLP (its gate only when gated)
-    when some layer is dense, the shared expert only in MoE layers that have one."""
+    when some layer is dense, the shared expert only in MoE layers that have one, the q/k norms with ``qk_norm``."""
     moe = config.moe
-    dense = moe is None or bool(moe.mlp_only_layers)
+    dense = moe is None or len(config.moe_layers()) < config.num_hidden_layers
     shared = moe is not None and moe.shared_expert_num > 0
 
     def exists(name: str) -> bool:
+        if name.endswith(("q_norm", "k_norm")):
+            return bool(config.qk_norm)
         if ".mlp.shared_expert." in name:
             return shared
         if ".mlp." in name:
@@ -97,7 +104,8 @@ class GPTConfig(PretrainedConfig):
     ``GPTConfig(flavour="llama", ...)`` gives RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases and an
     untied head. MindFormers-style names (``num_layers``, ``num_heads``, ``seq_length``, ...) are accepted as
     aliases of the HF names. A ``moe_config`` section with ``expert_num > 1`` makes it a mixture-of-experts model
-    (GPT-MoE; transformers' Mixtral and Qwen-MoE shapes).
+    (GPT-MoE; transformers' Mixtral, Qwen2-MoE and Qwen3-MoE shapes). ``qk_norm=True`` on the Llama flavour is
+    Qwen3's attention (per-head RMSNorms of the queries and keys before RoPE).
     """
 
     model_type = "mindformers_gpt"
@@ -155,7 +163,10 @@ class GPTConfig(PretrainedConfig):
     attention_bias: bool | None = None
     """Biases on the q/k/v projections (GPT-2, Qwen2)."""
     attention_out_bias: bool | None = None
-    """Bias on the attention output projection (GPT-2)."""
+    """Bias on the attention output projection (GPT-2; Qwen3's ``attention_bias`` sets it with the q/k/v ones)."""
+    qk_norm: bool | None = None
+    """An RMSNorm over ``head_dim`` (epsilon ``norm_eps``) on each query and key head before the rotary positions
+    (Qwen3 and Qwen3-MoE); None takes the flavour's (off)."""
     mlp_bias: bool | None = None
     """Biases in the MLP projections."""
     tie_word_embeddings: bool | None = None
@@ -163,9 +174,9 @@ class GPTConfig(PretrainedConfig):
     sliding_window: int | None = None
     """Attend only to this many most recent positions (Mistral/Qwen2); None for full attention."""
     layer_types: list[str] | None = None
-    """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (transformers' field: Qwen2 and
-    Qwen2-MoE mix them); None (the default) becomes every layer sliding when ``sliding_window`` is set, else every
-    layer full, when the config is made."""
+    """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (transformers' field: Qwen2, Qwen3
+    and Qwen2-MoE mix them); None (the default) becomes every layer sliding when ``sliding_window`` is set, else
+    every layer full, when the config is made."""
     add_cross_attention: bool = False
     """Every layer of a GPT-2-flavoured model attends, after its self-attention, to an encoder's output: the decoder
     of transformers' ``EncoderDecoderModel`` (BERT-to-GPT-2). A Llama-flavoured model ignores it, as transformers'
@@ -216,8 +227,8 @@ class GPTConfig(PretrainedConfig):
     (``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss) to the training loss (transformers' switch
     of the same name; our MoE presets turn it on)."""
     hf_architecture: str | None = None
-    """The HF ``model_type`` this config was converted from (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
-    ``mixtral``, ``qwen2_moe``); export goes back to it. None means: pick from the flavour."""
+    """The HF ``model_type`` this config was converted from (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+    ``mixtral``, ``qwen2_moe``, ``qwen3_moe``); export goes back to it. None means: pick from the features."""
 
     def __post_init__(self, **kwargs: Any) -> None:
         # MindFormers aliases arrive as extra kwargs; apply them before deriving head_dim & co. from them.
@@ -322,7 +333,7 @@ class GPTConfig(PretrainedConfig):
         moe = self.moe
         if moe is None:
             return []
-        return [i for i in range(self.num_hidden_layers) if i not in moe.mlp_only_layers]
+        return moe.routed_layers(self.num_hidden_layers)
 
 
 def _default_intermediate_size(hidden_size: int, gated: bool) -> int:

@@ -1,10 +1,11 @@
-"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE
-checkpoints.
+"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and
+Qwen3-MoE checkpoints.
 
 Our module names follow Llama's, so Llama-like checkpoints map almost one to one; GPT-2's fused, transposed
 ``Conv1D`` q/k/v projection is split into ``q_proj``/``k_proj``/``v_proj`` (and fused back on export). MoE
-checkpoints keep one tensor per expert (Mixtral's ``block_sparse_moe.experts.{j}.w1/w2/w3``, Qwen2-MoE's
-``mlp.experts.{j}.gate_proj/up_proj/down_proj``): they are stacked into our experts' ``gate_up_proj`` / ``down_proj``
+checkpoints keep one tensor per expert (Mixtral's ``block_sparse_moe.experts.{j}.w1/w2/w3``, Qwen2-MoE's and
+Qwen3-MoE's ``mlp.experts.{j}.gate_proj/up_proj/down_proj``): they are stacked into our experts' ``gate_proj`` /
+``up_proj`` / ``down_proj``
 and split again on export, which writes the per-expert layout transformers itself saves. Checkpoints that
 transformers 5 saved with ``save_original_format=False`` (already stacked) load too.
 """
@@ -20,8 +21,9 @@ from ...errors import ConfigError, MindFormersError
 from ..hf_config import carry_general_fields
 from .configuration_gpt import GPTConfig
 
-SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
-MOE_HF_TYPES = ("mixtral", "qwen2_moe")
+SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_HF_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_HF_TYPES = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorms; attention_bias covers o_proj too
 # Config fields copied as-is between our config and Llama-like HF configs.
 _LLAMA_LIKE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -68,6 +70,9 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope["rope_theta"] = hf.get("rope_theta", 10000.0)
         kwargs["rope_parameters"] = rope
+    if kind in QK_NORM_HF_TYPES:
+        kwargs["qk_norm"] = True
+        kwargs["attention_bias"] = kwargs["attention_out_bias"] = hf.get("attention_bias", False)
     if kind in MOE_HF_TYPES:
         return _moe_config_from_hf(hf, kind, kwargs)
     if kind == "llama":
@@ -76,6 +81,8 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
     elif kind == "qwen2":
         kwargs["attention_bias"] = True
         # transformers' rule when config.json has no layer_types: layers from max_window_layers on slide
+        kwargs.update(_windowed_layers(hf, lambda i: i >= hf.get("max_window_layers", 28)))
+    elif kind == "qwen3":  # the same rule as Qwen2's
         kwargs.update(_windowed_layers(hf, lambda i: i >= hf.get("max_window_layers", 28)))
     else:  # mistral
         kwargs["sliding_window"] = hf.get("sliding_window")
@@ -95,9 +102,8 @@ def _windowed_layers(hf: dict[str, Any], slides) -> dict[str, Any]:
 
 
 def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -> GPTConfig:
-    """Mixtral and Qwen2-MoE: a Llama-like model whose layers route to experts (transformers routes dropless, in
-    the hidden states' dtype, and adds the router loss only with ``output_router_logits``)."""
-    layers = hf.get("num_hidden_layers", 32)
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: a Llama-like model whose layers route to experts (transformers routes
+    dropless, in the hidden states' dtype, and adds the router loss only with ``output_router_logits``)."""
     moe: dict[str, Any] = dict(routing_policy="dropless", router_dense_type="auto", aux_loss_scope="batch",
                                num_experts_chosen=hf.get("num_experts_per_tok", 2),
                                aux_loss_factor=hf.get("router_aux_loss_coef", 0.001))
@@ -105,15 +111,21 @@ def _moe_config_from_hf(hf: dict[str, Any], kind: str, kwargs: dict[str, Any]) -
         moe.update(expert_num=hf.get("num_local_experts", 8), norm_topk_prob=True,
                    router_jitter_noise=hf.get("router_jitter_noise") or 0.0)
         kwargs["sliding_window"] = hf.get("sliding_window")
+    elif kind == "qwen3_moe":  # experts of their own size, no shared expert, every layer sliding or none
+        kwargs["sliding_window"] = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        # transformers 5 writes the expert count as num_local_experts (an alias of num_experts); the hub's as num_experts
+        moe.update(expert_num=hf.get("num_experts", hf.get("num_local_experts", 128)), norm_topk_prob=hf.get("norm_topk_prob", False),
+                   moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                   mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+                   decoder_sparse_step=hf.get("decoder_sparse_step", 1))
     else:  # qwen2_moe: experts of their own size, a gated shared expert, some layers possibly dense
         # transformers' rule when config.json has no layer_types: every other layer below max_window_layers slides
         kwargs.update(_windowed_layers(hf, lambda i: bool((i + 1) % 2) and i < hf.get("max_window_layers", 28)))
-        step = hf.get("decoder_sparse_step", 1)
-        dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
         moe.update(expert_num=hf.get("num_experts", 60), norm_topk_prob=hf.get("norm_topk_prob", False),
                    moe_intermediate_size=hf.get("moe_intermediate_size", 1408), shared_expert_num=1,
                    shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 5632),
-                   use_shared_expert_gating=True, mlp_only_layers=dense)
+                   use_shared_expert_gating=True, mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+                   decoder_sparse_step=hf.get("decoder_sparse_step", 1))
         kwargs["attention_bias"] = hf.get("qkv_bias", True)
     return GPTConfig(flavour="llama", hf_architecture=kind, moe_config=moe,
                      output_router_logits=bool(hf.get("output_router_logits", False)), **kwargs)
@@ -124,9 +136,13 @@ def hf_type_for(config: GPTConfig) -> str:
     if config.hf_architecture:
         return config.hf_architecture
     if config.moe is not None:
+        if config.qk_norm:
+            return "qwen3_moe"
         return "qwen2_moe" if config.moe.shared_expert_num else "mixtral"
     if config.flavour == "gpt2":
         return "gpt2"
+    if config.qk_norm:
+        return "qwen3"
     if config.attention_bias and not config.attention_out_bias:
         return "qwen2"
     return "mistral" if config.sliding_window else "llama"
@@ -159,10 +175,19 @@ def _config_to_hf(config: GPTConfig, kind: str):
     if kind == "qwen2":
         kwargs.pop("head_dim")
         return transformers.Qwen2Config(**kwargs, **_hf_window(config))
+    if kind == "qwen3":
+        return transformers.Qwen3Config(attention_bias=config.attention_bias, **kwargs, **_hf_window(config))
     if kind in MOE_HF_TYPES:
         moe = config.moe
         kwargs.update(num_experts_per_tok=moe.num_experts_chosen, router_aux_loss_coef=moe.aux_loss_factor,
                       output_router_logits=config.output_router_logits)
+        if kind == "qwen3_moe":
+            window = config.sliding_window
+            return transformers.Qwen3MoeConfig(
+                num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, attention_bias=config.attention_bias,
+                moe_intermediate_size=moe.expert_size(config.intermediate_size),
+                decoder_sparse_step=moe.decoder_sparse_step, mlp_only_layers=list(moe.mlp_only_layers),
+                use_sliding_window=window is not None, **({"sliding_window": window} if window else {}), **kwargs)
         if kind == "mixtral":  # its only MLPs are the experts, sized by intermediate_size
             kwargs["intermediate_size"] = moe.expert_size(config.intermediate_size)
             return transformers.MixtralConfig(sliding_window=config.sliding_window, num_local_experts=moe.expert_num,
@@ -170,19 +195,23 @@ def _config_to_hf(config: GPTConfig, kind: str):
         kwargs.pop("head_dim")
         return transformers.Qwen2MoeConfig(
             num_experts=moe.expert_num, norm_topk_prob=moe.norm_topk_prob, qkv_bias=config.attention_bias,
-            moe_intermediate_size=moe.expert_size(config.intermediate_size), decoder_sparse_step=1,
+            moe_intermediate_size=moe.expert_size(config.intermediate_size), decoder_sparse_step=moe.decoder_sparse_step,
             shared_expert_intermediate_size=moe.shared_expert_size(config.intermediate_size),
             mlp_only_layers=list(moe.mlp_only_layers), **kwargs, **_hf_window(config))
     return transformers.MistralConfig(sliding_window=config.sliding_window, **kwargs)
 
 
 def _hf_window(config: GPTConfig) -> dict[str, Any]:
-    """Qwen2's and Qwen2-MoE's sliding-window fields for ``config``'s layers."""
+    """Qwen2's, Qwen3's and Qwen2-MoE's sliding-window fields for ``config``'s layers. ``max_window_layers`` is the
+    first sliding layer when the layers from it on all slide (Qwen2's and Qwen3's own rule, so their configs
+    come back as they were), else the layer count (``layer_types`` then says which slide)."""
     kinds = config.attention_kinds()
     if "sliding_attention" not in kinds:
         return {"use_sliding_window": False}
+    first = kinds.index("sliding_attention")
+    rule = all(kind == "sliding_attention" for kind in kinds[first:])
     return {"use_sliding_window": True, "sliding_window": config.sliding_window, "layer_types": kinds,
-            "max_window_layers": config.num_hidden_layers}
+            "max_window_layers": first if rule else config.num_hidden_layers}
 
 
 def _check_exportable(config: GPTConfig, kind: str) -> None:
@@ -199,12 +228,18 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
                         attention_out_bias=False, mlp_bias=False),
         "qwen2_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True, attention_out_bias=False,
                           mlp_bias=False, head_dim=config.hidden_size // config.num_attention_heads),
+        "qwen3": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True,
+                      attention_out_bias=config.attention_bias, mlp_bias=False),
+        "qwen3_moe": dict(position_embedding_type="rope", norm_type="rmsnorm", gated_mlp=True,
+                          attention_out_bias=config.attention_bias, mlp_bias=False),
     }[kind]
     if kind != "gpt2":
         wanted.update(_GPT2_ATTENTION_OPTIONS)
-    if kind not in ("qwen2", "qwen2_moe") and len(set(config.attention_kinds())) > 1:
+    wanted["qk_norm"] = kind in QK_NORM_HF_TYPES
+    if kind not in ("qwen2", "qwen3", "qwen2_moe") and len(set(config.attention_kinds())) > 1:
         raise MindFormersError(f"cannot export to HF {kind}: its layers all attend alike, the model mixes "
-                               "sliding_attention and full_attention layers (layer_types); export as qwen2 or qwen2_moe")
+                               "sliding_attention and full_attention layers (layer_types); export as qwen2, qwen3 or "
+                               "qwen2_moe")
     for field, value in wanted.items():
         if getattr(config, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs {field}={value!r}, the model has {getattr(config, field)!r}")
@@ -217,6 +252,12 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
     if moe.routing_policy != "dropless":
         raise MindFormersError(f"cannot export to HF {kind}: transformers never drops tokens, so it needs "
                                f"moe_config.routing_policy='dropless', the model has {moe.routing_policy!r}")
+    if kind == "qwen3_moe":
+        for field, value in dict(shared_expert_num=0, router_jitter_noise=0.0).items():
+            if getattr(moe, field) != value:
+                raise MindFormersError(f"cannot export to HF qwen3_moe: it needs moe_config.{field}={value!r}, the "
+                                       f"model has {getattr(moe, field)!r}")
+        return
     if kind == "qwen2_moe":
         if moe.router_jitter_noise:
             raise MindFormersError("cannot export to HF qwen2_moe: it has no router jitter, the model has "
@@ -225,7 +266,7 @@ def _check_exportable(config: GPTConfig, kind: str) -> None:
             raise MindFormersError("cannot export to HF qwen2_moe: it needs a gated shared expert (moe_config."
                                    "shared_expert_num >= 1, use_shared_expert_gating=true)")
         return
-    wanted_moe = dict(norm_topk_prob=True, shared_expert_num=0, mlp_only_layers=())  # every Mixtral MLP is routed
+    wanted_moe = dict(norm_topk_prob=True, shared_expert_num=0, mlp_only_layers=(), decoder_sparse_step=1)  # all routed
     for field, value in wanted_moe.items():
         if getattr(moe, field) != value:
             raise MindFormersError(f"cannot export to HF {kind}: it needs moe_config.{field}={value!r}, the model has "
@@ -270,7 +311,7 @@ def _rename(key: str, rules) -> str | None:
 _HEADS = ("lm_head.", "score.", "qa_outputs.", "multiple_choice_head.")
 _HF_HEAD_RENAMES = {"classifier.": "score."}
 # HF question-answering classes that keep their base model under "transformer." (transformers' old name).
-_TRANSFORMER_PREFIX_QA = ("gpt2", "llama", "qwen2")
+_TRANSFORMER_PREFIX_QA = ("gpt2", "llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _our_head_key(key: str) -> str | None:
@@ -286,8 +327,9 @@ def _our_head_key(key: str) -> str | None:
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*layers\.(?P<i>\d+))\.(?:block_sparse_moe|mlp)\.experts\.(?P<j>\d+)\."
                          r"(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_HF_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
-                    "qwen2_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
+_QWEN_EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_HF_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}, "qwen2_moe": _QWEN_EXPERT_NAMES,
+                    "qwen3_moe": _QWEN_EXPERT_NAMES}
 
 
 def _stack_experts(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -287,6 +287,10 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             aux_loss, router_loss = self.router_loss(out.router_stats, labels, num_items_in_batch, shift_labels=shifted)
             if loss is not None:
                 loss = loss + router_loss
+        elif labels is not None and self.training:
+            # the loss stays transformers' (no router loss without output_router_logits, as a Qwen3-MoE checkpoint
+            # sets it), but the run's logs still get the expert loads
+            self.router_loss(out.router_stats.detach(), labels, num_items_in_batch, shift_labels=shifted)
         return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
                                          hidden_states=out.hidden_states, attentions=out.attentions,
                                          router_logits=out.router_logits, router_stats=out.router_stats)

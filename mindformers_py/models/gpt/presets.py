@@ -1,7 +1,9 @@
 """Named GPT presets, usable with ``AutoConfig.for_model`` / ``from_pretrained`` and listed by
-``AutoConfig.show_support_list()``. Sizes follow the published GPT-2, GPT-3 XL, Llama 3.2 1B and Mixtral 8x7B
-shapes; the GPT-MoE presets route each token to 2 of 8 experts of half the dense MLP's width, so they compute as
-many parameters per token as the dense preset of the same width (``gpt_moe_tiny`` beside ``llama_tiny``)."""
+``AutoConfig.show_support_list()``. Sizes follow the published GPT-2, GPT-3 XL, Llama 3.2 1B, Qwen3 0.6B and 8B,
+Mixtral 8x7B and Qwen3-30B-A3B shapes; the GPT-MoE presets route each token to 2 of 8 experts of half the dense MLP's
+width, so they compute as many parameters per token as the dense preset of the same width (``gpt_moe_tiny`` beside
+``llama_tiny``); ``qwen3_tiny`` and ``qwen3_moe_tiny`` are those two with Qwen3's per-head q/k norms (and Qwen3-MoE's
+renormalised top-k, no shared expert)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ GPT_PRESETS: dict[str, dict] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     ),
 }
+# Qwen3: the Llama flavour with per-head q/k norms, head_dim 128, rope theta 1e6 (the published config.json files).
+_QWEN3 = dict(flavour="llama", qk_norm=True, vocab_size=151936, head_dim=128, max_position_embeddings=40960,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=151643,
+              eos_token_id=151645)
+GPT_PRESETS.update({
+    "qwen3_tiny": dict(GPT_PRESETS["llama_tiny"], qk_norm=True),
+    "qwen3_0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3_8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8),
+})
 # GPT-MoE: dropless top-2 routing with the load-balancing loss on (output_router_logits), as Mixtral trains.
 _MOE_TOP2 = dict(expert_num=8, num_experts_chosen=2, routing_policy="dropless", aux_loss_factor=0.01)
 GPT_PRESETS.update({
@@ -31,6 +44,14 @@ GPT_PRESETS.update({
                          num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=32768, norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, output_router_logits=True,
                          moe_config=dict(_MOE_TOP2, aux_loss_factor=0.02)),
+    "qwen3_moe_tiny": dict(flavour="llama", qk_norm=True, vocab_size=8192, hidden_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           output_router_logits=True, moe_config=dict(_MOE_TOP2, moe_intermediate_size=384)),
+    # Qwen3-30B-A3B: top-8 of 128 experts of 768, renormalised, no shared expert, every layer routed
+    "qwen3_30b_a3b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, output_router_logits=True,
+                          moe_config=dict(expert_num=128, num_experts_chosen=8, moe_intermediate_size=768,
+                                          routing_policy="dropless", norm_topk_prob=True, aux_loss_factor=0.001)),
 })
 # No preset is called "gpt2": that name is GPT-2's repository on the Hugging Face Hub, whose weights it must load
 # (models/hub.py), never a random model of its shape. gpt_small is that shape.

@@ -1,5 +1,5 @@
 """Every GPT task head against transformers' own class on the same weights: HF checkpoints of gpt2/llama/mistral/
-qwen2 sequence-classification, token-classification and question-answering models load with equal outputs and
+qwen2/qwen3/qwen3_moe sequence-classification, token-classification and question-answering models load with equal outputs and
 losses (single-label, multi-label and regression for the sequence classifier), and export back to the same
 transformers class."""
 
@@ -10,7 +10,7 @@ import transformers
 import mindformers_py as mf
 from hf_models import VOCAB, tiny_hf_model
 
-KINDS = ["gpt2", "llama", "mistral", "qwen2"]
+KINDS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 def _ids():
