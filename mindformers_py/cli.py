@@ -1,5 +1,6 @@
-"""``mindformers-py`` command line: ``run`` a task recipe, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts,
-``preprocess`` text into Megatron's indexed format.
+"""``mindformers-py``: ``run`` recipes, ``convert`` checkpoints, ``show`` presets, ``plan`` layouts, ``preprocess`` data.
+
+``preprocess`` writes text into Megatron's indexed format (``.bin``/``.idx``).
 
 User errors (:class:`MindFormersError`) print as one line on stderr with exit status 2, once per job however many
 ranks meet them; an interrupt (Ctrl-C) prints one line in the process that started the ranks (none in the ranks) and

@@ -48,9 +48,10 @@ def stand_alone(files, tmp_path_factory):
     return out
 
 
+# The composed layouts from the CLI. Plain ep2 runs this recipe in the recipe x layout matrix
+# (tests/recipes/test_recipe_layouts.py); ep4 runs the model in tests/parallel/test_context_parallel.py (dp2_cp2_ep4)
+# and dp4 with ep2 in tests/parallel/test_moe_parallel.py.
 LAYOUTS = {
-    "dp2_ep2": ["--data_parallel", "2", "--expert_parallel", "2"],
-    "dp4_ep4": ["--data_parallel", "4", "--expert_parallel", "4"],
     "dp2_tp2_ep2": ["--data_parallel", "2", "--model_parallel", "2", "--expert_parallel", "2"],
     "dp2_pp2_ep2": ["--data_parallel", "2", "--pipeline_stage", "2", "--micro_batch_num", "2", "--expert_parallel", "2"],
 }
