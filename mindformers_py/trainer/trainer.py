@@ -25,28 +25,28 @@ from transformers.utils.generic import find_labels
 
 from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
-from ..engine.step_loss import NORMALISED, UNKNOWN, accepts_loss_kwargs, initial_mode, probe_mode
+from ..engine.step_loss import accepts_loss_kwargs, initial_mode
 from ..errors import ConfigError, MindFormersError
-from ..layers.loss import IGNORE_INDEX
 from ..parallel.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
-from .batching import EpochBatches, GlobalBatchSampler, StreamBatches, build_dataloader, drop_unused_columns, \
-    forward_columns, is_stream, map_style_length, read_step
+from .batching import drop_unused_columns, forward_columns, is_stream, map_style_length, read_step
 from .callbacks import default_callbacks
 from .checkpoint import ARGS_NAME, DATA_STATE_NAME, TRAINER_STATE_NAME, DataPosition, check_checkpoint, \
     check_output_dir, prepare_output_dir, pretrained_state, read_trainer_state, remove_partial_checkpoints, resolve_resume, \
     rotate_checkpoints, save_trainer_state
 from .evaluation import EvaluationMixin
 from .fused_loss import FusedCausalLMLoss
+from .loss_mixin import TrainingLossMixin
 from .local_workers import LocalWorkers
 from .run_description import compile_line, layout_line, precision_line
 from .scheduler import create_scheduler, steps_on_metric
+from .training_data import default_collator, first_input_length, resumed_position, training_source
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer(EvaluationMixin):
+class Trainer(TrainingLossMixin, EvaluationMixin):
     """Train, evaluate and predict with a HuggingFace-style model (``model(**batch)`` returns ``.loss`` /
     ``.logits``), with transformers' callbacks, ``TrainerState`` and checkpoint layout.
 
@@ -129,7 +129,7 @@ class Trainer(EvaluationMixin):
         self.model = model
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
-        seq_length = _sequencemap_style_length(train_dataset, model)
+        seq_length = first_input_length(train_dataset, model)
         # HF's estimate of training FLOPs: 6 x non-embedding parameters per input token, of the whole model (before
         # a pipeline layout cuts it to this rank's stages).
         self._flops_per_token = 6 * model.num_parameters(exclude_embeddings=True) \
@@ -144,7 +144,7 @@ class Trainer(EvaluationMixin):
         ignored = self.args.parallel_config.ignored_sizes_warning()
         if ignored and self.engine.is_main_process:
             logger.warning("%s", ignored)
-        self.data_collator = data_collator or _default_collator(self.task_spec, self.processing_class)
+        self.data_collator = data_collator or default_collator(self.task_spec, self.processing_class)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
@@ -232,6 +232,7 @@ class Trainer(EvaluationMixin):
         engine = self.engine
         dataset, collate = self._prepared(self.train_dataset, "train")
         global_batch = args.per_device_train_batch_size * engine.dp_size
+        num_samples = 0  # a stream's is unknown
         if not is_stream(dataset):  # checked before the folder is prepared: overwriting it deletes another run
             num_samples = map_style_length(dataset, "train_dataset")
             if num_samples < global_batch:
@@ -261,22 +262,8 @@ class Trainer(EvaluationMixin):
             check_checkpoint(checkpoint, engine.checkpoint_files())
 
         data_seed = args.data_seed if args.data_seed is not None else args.seed
-        accum = args.gradient_accumulation_steps
-        if is_stream(dataset):
-            num_samples, max_steps, num_epochs = 0, args.max_steps, math.inf
-            source: Any = StreamBatches(dataset, global_batch, engine.shard_indices, collate)
-        else:
-            # A dataset already in its training order (Megatron's shuffle index) is read in order, as Megatron does.
-            sampler = GlobalBatchSampler(num_samples, global_batch, engine.shard_indices,
-                                         shuffle=not getattr(dataset, "shuffled", False), seed=data_seed,
-                                         drop_last=args.dataloader_drop_last, share=engine.batch_share)
-            source = EpochBatches(sampler, build_dataloader(
-                dataset, sampler, collate, args.dataloader_num_workers,
-                args.dataloader_pin_memory and engine.device.type == "cuda", args.dataloader_prefetch_factor, data_seed))
-            steps_per_epoch = math.ceil(source.batches_per_epoch / accum)
-            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-            num_epochs = math.ceil(max_steps / steps_per_epoch)
-
+        source, max_steps, num_epochs = training_source(dataset, collate, args, engine, global_batch, num_samples,
+                                                        data_seed)
         if self.optimizer is None:
             self.optimizer = engine.build_optimizer(self.model)
         if self._created_lr_scheduler:  # the last run's schedule has ended: this run gets its own (transformers)
@@ -292,7 +279,7 @@ class Trainer(EvaluationMixin):
             saved = read_trainer_state(checkpoint)
             self.state = dataclasses.replace(saved, is_local_process_zero=engine.is_local_main_process,
                                              is_world_process_zero=engine.is_main_process)
-            position = self._resumed_position(DataPosition.read(checkpoint), num_samples, global_batch, data_seed)
+            position = resumed_position(DataPosition.read(checkpoint), num_samples, global_batch, data_seed)
         self.state.max_steps = max_steps
         self.state.num_train_epochs = num_epochs if num_epochs != math.inf else max_steps
         self.state.train_batch_size = args.per_device_train_batch_size
@@ -433,26 +420,6 @@ class Trainer(EvaluationMixin):
         engine.barrier()
         return TrainOutput(state.global_step, train_loss, metrics)
 
-    def _resumed_position(self, saved: DataPosition, num_samples: int, global_batch: int, data_seed: int) -> DataPosition:
-        # The order is a function of (data seed, epoch) and the position a number of samples: another data-parallel
-        # size (or micro-batch split) resumes exactly where the samples consumed are whole micro-batches of it.
-        if (saved.num_samples, saved.data_seed) != (num_samples, data_seed) or saved.samples_consumed % global_batch:
-            logger.warning(
-                "resuming with different data: the checkpoint was written with %d samples (%d of epoch %d consumed), "
-                "global micro-batch %d, data seed %d; this run has %d, %d, %d, so the skip of consumed samples is "
-                "approximate", saved.num_samples, saved.samples_consumed, saved.epoch, saved.global_batch_size,
-                saved.data_seed, num_samples, global_batch, data_seed)
-        return DataPosition(epoch=saved.epoch, samples_consumed=saved.samples_consumed, num_samples=num_samples,
-                            global_batch_size=global_batch, data_seed=data_seed)
-
-    def _count_items(self, batch: Mapping[str, Any]) -> int | None:
-        """Items of the loss in one batch (the task's count; for a model of no known task, label entries that are
-        not -100, as transformers' Trainer counts them)."""
-        if self.task_spec is not None and tuple(self.label_names) == self.task_spec.label_names:
-            return self.task_spec.count_items(batch)
-        labels = batch.get(self.label_names[0])
-        return int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else None
-
     def _count_throughput(self, batch: Mapping[str, Any]) -> int:
         """Tokens (images, for image tasks) of one batch, for throughput."""
         if self.task_spec is not None:
@@ -481,100 +448,6 @@ class Trainer(EvaluationMixin):
         self.state.total_flos += float(self._flops_per_token * total)
         self._tokens_since_log += total
         self._tokens_run += total
-
-    def _measure_loss_mode(self, micro_batches: list[Mapping[str, Any]]) -> None:
-        """Measure once, on the first labelled micro-batch, whether the model divides its loss by
-        ``num_items_in_batch`` (only for models that take it without declaring ``accepts_loss_kwargs``)."""
-        if self._loss_mode != UNKNOWN or self._loss_mode_measured or self._loss_override() is not None:
-            return
-        for batch in micro_batches:
-            mode = probe_mode(self.model, self.engine.to_device(batch), self._count_items)
-            if mode is not None:
-                self._loss_mode, self._loss_mode_measured = mode, True
-                return
-
-    def _loss_override(self) -> str | None:
-        """The name of the user's loss (``compute_loss_func`` or an overridden ``compute_loss``), else None."""
-        if self.compute_loss_func is not None:
-            return "compute_loss_func"
-        if type(self).compute_loss is not Trainer.compute_loss:
-            return f"{type(self).__name__}.compute_loss"
-        return None
-
-    def _compute_training_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        """:meth:`compute_loss` of one training micro-batch: the loss function of :attr:`training_loss`."""
-        return self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-
-    def _share_mode(self, inputs: Mapping[str, Any]) -> str:
-        """How :meth:`compute_loss`'s value relates to ``num_items_in_batch`` (see
-        :mod:`mindformers_py.engine.step_loss`): the fused loss and a ``compute_loss_func`` divide by it; an
-        overriding ``compute_loss`` does as ``loss_is_scaled_for_ga`` says, else it is trusted to when the model
-        takes it (transformers' rule); else what the model was found to do."""
-        if self._fused_loss is not None and "labels" in inputs:
-            return NORMALISED
-        if self.compute_loss_func is not None:
-            return NORMALISED
-        if type(self).compute_loss is not Trainer.compute_loss:
-            if self.loss_is_scaled_for_ga is not None:
-                return NORMALISED if self.loss_is_scaled_for_ga else UNKNOWN
-            return NORMALISED if self.model_accepts_loss_kwargs else UNKNOWN
-        return self._loss_mode
-
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """The loss of one batch (HF's signature; override to change the objective). With a ``compute_loss_func``
-        it is that function of the model's outputs and the batch's ``labels`` (transformers' rule); else the fused
-        causal-LM loss when it applies (see ``TrainingArguments.fused_loss``), else ``model(**inputs).loss``."""
-        if self.compute_loss_func is not None and "labels" in inputs:
-            inputs = dict(inputs)
-            labels = inputs.pop("labels")
-            kwargs = {"num_items_in_batch": num_items_in_batch} \
-                if num_items_in_batch is not None and self.model_accepts_loss_kwargs else {}
-            outputs = model(**inputs, **kwargs)
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-            return (loss, outputs) if return_outputs else loss
-        if not return_outputs:
-            fused = self._fused_for(inputs)
-            if fused is not None:
-                return fused(inputs, num_items_in_batch)
-        kwargs = {"num_items_in_batch": num_items_in_batch} \
-            if num_items_in_batch is not None and self.model_accepts_loss_kwargs else {}
-        outputs = model(**inputs, **kwargs)
-        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
-        if loss is None:
-            raise MindFormersError(
-                f"the model returned no loss for a batch with keys {sorted(inputs)}; training needs "
-                f"{self.label_names[0]!r} in the batch (set by the data collator)"
-            )
-        return (loss, outputs) if return_outputs else loss
-
-    def _fused_possible(self) -> bool:
-        return (self.args.fused_loss and self.engine.supports_fused_loss and self.task == "causal_lm"
-                and not self.args.torch_compile)
-
-    def _fused_for(self, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
-        if not self._fused_probed and self._fused_possible() and isinstance(inputs.get("labels"), torch.Tensor):
-            self._fused_loss = FusedCausalLMLoss.probe(self.model, inputs)
-            self._fused_probed = True
-            logger.info("causal-LM loss: %s", "fused linear cross-entropy" if self._fused_loss else "the model's own")
-        return self._fused_loss if "labels" in inputs else None
-
-    # -- non-finite losses: tracked on the device, checked where the loop syncs anyway -------------------------------
-
-    def _note_nonfinite(self, loss: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss) & (self._first_bad_step < 0)
-        self._first_bad_step = torch.where(bad, self.state.global_step, self._first_bad_step)
-        if self.engine.device.type == "cpu":  # no device to wait for: check every step
-            self._check_finite()
-
-    def _check_finite(self) -> None:
-        step = int(self._first_bad_step)
-        if step >= 0:
-            raise MindFormersError(
-                f"the training loss is not finite (nan or inf) at step {step}: lower learning_rate, keep "
-                "max_grad_norm > 0, prefer bf16 to fp16, and check the data (a step whose labels are all -100 "
-                "has no tokens to average)"
-            )
 
     # -- log / evaluate / save -----------------------------------------------------------------------------------
 
@@ -687,28 +560,3 @@ class Trainer(EvaluationMixin):
             return dataset, self.data_collator
         columns = forward_columns(self.model, self.label_names)
         return drop_unused_columns(dataset, self.data_collator, columns, description)
-
-
-def _default_collator(spec: TaskSpec | None, tokenizer: Any) -> Callable[[list[Any]], Any]:
-    """The task's collator with ``tokenizer``; for a model of no known task, transformers' padding collator (or
-    plain stacking without a tokenizer)."""
-    if spec is not None and spec.collator is not None:
-        return spec.collator(tokenizer)
-    from transformers import DataCollatorWithPadding, default_data_collator
-
-    has_pad = tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None
-    return DataCollatorWithPadding(tokenizer) if has_pad else default_data_collator
-
-
-def _sequencemap_style_length(dataset: Any, model: nn.Module) -> int | None:
-    """Length of the first training example's model input (what the ``auto_parallel`` planner plans for), else
-    the model's context length."""
-    if dataset is not None and not is_stream(dataset):
-        try:
-            first = dataset[0]
-            ids = first.get("input_ids") if isinstance(first, Mapping) else None
-            if ids is not None:
-                return len(ids)
-        except (TypeError, KeyError, IndexError, NotImplementedError):
-            pass
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
