@@ -202,6 +202,7 @@ class _AutoModel:
         if torch.get_default_device().type == "meta":
             return model_class(config)
         from .loading import deferred
+        from .loading.placement import kept_in_fp32, place
 
         config = own_config(family.config_class, config)
         if kwargs.get("attn_implementation") is not None:
@@ -212,14 +213,14 @@ class _AutoModel:
         model = deferred.build_empty(model_class, config)
         deferred.give_record(model, deferred.DeferredWeights(folder=None, from_hf=False, sources={},
                                                              seed=deferred.draw_seed(), dtype=dtype,
-                                                             keep_fp32=_kept_in_fp32(model, dtype)))
-        return model if deferred.loading_is_deferred() else _place(model, kwargs.get("device_map"))
+                                                             keep_fp32=kept_in_fp32(model, dtype)))
+        return model if deferred.loading_is_deferred() else place(model, kwargs.get("device_map"))
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any) -> Any:
         """Load a preset (random init), our checkpoint, or an HF checkpoint (converted), in eval mode.
 
-        Takes transformers' loading arguments (:data:`LOADING_KWARGS`, see :func:`apply_loading_options`) with their
+        Takes transformers' loading arguments (:data:`LOADING_KWARGS`, applied by :func:`load_pretrained`) with their
         meanings; every other keyword is a config field overriding the stored value (``num_labels=3``, dropout, ...).
         """
         return load_pretrained(cls._model_class, name_or_path, *model_args, caller=cls.__name__, **kwargs)
@@ -268,6 +269,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
     from .loading import deferred, load_plan
     from .loading.checkpoint_reader import CheckpointReader
     from .loading.conversion_trace import ConversionTrace
+    from .loading.placement import kept_in_fp32, place
 
     trace = None
     if folder.is_dir():
@@ -283,7 +285,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
     record = deferred.DeferredWeights(
         folder=str(folder) if trace is not None else None, from_hf=from_hf,
         sources=dict(plan.sources) if plan is not None else {}, seed=deferred.draw_seed(), dtype=dtype,
-        keep_fp32=_kept_in_fp32(model, dtype))
+        keep_fp32=kept_in_fp32(model, dtype))
     deferred.give_record(model, record, {k: trace.dtypes[v] for k, v in record.sources.items()} if trace else {})
     device_map = options.get("device_map")
     if deferred.loading_is_deferred():
@@ -291,7 +293,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
             raise ConfigError(f"device_map={device_map!r} cannot be used while loading is deferred (the layout "
                               "places the shards); leave it out")
     else:
-        model = _place(model, device_map, options.get("max_memory"), options.get("offload_folder"))
+        model = place(model, device_map, options.get("max_memory"), options.get("offload_folder"))
     if trace is not None and (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
         model.generation_config = _generation_config(folder)
     model.eval()
@@ -372,11 +374,10 @@ which files of a Hub repository are read (:data:`~mindformers_py.models.hub.HUB_
 ``cache_dir``, ``local_files_only``, ``token``, ``force_download``, ``proxies``, ``subfolder``) are passed to
 huggingface_hub for a hub id (:mod:`mindformers_py.models.hub`); for a local folder they change nothing, as in
 transformers. ``trust_remote_code`` has no remote code to trust: our classes are this package's. ``max_memory`` and
-``offload_folder`` go with ``device_map="auto"`` (see :func:`_place`)."""
+``offload_folder`` go with ``device_map="auto"`` (see :func:`~mindformers_py.loading.placement.place`)."""
 CONFIG_KWARGS = ("subfolder", "return_unused_kwargs", "trust_remote_code", *(k for k in HUB_KWARGS if k != "subfolder"))
 """transformers' ``AutoConfig.from_pretrained`` keywords that say how to load rather than what the config holds."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Family, bool]:
@@ -395,69 +396,6 @@ def _given_config(config: Any, source: Any, overrides: dict[str, Any]) -> tuple[
     if isinstance(source, Path) and (source / "config.json").is_file():  # our checkpoint with an HF config, ...
         from_hf = _read_config_json(source).get("model_type") != family.config_class.model_type
     return ours, family, from_hf
-
-
-def _kept_in_fp32(model: PreTrainedModel, dtype: torch.dtype | None) -> tuple[str, ...]:
-    """The module names whose parameters stay float32 in ``dtype``, by transformers' rules:
-    ``_keep_in_fp32_modules_strict`` under float16 and bfloat16, ``_keep_in_fp32_modules`` under float16."""
-    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
-    if dtype == torch.float16:
-        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return tuple(sorted(keep))
-
-
-def _place(model: PreTrainedModel, device_map: Any, max_memory: dict | None = None,
-           offload_folder: str | os.PathLike | None = None) -> PreTrainedModel:
-    """Give the ``meta``-built model its weights where transformers' ``device_map`` says: a device, ``{"": device}``,
-    a per-module dict, or a strategy such as ``"auto"`` (planned with accelerate on the empty model within
-    ``max_memory`` per device, then each weight is loaded straight onto its device and accelerate's hooks move
-    activations between devices). Modules the map sends to ``"disk"`` are written to ``offload_folder`` and read
-    back by accelerate's hooks when they run, as in transformers."""
-    from transformers.modeling_utils import get_torch_context_manager_or_global_device
-
-    from .loading.deferred import materialize
-
-    planned = isinstance(device_map, dict) or (isinstance(device_map, str) and device_map in DEVICE_MAP_STRATEGIES)
-    if (max_memory is not None or offload_folder is not None) and not planned:
-        name = "max_memory" if max_memory is not None else "offload_folder"
-        raise ConfigError(f"{name} plans where modules go and needs device_map='auto' (or a dict of module -> "
-                          f"device); got device_map={device_map!r}")
-    if device_map is None:  # as transformers: the device of a `with torch.device(...)` block or the default device
-        device = get_torch_context_manager_or_global_device() or torch.device("cpu")
-        if device.type == "meta":
-            raise ConfigError("from_pretrained reads weights, which a meta device (torch.set_default_device('meta') or "
-                              "a `with torch.device('meta')` block) cannot hold; build an empty model with from_config "
-                              "there, or load outside it")
-        return materialize(model, device)
-    if isinstance(device_map, (int, torch.device)) or (isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES):
-        return materialize(model, torch.device(device_map))
-    from accelerate import dispatch_model, infer_auto_device_map
-
-    if isinstance(device_map, str):
-        device_map = infer_auto_device_map(model, max_memory=max_memory,
-                                           no_split_module_classes=list(model._no_split_modules or []))
-    if not isinstance(device_map, dict):
-        raise ConfigError(f"device_map={device_map!r} is not valid; expected a device, a dict of module -> device, or "
-                          f"one of: {', '.join(DEVICE_MAP_STRATEGIES)}")
-    device_map = dict(device_map)
-    where = lambda d: torch.device("cpu") if d == "disk" else torch.device(d)
-    devices = set(device_map.values())
-    if len(devices) == 1:  # one device: a plain placement, no dispatch hooks
-        model = materialize(model, where(next(iter(devices))))
-    else:
-        def device_of(name: str) -> torch.device:
-            parts = name.split(".")
-            for i in range(len(parts), -1, -1):
-                if ".".join(parts[:i]) in device_map:
-                    return where(device_map[".".join(parts[:i])])
-            return torch.device("cpu")
-
-        if "disk" in devices and offload_folder is None:
-            raise ConfigError("device_map puts modules on 'disk' (they do not fit max_memory); pass offload_folder "
-                              "(a folder for their weights) or more max_memory")
-        model = dispatch_model(materialize(model, device_of), device_map, offload_dir=offload_folder)
-    model.hf_device_map = device_map
-    return model
 
 
 def _resolve_dtype(dtype: torch.dtype | str, folder: Path, trace: Any) -> torch.dtype | None:
