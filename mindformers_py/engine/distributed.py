@@ -12,7 +12,7 @@ what a layout changes in a step:
   ``forward_backward`` returns that backpropagated value; :meth:`all_reduce_mean` of it over the ranks is the
   global step loss (the convention of HF's Trainer).
 * **Context parallelism.** Each context-parallel rank trains on its chunks of every sequence (:meth:`shard_batch`,
-  inside :meth:`ContextParallel.sharded <mindformers_py.parallel.context.ContextParallel.sharded>`) and counts the
+  inside :meth:`ContextParallel.sharded <mindformers_py.parallel.context.apply.ContextParallel.sharded>`) and counts the
   items its own loss scores, so the counts, the loss scale and the gradient average all run over ``batch_mesh``.
 * **Vocabulary-parallel loss.** With ``vocab_emb_dp=False`` the logits are sharded on the vocabulary and the
   cross-entropy runs under ``loss_parallel()`` (forward and backward).
@@ -49,7 +49,7 @@ from ..layers.loss import IGNORE_INDEX
 from ..loading.deferred import has_meta_parameters, materialize
 from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.config import FSDP, REPLICATE, ParallelConfig
-from ..parallel.context import ContextParallel
+from ..parallel.context.apply import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
@@ -232,7 +232,7 @@ class DistributedEngine(Engine):
 
     def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's chunks of every sequence of ``batch`` under context parallelism (the batch itself
-        otherwise); see :mod:`mindformers_py.parallel.context_data`. Under sequence parallelism the sequences are
+        otherwise); see :mod:`mindformers_py.parallel.context.data`. Under sequence parallelism the sequences are
         first padded to a multiple of ``model_parallel`` (:mod:`mindformers_py.parallel.sequence_padding`)."""
         batch = self._pad_sequences(batch)[0]
         return self.context.shard_batch(batch) if self.context is not None else batch

@@ -40,13 +40,13 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 from ..layers.moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
 from ..layers.moe_config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
-from .context_config import default_ulysses_degree, validate_context_layout, validate_context_model
+from .context.checks import default_ulysses_degree, validate_context_layout, validate_context_model
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 # MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
 PARALLEL_MODE_IDS = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel"}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# How attention sees a sequence split over context-parallel ranks (see mindformers_py.parallel.context); MindFormers'
+# How attention sees a sequence split over context-parallel ranks (see mindformers_py.parallel.context.apply); MindFormers'
 # names of the same algorithms are accepted as aliases.
 CONTEXT_PARALLEL_ALGOS = ("ring", "ulysses", "hybrid")
 CONTEXT_PARALLEL_ALIASES = {"colossalai_cp": "ring", "ring_attention": "ring", "ulysses_cp": "ulysses",
@@ -289,7 +289,7 @@ class ParallelConfig(_Section):
         ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
         all data-parallel ranks (before gradient accumulation). ``task`` (a task registry name) and
         ``sequence_length`` let context parallelism refuse a head or a length it cannot split
-        (:func:`~.context_config.validate_context_model`). In ``auto_parallel`` mode only ``world_size`` is
+        (:func:`~.context.checks.validate_context_model`). In ``auto_parallel`` mode only ``world_size`` is
         checked: validate the planner's :meth:`with_layout` result instead.
         """
         self.validate()

@@ -25,8 +25,8 @@ from torch import nn
 from .adapter_layers import adapted_model
 from .compile import compile_layers as compile_each_layer
 from .config import FSDP, ParallelConfig
-from .context import ContextParallel, apply_context_parallel
-from .context_config import check_compile
+from .context.apply import ContextParallel, apply_context_parallel
+from .context.checks import check_compile
 from .data import apply_data_parallel
 from .expert import apply_expert_data_parallel, apply_expert_parallel
 from .mesh import ParallelMesh
@@ -59,7 +59,7 @@ def parallelize(
         compile_mode: ``torch.compile`` mode for ``compile_layers`` (None: torch's default).
         compile_backend: ``torch.compile`` backend for ``compile_layers`` (None: inductor).
         stage: pipeline stage index of ``model`` (0 without pipeline parallelism).
-        context: the run's :class:`~.context.ContextParallel` when ``context_parallel > 1`` (one for all pipeline
+        context: the run's :class:`~.context.apply.ContextParallel` when ``context_parallel > 1`` (one for all pipeline
             stages; the engine cuts batches and turns it on for training steps with it); None makes one, kept on
             the model as ``model.context_parallel``.
         materialize: for a model whose weights are still on ``meta`` (built for its layout to fill only its shards),

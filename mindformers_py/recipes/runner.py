@@ -21,7 +21,7 @@ from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
 from ..models.hub import TOKENIZER_FILES, hub_options, resolve_source
 from ..parallel.config import ParallelConfig
-from ..parallel.context_config import check_compile
+from ..parallel.context.checks import check_compile
 from ..parallel.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from

@@ -66,7 +66,7 @@ from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
-from ..parallel.context_config import check_compile
+from ..parallel.context.checks import check_compile
 from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict

@@ -20,15 +20,15 @@ from mindformers_py.errors import ConfigError
 from mindformers_py.layers.loss import IGNORE_INDEX
 from mindformers_py.layers.document_mask import DocumentMask
 from mindformers_py.layers.masks import build_attention_mask
-from mindformers_py.parallel.context_attention import (
+from mindformers_py.parallel.context.attention import (
     DIAGONAL,
     FULL,
     SKIP,
     AttentionView,
     classify,
 )
-from mindformers_py.parallel.context_data import BatchSharding, StreamSpec, shard_batch
-from mindformers_py.parallel.context_layout import ContextLayout
+from mindformers_py.parallel.context.data import BatchSharding, StreamSpec, shard_batch
+from mindformers_py.parallel.context.layout import ContextLayout
 
 SEMI = "semi_auto_parallel"
 

@@ -1,7 +1,7 @@
 """The data side of context parallelism: each rank's chunks of every sequence of a batch.
 
 A batch arrives whole on every context-parallel rank of a data-parallel replica (they read the same samples); each
-keeps the tokens its layout gives it (:class:`~.context_layout.ContextLayout`: the load-balanced order for causal
+keeps the tokens its layout gives it (:class:`~.layout.ContextLayout`: the load-balanced order for causal
 sequences on a ring). Before cutting, what needs the whole sequence is made from it:
 
 * **labels are shifted first** (transformers' ``shift_labels`` convention, which accelerate and trl send too):
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..layers.embedding import padding_aware_position_ids
-from ..layers.loss import IGNORE_INDEX
-from .context_layout import ContextLayout
+from ...errors import ConfigError
+from ...layers.embedding import padding_aware_position_ids
+from ...layers.loss import IGNORE_INDEX
+from .layout import ContextLayout
 
 # Batch keys holding one value per token of the model's input sequence, and what padding fills them with (None:
 # the key's own rule below).

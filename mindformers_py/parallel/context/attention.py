@@ -1,6 +1,6 @@
 """Attention over a sequence split across context-parallel ranks: Ulysses, ring and hybrid.
 
-Each rank holds its chunks of every sequence (:mod:`.context_layout`) and projects its own queries, keys and values.
+Each rank holds its chunks of every sequence (:mod:`.layout`) and projects its own queries, keys and values.
 What each algorithm does with them (``q`` (B, heads, n, hs) for the rank's n tokens):
 
 * **Ulysses** (DeepSpeed-Ulysses): an all-to-all turns "all heads of my tokens" into "my heads of all the group's
@@ -41,10 +41,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_fn  # all_reduce with a summed gradient
 from torch import nn
 
-from ..layers.attention import attention_core
-from ..layers.masks import additive_mask, build_attention_mask, packed_sequence_ids
-from ..layers.position_bias import relative_position_bucket
-from .context_layout import ContextLayout
+from ...layers.attention import attention_core
+from ...layers.masks import additive_mask, build_attention_mask, packed_sequence_ids
+from ...layers.position_bias import relative_position_bucket
+from .layout import ContextLayout
 
 # ---------------------------------------------------------------------------------------------------------------
 # What one forward pass's attention must see: the whole sequence's masks, per stack.

@@ -1,6 +1,6 @@
 """What context parallelism can and cannot do, checked before any process group or weight exists.
 
-:class:`~.config.ParallelConfig` calls these: :func:`validate_context_layout` with the config alone (the algorithm and
+:class:`~mindformers_py.parallel.config.ParallelConfig` calls these: :func:`validate_context_layout` with the config alone (the algorithm and
 its group sizes), :func:`validate_context_model` against a model config, and, when known, the task and the tokens
 of a sequence. Every refusal is one line naming the field, the value and what would work; what is refused and why:
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
-from ..utils.config_section import _divisors
+from ...errors import ConfigError
+from ...utils.config_section import _divisors
 
 # Model types whose sequence is bidirectional (encoders); image models are told apart by fixed_sequence_length and
 # encoder-decoders by is_encoder_decoder, so every other text model is a causal decoder.

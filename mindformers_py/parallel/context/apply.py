@@ -1,17 +1,17 @@
 """Context parallelism: every sequence split over ``context_parallel`` ranks, applied to a model from outside.
 
 Model code does not change (a model declares, ``parallel/`` applies). :func:`apply_context_parallel`, called by
-:func:`~.parallelize.parallelize` after tensor and expert parallelism and before recompute, changes only:
+:func:`~mindformers_py.parallel.parallelize.parallelize` after tensor and expert parallelism and before recompute, changes only:
 
 * **attention**: the ``core`` of every self-attention :class:`~mindformers_py.layers.Attention` (the part selective
-  recompute also swaps) becomes one that attends over the whole sequence (:mod:`.context_attention`: Ulysses,
+  recompute also swaps) becomes one that attends over the whole sequence (:mod:`.attention`: Ulysses,
   ring or hybrid); cross-attention gathers the encoder's keys and values. Projections, rotary positions and the
   output projection stay local.
 * **masks**: a forward pre-hook on each stack of layers (``GPTModel``, ``BertModel``, each ``T5Stack``,
   ``ViTModel``) gathers the small per-token inputs of the forward pass (padding mask and positions, a few integers
-  per token) from the group and records the whole sequence's :class:`~.context_attention.AttentionView`, which its
+  per token) from the group and records the whole sequence's :class:`~.attention.AttentionView`, which its
   attention cores read. The mask the model builds from its local inputs is not used.
-* **the sequence cut**: text batches are cut on the data side (:mod:`.context_data`, through
+* **the sequence cut**: text batches are cut on the data side (:mod:`.data`, through
   :meth:`ContextParallel.shard_batch`); a model whose input is not tokens (ViT) is cut at the embedding dropout
   ``<base>.drop``, the place sequence parallelism cuts too.
 * **heads over the whole sequence** (pooled classifiers, question answering) get their input gathered (in sequence
@@ -24,7 +24,7 @@ generation run each sequence whole on every rank with the model's own attention.
 
 Losses: every rank's loss is the sum over the items it scores divided by the items of the whole step summed over
 data x context parallel ranks (a pooled head on every rank counts its items on every rank), and gradients are
-averaged over those ranks (:attr:`~.mesh.ParallelMesh.batch_mesh`), so a step gives one batch's gradients.
+averaged over those ranks (:attr:`~mindformers_py.parallel.mesh.ParallelMesh.batch_mesh`), so a step gives one batch's gradients.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-from ..layers import Attention, attention_core
-from ..layers.block import TransformerBlock
-from ..layers.moe import MoE
-from ..layers.position_bias import RelativePositionBias
-from .config import ParallelConfig
-from .context_attention import (
+from ...errors import ConfigError
+from ...layers import Attention, attention_core
+from ...layers.block import TransformerBlock
+from ...layers.moe import MoE
+from ...layers.position_bias import RelativePositionBias
+from ..config import ParallelConfig
+from .attention import (
     AttentionView,
     ContextGroups,
     context_attention,
@@ -53,9 +53,9 @@ from .context_attention import (
     gathered_cross_attention,
     sum_over_group,
 )
-from .context_data import BatchSharding, StreamSpec, shard_batch
-from .context_layout import ContextLayout
-from .mesh import ParallelMesh
+from .data import BatchSharding, StreamSpec, shard_batch
+from .layout import ContextLayout
+from ..mesh import ParallelMesh
 
 # The module before the layers where a model that embeds its own sequence (images) is cut: sequence parallelism's
 # cut point too (mindformers_py.parallel.tensor.SEQUENCE_SCATTER_MODULE).
@@ -189,7 +189,7 @@ class ContextParallel:
         return self.task if self.task is not None else getattr(model, "task_spec", None)
 
     def shard_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """This rank's part of a batch (see :mod:`.context_data`)."""
+        """This rank's part of a batch (see :mod:`.data`)."""
         if self.batch_sharding is None:
             raise ConfigError("ContextParallel.shard_batch needs the model first: call prepare(model)")
         return shard_batch(batch, self.batch_sharding)
@@ -341,7 +341,7 @@ def _cut_embeddings(model: nn.Module, stack: _Stack, context: ContextParallel) -
 def _gather_before_heads(model: nn.Module, stack: _Stack, context: ContextParallel) -> None:
     """Heads over the whole sequence (pooled classifiers, question answering) get the whole hidden states, in
     sequence order, on every rank."""
-    from .tensor import _whole_sequence_modules as whole_sequence_modules
+    from ..tensor import _whole_sequence_modules as whole_sequence_modules
 
     def gather(module: nn.Module, args: tuple):
         view = stack.view
