@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import mindformers_py as mf
 from mindformers_py.parallel import ParallelConfig, ParallelMesh, build_mesh, parallelize
 from mindformers_py.parallel.data import shard_optimizer
-from mindformers_py.parallel.pipeline_parallel import build_pipeline
+from mindformers_py.parallel.pipelining.schedule import build_pipeline
 from mindformers_py.planner.search import estimate_memory
 
 MIB = 2**20

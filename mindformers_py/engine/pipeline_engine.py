@@ -2,12 +2,12 @@
 
 It is the :class:`~.distributed.DistributedEngine` (mesh, data/tensor/sequence/vocabulary parallelism,
 ZeRO, recompute, DCP checkpoints, metric reduction) with the model cut into pipeline stages
-(:mod:`mindformers_py.parallel.pipeline_parallel`): each rank keeps its stages, each stage is parallelized like a whole
+(:mod:`mindformers_py.parallel.pipelining.schedule`): each rank keeps its stages, each stage is parallelized like a whole
 model would be, and one optimizer step's forward and backward run through torch's pipeline schedule.
 
 What the Trainer sees:
 
-* ``prepare_model(model)`` returns the :class:`~mindformers_py.parallel.pipeline_parallel.PipelineParallel`
+* ``prepare_model(model)`` returns the :class:`~mindformers_py.parallel.pipelining.schedule.PipelineParallel`
   (``model_wrapped``: it trains with
   :meth:`forward_backward` and evaluates when called), and cuts ``model`` itself down to this rank's stages in
   place, so the Trainer's "model" has exactly this rank's parameters under the full model's names: the optimizer,
@@ -34,8 +34,8 @@ from torch import nn
 from ..adapters.apply import adapted_model, is_peft_model, refuse_prompt_learning
 from ..errors import ConfigError
 from ..parallel.config import DDP_ZERO1, ParallelConfig
-from ..parallel.pipeline_parallel import PipelineParallel, build_pipeline
-from ..parallel.pipeline_stages import carried_names
+from ..parallel.pipelining.schedule import PipelineParallel, build_pipeline
+from ..parallel.pipelining.stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .distributed import DistributedEngine, _task_name, global_grad_norm
@@ -47,7 +47,7 @@ class PipelineEngine(DistributedEngine):
     """Pipeline parallelism (with any data/tensor parallelism, ZeRO and recompute) on torch.distributed.
 
     Attributes (beyond :class:`DistributedEngine`'s):
-        pipeline: this rank's :class:`~mindformers_py.parallel.pipeline_parallel.PipelineParallel` (after :meth:`prepare_model`).
+        pipeline: this rank's :class:`~mindformers_py.parallel.pipelining.schedule.PipelineParallel` (after :meth:`prepare_model`).
     """
 
     runs_pipelines = True

@@ -17,7 +17,7 @@ is the same under every engine:
 A stand-alone, distributed or pipeline engine differs only in where :class:`StepLoss` is called: on the whole
 model for each micro-batch, or on the last pipeline stage for each pipeline micro-batch (where the "model" it
 calls returns the outputs the stages computed, see
-:class:`~mindformers_py.parallel.pipeline_parallel.LastStageModel`).
+:class:`~mindformers_py.parallel.pipelining.schedule.LastStageModel`).
 
 How a loss function's value relates to ``num_items_in_batch`` (its *mode*):
 

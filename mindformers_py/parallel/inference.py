@@ -35,7 +35,7 @@ from ..models.cache_names import cache_output, output_cache
 from .config import ParallelConfig
 from .expert import apply_expert_parallel
 from .mesh import ParallelMesh
-from .pipeline_stages import layer_ranges, stage_plan
+from .pipelining.stages import layer_ranges, stage_plan
 from .tensor import apply_tensor_parallel
 
 

@@ -10,7 +10,7 @@ import mindformers_py as mf
 from dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
-from mindformers_py.parallel.pipeline_stages import layer_ranges, split_model, stage_ids_for_rank, stage_view
+from mindformers_py.parallel.pipelining.stages import layer_ranges, split_model, stage_ids_for_rank, stage_view
 from mindformers_py.task_registry import get_task
 from tolerances import BF16_LAYOUT
 
@@ -160,7 +160,7 @@ BF16_PP_CASE = ("1f1b", "llama", 5, 4, 1)
 
 def _pp2_worker(rank, world_size, cases):
     from mindformers_py.parallel.mesh import build_mesh
-    from mindformers_py.parallel.pipeline_parallel import build_pipeline
+    from mindformers_py.parallel.pipelining.schedule import build_pipeline
 
     results = {}
     schedule, flavour, layers, micro, _ = BF16_PP_CASE
@@ -226,7 +226,7 @@ def test_the_model_cut_to_a_ranks_stages_holds_exactly_its_parameters(pp2_result
 def _composed_layout(dp, tp, extra, bf16=False):
     from mindformers_py.parallel.data import apply_data_parallel
     from mindformers_py.parallel.mesh import build_mesh
-    from mindformers_py.parallel.pipeline_parallel import build_pipeline
+    from mindformers_py.parallel.pipelining.schedule import build_pipeline
     from mindformers_py.parallel.tensor import apply_tensor_parallel
 
     config = ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=dp, model_parallel=tp,

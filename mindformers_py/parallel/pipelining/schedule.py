@@ -1,8 +1,8 @@
-"""Pipeline parallelism: a model cut into stages by layers (:mod:`mindformers_py.parallel.pipeline_stages`), run by
+"""Pipeline parallelism: a model cut into stages by layers (:mod:`mindformers_py.parallel.pipelining.stages`), run by
 ``torch.distributed.pipelining``.
 
 :func:`build_pipeline` first cuts the model in place to what this rank holds (``cut_to_stages`` of
-:mod:`~mindformers_py.parallel.pipeline_stages`), so the model keeps the full model's parameter names and holds
+:mod:`~mindformers_py.parallel.pipelining.stages`), so the model keeps the full model's parameter names and holds
 exactly this rank's parameters: optimizers, gradient norms and sharded (DCP) checkpoints use it unchanged, and
 checkpoints written under one layout load under another. Then each stage this rank runs (one, or
 ``virtual_pipeline_stages`` for interleaved 1F1B, assigned round-robin: rank r holds stages r, r + pp, ...) is a
@@ -36,9 +36,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..errors import ConfigError, MindFormersError
-from .config import ParallelConfig
-from .pipeline_stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
+from ...errors import ConfigError, MindFormersError
+from ..config import ParallelConfig
+from .stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
 
 StageLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
 """``loss(model, inputs)``: the loss one pipeline micro-batch back-propagates, computed on the last stage; ``inputs``
@@ -50,7 +50,7 @@ def _task_loss(task: StageTask, config: Any, outputs: Sequence[torch.Tensor], ca
                counted: bool = True, labels_shifted: bool = False) -> torch.Tensor:
     """The whole model's loss from the last stage's outputs: the task's loss normalised by ``num_items_in_batch``,
     plus the ``carried_loss`` of the state the stages carried (see
-    :class:`~mindformers_py.parallel.pipeline_stages.PipelineStageMixin`). ``labels_shifted``: the labels are a
+    :class:`~mindformers_py.parallel.pipelining.stages.PipelineStageMixin`). ``labels_shifted``: the labels are a
     causal LM's ``shift_labels`` (a context-parallel rank's chunk of the whole row's shifted labels)."""
     shifted = {"labels_shifted": True} if labels_shifted else {}
     loss = task.compute_loss(tuple(outputs), tuple(labels), config, num_items_in_batch, **shifted)
@@ -142,7 +142,7 @@ class PipelineParallel:
     Attributes:
         model_parts: this rank's stage views, in stage order.
         stage_ids: the pipeline stage index of each model part.
-        task: the task the stages compute (:class:`~mindformers_py.parallel.pipeline_stages.StageTask`): model
+        task: the task the stages compute (:class:`~mindformers_py.parallel.pipelining.stages.StageTask`): model
             input, labels, output fields and, for callers without an engine, the loss.
         pp_group: the process group of this rank's pipeline.
         pp_rank: this rank's position in the pipeline.
@@ -462,7 +462,7 @@ def _tied_weight_names(model: nn.Module) -> list[str]:
 
 
 def _pp_group(mesh: Any) -> dist.ProcessGroup:
-    """The pipeline process group of ``mesh``: a :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"``
+    """The pipeline process group of ``mesh``: a :class:`~mindformers_py.parallel.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"``
     dimension, a 1-D pipeline ``DeviceMesh``, or None (the whole world)."""
     if mesh is None:
         return dist.group.WORLD
@@ -500,7 +500,7 @@ def build_pipeline(
             parameters under the full model's names.
         parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
             ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
-        mesh: the run's :class:`~.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
+        mesh: the run's :class:`~mindformers_py.parallel.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
             pipeline mesh; None uses the whole world as the pipeline.
         device: where the stages run (default: the current CUDA device with NCCL, else CPU).
         parallelize: applied to each stage view (tensor parallel, recompute, data parallel / ZeRO, in

@@ -24,7 +24,7 @@ decoder stage, which all attend to it.
 that later stages need (an MoE model's per-layer router statistics, from which the router loss is computed): each
 stage then takes them as keyword arguments and returns them beside its hidden states (torch's ``PipelineStage``
 sends every tensor of a tuple on, and their gradients back), and the last stage adds the model's ``carried_loss``
-(see :mod:`mindformers_py.parallel.pipeline_parallel`).
+(see :mod:`mindformers_py.parallel.pipelining.schedule`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 class StageTask(Protocol):
     """What the stages need to know of the task they train: the engine passes its task registry entry
