@@ -154,7 +154,7 @@ def measure_restart() -> dict[str, float | None]:
     """Restart-to-resume seconds of workers started as fresh interpreters (``spawn``: as the CLI's command-line
     workers, which import torch and the package again after a restart) and of the Trainer's own workers started
     from Python (forked from a fork server that imported them once)."""
-    from mindformers_py.parallel.launch import launch
+    from mindformers_py.launcher.launch import launch
 
     with tempfile.TemporaryDirectory() as out:
         spawned = launch(_restart_run, 2, out, max_restarts=1)[0]

@@ -121,7 +121,7 @@ def planner_activations(seq: int, cp: int, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[tuple[int, int], list[dict[str, float]]]:
-    from mindformers_py.parallel.launch import launch
+    from mindformers_py.launcher.launch import launch
 
     results: dict[tuple[int, int], list[dict[str, float]]] = {}
     for cp in args.cps:

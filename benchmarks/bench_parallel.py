@@ -14,7 +14,7 @@ For one AdamW training step of the same GPT (Llama flavour by default) under eac
 
 Every rank's data-parallel batch is ``--batch`` sequences (HF's per-device meaning), so activations of data-parallel
 layouts equal stand-alone's, while tensor parallelism splits them. A ``ratio`` column divides the rank's total by
-stand-alone's. Layouts of two processes run in one job started with :func:`mindformers_py.parallel.launch.launch`.
+stand-alone's. Layouts of two processes run in one job started with :func:`mindformers_py.launcher.launch.launch`.
 The last columns put the ``auto_parallel`` planner's estimate for the layout's busiest rank
 (:func:`mindformers_py.planner.search.estimate_memory`, without full recompute's transient re-materialised layer)
 next to the busiest rank's measured peak (params in bwd + grads + optim + activations).
@@ -260,7 +260,7 @@ def _job(layouts: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[s
 
 def run_all(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
     """Per-rank byte counts of every layout: {name: [rank 0, rank 1, ...]}."""
-    from mindformers_py.parallel.launch import launch
+    from mindformers_py.launcher.launch import launch
 
     results: dict[str, list[dict[str, int]]] = {}
     by_world: dict[int, dict[str, dict[str, Any]]] = {}

@@ -723,7 +723,7 @@ def check_layouts(ctx: Context, sec: Section) -> None:
     sec.row(f"one {'GPU' if ctx.cuda else 'process'}: {len(reference)} fp32 steps",
             f"loss {reference[0]:.4f} -> {reference[-1]:.4f}", memory=mem[0])
     release_memory()
-    from mindformers_py.parallel.launch import launch_from_python
+    from mindformers_py.launcher.launch import launch_from_python
 
     deadline = time.time() + sec.left() - 5.0
     # Workers fork from a server that imported torch, transformers and the package once (spawned ones would each

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A rank whose collective failed because another rank died: the launcher names that one (and restarts the
         # job with --max_restarts); this rank's traceback would only bury it.
-        from .parallel.launch import PEER_GRACE_S
+        from .launcher.launch import PEER_GRACE_S
 
         time.sleep(PEER_GRACE_S)  # the launcher sees the failed rank first (its SIGTERM ends the wait)
         rank = os.environ.get("RANK", "?")
@@ -228,7 +228,7 @@ def _lost_a_peer(exc: Exception) -> bool:
     """Whether ``exc`` is a distributed worker's collective failing because another rank went away."""
     if "torch.distributed" not in sys.modules or not os.environ.get("RANK"):
         return False
-    from .parallel.launch import lost_a_peer
+    from .launcher.launch import lost_a_peer
 
     return lost_a_peer(exc)
 
@@ -239,7 +239,7 @@ def _first_to_report(message: str) -> bool:
     message with a file in the launch's scratch folder, the first one prints it)."""
     import hashlib
 
-    from .parallel.restarts import RESTART_LOG_ENV
+    from .launcher.restarts import RESTART_LOG_ENV
 
     log = os.environ.get(RESTART_LOG_ENV) if os.environ.get("LOCAL_RANK") else None
     if not log or not os.path.isdir(os.path.dirname(log)):

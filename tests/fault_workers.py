@@ -1,4 +1,4 @@
-"""Worker functions for the fault tests (tests/parallel/test_faults.py): a tiny GPT trained by the Trainer under a
+"""Worker functions for the fault tests (tests/launcher/test_faults.py): a tiny GPT trained by the Trainer under a
 2-process layout, with a fault injected from a callback (the rank kills or stops itself, or blocks in a collective
 its peer never joins). Workers are started by ``launch`` (forkserver, preloaded), so they import this module."""
 

@@ -42,6 +42,6 @@ class EngineArguments(Protocol):
     """``torch.compile`` mode."""
     ddp_timeout: int
     """Seconds without progress (or in one collective) after which a distributed job ends, naming the rank it waits
-    for (:mod:`~mindformers_py.parallel.watchdog`)."""
+    for (:mod:`~mindformers_py.launcher.watchdog`)."""
     save_async: bool
     """Write checkpoints in a background thread (:mod:`.checkpoint_writer`)."""

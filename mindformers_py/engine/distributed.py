@@ -54,7 +54,7 @@ from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
-from ..parallel.watchdog import ProgressWatchdog, collective_timeout
+from ..launcher.watchdog import ProgressWatchdog, collective_timeout
 from ..task_registry import task_of_model
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import first_problem, manifest_problem
@@ -139,7 +139,7 @@ class DistributedEngine(Engine):
         dist.barrier()
 
     def watch_progress(self) -> ContextManager[Any]:
-        """A :class:`~mindformers_py.parallel.watchdog.ProgressWatchdog` over ``ddp_timeout``: when this process
+        """A :class:`~mindformers_py.launcher.watchdog.ProgressWatchdog` over ``ddp_timeout``: when this process
         makes no progress (:meth:`beat`) for that long, the job ends naming the rank it waits for."""
         self._watchdog = ProgressWatchdog(self.args.ddp_timeout, self.rank, self.world_size)
         return self._watchdog

@@ -1,6 +1,7 @@
-"""Parallel mechanisms on torch.distributed: configuration, mesh, tensor / data / pipeline parallelism, recompute,
-resharding checkpoints and the launcher. The offline planner is :mod:`mindformers_py.planner`. The engines that train with them are in
-:mod:`mindformers_py.engine`."""
+"""Parallel mechanisms on torch.distributed: configuration, mesh, tensor / data / expert parallelism, recompute and
+resharding checkpoints here; context parallelism in :mod:`.context`, pipeline parallelism in :mod:`.pipelining`. The
+offline planner is :mod:`mindformers_py.planner`, the process launcher :mod:`mindformers_py.launcher`. The engines
+that train with them are in :mod:`mindformers_py.engine`."""
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports
 

@@ -43,7 +43,7 @@ from ..loading.deferred import deferred_loading, materialize
 from ..parallel.adapter_layers import adapted_model
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
-from ..parallel.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \
+from ..launcher.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \
     quiet_agent, threads_per_worker
 
 _START_TIMEOUT_S = 600

@@ -22,7 +22,7 @@ from ..errors import ConfigError, check_choice
 from ..models.hub import TOKENIZER_FILES, hub_options, resolve_source
 from ..parallel.config import ParallelConfig
 from ..parallel.context.checks import check_compile
-from ..parallel.launch import launched_by_torchrun as under_torchrun
+from ..launcher.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from
 from .loader import apply_overrides, check_recipe, dump_recipe, from_mindformers_r2, parse_overrides
@@ -422,7 +422,7 @@ def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..data.progress import progress_shown_to_workers
-    from ..parallel.launch import LaunchError, launch, quiet_agent
+    from ..launcher.launch import LaunchError, launch, quiet_agent
 
     # The workers run the resolved recipe, overrides included, from a file of their own: the output folder is
     # written by the run itself, once its checks have passed on every rank (its rank 0 records the recipe there).
@@ -445,7 +445,7 @@ def _check_output_dir(args: Any, run_mode: str) -> None:
     """Refuse, before anything is prepared or written (in the launching process and in every rank alike), a
     training run into a folder that holds another run, unless the recipe resumes it, overwrites it, or the
     launcher restarted this run (it then resumes from its own checkpoints)."""
-    from ..parallel.restarts import restart_info
+    from ..launcher.restarts import restart_info
     from ..trainer.checkpoint import check_output_dir
 
     if run_mode in ("train", "finetune") and not args.resume_from_checkpoint and restart_info() is None:

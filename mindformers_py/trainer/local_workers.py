@@ -4,7 +4,7 @@ A layout that needs more processes than the program has (``data_parallel=2``, ``
 ``auto_parallel`` plan for the local GPUs, ...) runs without torchrun: ``Trainer(...)`` then builds no engine and
 joins no process group in the calling process (the *parent*), and each ``train()`` / ``evaluate()`` / ``predict()``
 starts the workers on the same launch machinery as ``mindformers-py run`` (torch's elastic agent, through
-:func:`~mindformers_py.parallel.launch.launch_from_python`), runs the call there, and brings the result back.
+:func:`~mindformers_py.launcher.launch.launch_from_python`), runs the call there, and brings the result back.
 
 **How objects reach the workers.** The Trainer as it is at the call (its model with its current weights, datasets,
 collator, tokenizer, ``compute_metrics``, callbacks, arguments, and the Trainer subclass itself) is pickled with
@@ -30,7 +30,7 @@ arguments say, as under the CLI, and ``resume_from_checkpoint`` reads them.
 
 **Failures.** An exception in a worker raises one line here naming the rank and the error (a
 :class:`~mindformers_py.errors.MindFormersError` keeps its class; others raise
-:class:`~mindformers_py.parallel.launch.LaunchError`), with the traceback saved in
+:class:`~mindformers_py.launcher.launch.LaunchError`), with the traceback saved in
 ``<output_dir>/worker_errors/rank<N>.txt``; a worker killed by the system ends the call within a second or two, naming
 the rank and the signal; an interrupt (Ctrl-C, the notebook's stop button) stops every worker and raises
 ``KeyboardInterrupt``. The other workers are always stopped.
@@ -67,7 +67,7 @@ from ..errors import ConfigError, MindFormersError
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
 from ..parallel.context.checks import check_compile
-from ..parallel.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
+from ..launcher.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
 from ..utils.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback

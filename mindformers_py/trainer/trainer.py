@@ -27,7 +27,7 @@ from ..adapters.apply import apply_peft, is_peft_model
 from ..engine import Engine, TrainingLoss, build_engine
 from ..engine.step_loss import accepts_loss_kwargs, initial_mode
 from ..errors import ConfigError, MindFormersError
-from ..parallel.restarts import RestartInfo, restart_info
+from ..launcher.restarts import RestartInfo, restart_info
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import drop_unused_columns, forward_columns, is_stream, map_style_length, read_step

@@ -98,7 +98,7 @@ def _no_space(tmp: Path) -> str:
 def _rank_failed(tmp: Path) -> str:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from mindformers_py.parallel.launch import _failure_summary
+    from mindformers_py.launcher.launch import _failure_summary
 
     failure = ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=str(tmp / "none.json"))
     return _failure_summary(ChildFailedError("mindformers_py", {1: failure}))
@@ -150,9 +150,9 @@ def test_quoted_errors_are_what_the_code_prints(marker, tmp_path, monkeypatch):
 
 
 def test_the_hang_message_quoted_is_the_watchdogs():
-    """The watchdog's line needs a job that hangs (tests/parallel/test_faults.py makes one); here its quote is held to
+    """The watchdog's line needs a job that hangs (tests/launcher/test_faults.py makes one); here its quote is held to
     the f-strings it is printed from."""
-    source = (ROOT / "mindformers_py/parallel/watchdog.py").read_text()
+    source = (ROOT / "mindformers_py/launcher/watchdog.py").read_text()
     quotes = _quotes(ROOT / "docs/failures.md", "did not arrive")
     assert quotes
     for quote in quotes:

@@ -21,7 +21,7 @@ from mindformers_py.cli import main
 from mindformers_py.data.tokenizer import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel.inference import cache_bytes, local_bytes
-from mindformers_py.parallel.launch import LaunchError
+from mindformers_py.launcher.launch import LaunchError
 
 PROMPTS = ["def main(", "hello world, the quick"]
 T5_FOLDER = Path(__file__).resolve().parents[1] / "fixtures" / "t5_pipelines"

@@ -26,7 +26,7 @@ import mindformers_py as mf
 from dist_utils import process_alive
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
-from mindformers_py.parallel.launch import LaunchError
+from mindformers_py.launcher.launch import LaunchError
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 16, 4, 3
 RTOL = 1e-4  # the CLI layout tests' tolerance

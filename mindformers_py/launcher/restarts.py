@@ -1,6 +1,6 @@
 """Restarts of a launched job as its workers see them: how many, why, and when the failure happened.
 
-:func:`~mindformers_py.parallel.launch.launch` (``max_restarts``) restarts the whole worker group when one worker
+:func:`~mindformers_py.launcher.launch.launch` (``max_restarts``) restarts the whole worker group when one worker
 fails; before each restart its agent appends the cause to a file named by :data:`RESTART_LOG_ENV`, which the
 restarted workers inherit. :func:`restart_info` reads it (and torchelastic's ``TORCHELASTIC_RESTART_COUNT``), so a
 restarted Trainer knows to resume from its latest checkpoint and can log what happened. Kept free of torch imports:
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 RESTART_LOG_ENV = "MINDFORMERS_RESTART_LOG"
-"""Environment variable naming the file where :func:`~mindformers_py.parallel.launch.launch`'s agent appends one JSON line per restart (the cause and
+"""Environment variable naming the file where :func:`~mindformers_py.launcher.launch.launch`'s agent appends one JSON line per restart (the cause and
 when the failure was seen); the restarted workers read the last line (:func:`restart_info`)."""
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from launch_workers import ALL_REDUCE_SCRIPT, all_reduce_ranks, fail_on_rank_one
 from mindformers_py.errors import ConfigError
-from mindformers_py.parallel.launch import (
+from mindformers_py.launcher.launch import (
     LaunchError,
     check_world_size,
     distributed_env,
@@ -113,7 +113,7 @@ def test_the_failure_named_is_the_cause_not_the_ranks_the_agent_stopped():
     SIGTERM; among exceptions the earliest is named."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from mindformers_py.parallel.launch import _failure_summary
+    from mindformers_py.launcher.launch import _failure_summary
 
     def failure(rank, exitcode, timestamp):
         out = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="/nonexistent")
@@ -170,7 +170,7 @@ def test_a_cli_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:9649. This is typically caused by ...")
 
     monkeypatch.setattr(cli, "_cmd_show", lose_peer)
-    monkeypatch.setattr("mindformers_py.parallel.launch.PEER_GRACE_S", 0.0)
+    monkeypatch.setattr("mindformers_py.launcher.launch.PEER_GRACE_S", 0.0)
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["show"]) == 1
     err = capsys.readouterr().err

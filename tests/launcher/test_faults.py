@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from dist_utils import _PRELOAD
 from fault_workers import STEPS, Fault, hangs, killed_and_restarted, read_log, train
-from mindformers_py.parallel.launch import LaunchError, launch
+from mindformers_py.launcher.launch import LaunchError, launch
 
 
 def _launch(fn, *args, **kwargs):
