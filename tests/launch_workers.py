@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_launch.py, in a module that imports only torch: ``launch`` starts workers with
+"""Worker functions for tests/launcher/test_launch.py, in a module that imports only torch: ``launch`` starts workers with
 ``spawn``, so each worker imports the module of its function, and a light one keeps the tests fast."""
 
 import os
