@@ -179,7 +179,7 @@ def bench_preprocess(args: argparse.Namespace) -> None:
     import datasets
 
     from mindformers_py.data import default_tokenizer
-    from mindformers_py.data.preprocess import preprocess
+    from mindformers_py.data.megatron.preprocess import preprocess
 
     datasets.disable_progress_bars()
     tokenizer = default_tokenizer(vocab_size=4096)

@@ -56,7 +56,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
-    from .data.preprocess import load_preprocess_tokenizer, preprocess
+    from .data.megatron.preprocess import load_preprocess_tokenizer, preprocess
 
     tokenizer = load_preprocess_tokenizer(args.tokenizer or args.tokenizer_model, args.tokenizer_type, args.vocab_file,
                                           args.merge_file)

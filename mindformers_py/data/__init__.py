@@ -1,6 +1,7 @@
 """Data: the embedded default corpus (Python stdlib source), tokenizer training (BPE, WordPiece), packing, masked-LM
-blocks and per-sample masking, collators, the stdlib docstring classification task; Megatron's indexed datasets
-(reading, writing; ``data.preprocess`` tokenises into them), its GPT samples and blends, weighted mixtures and packed fine-tuning."""
+blocks and per-sample masking, collators, the stdlib docstring classification task, packed fine-tuning; Megatron's
+corpus formats in :mod:`.megatron` (indexed datasets, reading and writing, ``data.megatron.preprocess`` tokenising
+into them, its GPT samples and blends, weighted mixtures)."""
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
@@ -15,9 +16,9 @@ _EXPORTS = {
     "DataCollatorForMaskedLM": ".masking",
     **dict.fromkeys(["default_masked_lm_data", "masked_lm_blocks"], ".masked_lm"),
     "stdlib_docstrings": ".docstrings",
-    **dict.fromkeys(["IndexedDataset", "IndexedDatasetWriter"], ".indexed_dataset"),
-    **dict.fromkeys(["GPTSampleOptions", "MegatronGPTDataset"], ".megatron_gpt"),
-    **dict.fromkeys(["BlendedDataset", "build_megatron_datasets", "mix_datasets"], ".blending"),
+    **dict.fromkeys(["IndexedDataset", "IndexedDatasetWriter"], ".megatron.indexed_dataset"),
+    **dict.fromkeys(["GPTSampleOptions", "MegatronGPTDataset"], ".megatron.gpt_dataset"),
+    **dict.fromkeys(["BlendedDataset", "build_megatron_datasets", "mix_datasets"], ".megatron.blending"),
     **dict.fromkeys(["PackedRowsCollator", "first_fit_decreasing", "pack_samples"], ".sft_packing"),
 }
 

@@ -47,7 +47,7 @@ def pack_dataset(
         separator_id: the token put after each document; None uses the tokenizer's eos token (BERT-style
             tokenizers have none and pass their ``[SEP]``).
         reset_position_ids: the blocks also get ``position_ids`` restarting after every separator (Megatron's
-            option of this name, :class:`~mindformers_py.data.megatron_gpt.GPTSampleOptions`); without
+            option of this name, :class:`~mindformers_py.data.megatron.gpt_dataset.GPTSampleOptions`); without
             ``reset_attention_mask`` also an ``attention_mask`` of ones, so attention still crosses documents.
         reset_attention_mask: with ``reset_position_ids``: tokens attend only within their document.
         eod_mask_loss: no target is scored after a separator.
@@ -87,7 +87,7 @@ def pack_dataset(
             f"the dataset has {total} tokens (eos included), fewer than block_size={block_size}; "
             "use more text or a smaller block_size"
         )
-    from .megatron_gpt import GPTSampleOptions
+    from .megatron.gpt_dataset import GPTSampleOptions
 
     separator = tokenizer.eos_token_id if separator_id is None else separator_id
     options = GPTSampleOptions(block_size, eod_token_id=separator, reset_position_ids=reset_position_ids,

@@ -64,10 +64,10 @@ def _rows_collator(data: Any, tokenizer: Any) -> Any:
 
 def _mixed(data: Any, build: Any) -> datasets.Dataset:
     """The training rows ``build(files)`` makes from ``data.train_files``: all of them, or, with
-    ``data.train_weights``, each entry's rows mixed by the weights (:func:`~mindformers_py.data.blending.mix_datasets`)."""
+    ``data.train_weights``, each entry's rows mixed by the weights (:func:`~mindformers_py.data.megatron.blending.mix_datasets`)."""
     if not data.train_weights:
         return build(data.train_files)
-    from .blending import mix_datasets
+    from .megatron.blending import mix_datasets
 
     entries = data.train_files if isinstance(data.train_files, list) else [data.train_files]
     return mix_datasets([build(entry) for entry in entries], data.train_weights)
@@ -92,10 +92,10 @@ def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
 
 def _megatron_data(data: Any, tokenizer: Any) -> RecipeData:
     """Samples of Megatron indexed datasets (``data.data_path``, ``data.split``, ``data.seed``), as Megatron-Core's
-    ``GPTDataset`` / ``BlendedDataset`` draw them (:mod:`~mindformers_py.data.blending`): ``data.train_samples``
+    ``GPTDataset`` / ``BlendedDataset`` draw them (:mod:`~mindformers_py.data.megatron.blending`): ``data.train_samples``
     training samples, and one epoch of the validation split (``data.max_eval_samples`` of it when set)."""
-    from .blending import build_megatron_datasets
-    from .megatron_gpt import GPTSampleOptions
+    from .megatron.blending import build_megatron_datasets
+    from .megatron.gpt_dataset import GPTSampleOptions
 
     options = GPTSampleOptions(data.block_size, seed=data.seed, eod_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, **_document_options(data))

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoTokenizer
 
 from mindformers_py.cli import main
-from mindformers_py.data.blending import blending_indices, build_megatron_datasets, mix_datasets, parse_data_path
-from mindformers_py.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from mindformers_py.data.megatron_gpt import GPTSampleOptions, document_positions, parse_split
+from mindformers_py.data.megatron.blending import blending_indices, build_megatron_datasets, mix_datasets, parse_data_path
+from mindformers_py.data.megatron.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from mindformers_py.data.megatron.gpt_dataset import GPTSampleOptions, document_positions, parse_split
 from mindformers_py.data.tokenizer import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError, MindFormersError
 
@@ -140,7 +140,7 @@ def test_preprocess_writes_what_megatrons_builder_writes_and_its_reader_reads(tm
 def test_preprocess_resumes_from_the_shards_it_finished(tmp_path, tokenizer):
     """A run stopped midway (here: one worker's shard fails) leaves the finished shard cached; the next run
     tokenises only the other one and writes the same files as an uninterrupted run."""
-    from mindformers_py.data import preprocess as module
+    from mindformers_py.data.megatron import preprocess as module
 
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"x = {i}\n"}) + "\n" for i in range(20)))
     calls = []

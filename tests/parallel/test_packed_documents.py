@@ -25,8 +25,8 @@ from task_heads import FirstStepGradients
 from torch.utils.data import IterableDataset
 
 import mindformers_py as mf
-from mindformers_py.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from mindformers_py.data.megatron_gpt import GPTSampleOptions, MegatronGPTDataset, split_indices
+from mindformers_py.data.megatron.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from mindformers_py.data.megatron.gpt_dataset import GPTSampleOptions, MegatronGPTDataset, split_indices
 from mindformers_py.data.sft_packing import PackedRowsCollator
 from mindformers_py.trainer import Trainer, TrainingArguments
 

@@ -27,11 +27,11 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from ..errors import ConfigError, MindFormersError
-from .cache import fingerprint
-from .corpus import load_text_files
+from ...errors import ConfigError, MindFormersError
+from ..cache import fingerprint
+from ..corpus import load_text_files
 from .indexed_dataset import IndexedDatasetWriter, optimal_dtype
-from .pretraining import tokenizer_fingerprint
+from ..pretraining import tokenizer_fingerprint
 
 _FORMAT = 1  # bump when the tokenisation changes, so old shards are not reused
 _WRITE_ROWS = 8192  # documents per write: bounded memory however large the corpus
@@ -177,7 +177,7 @@ def load_preprocess_tokenizer(name_or_path: str | None, tokenizer_type: str = "H
     ``--tokenizer-model``), or ``GPT2BPETokenizer`` from ``--vocab-file`` and ``--merge-file``."""
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
-    from ..utils.damaged_files import loading_from
+    from ...utils.damaged_files import loading_from
 
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ConfigError(f"--tokenizer-type={tokenizer_type!r} is not valid here; choose one of: "

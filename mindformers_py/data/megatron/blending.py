@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .indexed_dataset import IndexedDataset
-from .megatron_gpt import SPLITS, GPTSampleOptions, MegatronGPTDataset, parse_split, split_indices
+from .gpt_dataset import SPLITS, GPTSampleOptions, MegatronGPTDataset, parse_split, split_indices
 
 SURPLUS = 0.005
 """Extra samples built per source of a weighted blend (Megatron's ``mid_level_dataset_surplus``)."""

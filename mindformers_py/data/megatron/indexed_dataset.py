@@ -29,7 +29,7 @@ from types import TracebackType
 
 import numpy as np
 
-from ..errors import MindFormersError
+from ...errors import MindFormersError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -174,7 +174,7 @@ class IndexedDatasetWriter:
 
     def add_documents(self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_document: np.ndarray) -> None:
         """Append many documents at once: their tokens back to back, each sequence's length and each document's
-        number of sequences (the fast path of :mod:`~mindformers_py.data.preprocess`)."""
+        number of sequences (the fast path of :mod:`~mindformers_py.data.megatron.preprocess`)."""
         sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64)
         if int(sequence_lengths.sum()) != len(tokens):
             raise MindFormersError(f"{len(tokens)} tokens do not add up to the sequence lengths' "

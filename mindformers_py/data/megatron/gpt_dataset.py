@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..layers.loss import IGNORE_INDEX
-from .cache import fingerprint, resolve_cache_dir
+from ...errors import ConfigError
+from ...layers.loss import IGNORE_INDEX
+from ..cache import fingerprint, resolve_cache_dir
 from .indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
