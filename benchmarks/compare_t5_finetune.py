@@ -22,7 +22,7 @@ import transformers
 
 import mindformers_py as mf
 from mindformers_py.data.recipe_data import seq2seq_data
-from mindformers_py.data.t5_tokenizer import default_t5_tokenizer
+from mindformers_py.data.tokenizers.t5 import default_t5_tokenizer
 from mindformers_py.metrics import text_generation_metrics
 from mindformers_py.recipes.sections import DataSection
 

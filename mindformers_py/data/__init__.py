@@ -1,7 +1,7 @@
-"""Data: the embedded default corpus (Python stdlib source), tokenizer training (BPE, WordPiece), packing, masked-LM
-blocks and per-sample masking, collators, the stdlib docstring classification task, packed fine-tuning; Megatron's
-corpus formats in :mod:`.megatron` (indexed datasets, reading and writing, ``data.megatron.preprocess`` tokenising
-into them, its GPT samples and blends, weighted mixtures)."""
+"""Data: the embedded default corpus (Python stdlib source), tokenizer training (:mod:`.tokenizers`: BPE, WordPiece,
+T5's), packing, masked-LM blocks and per-sample masking, collators, the stdlib docstring classification task, packed
+fine-tuning; Megatron's corpus formats in :mod:`.megatron` (indexed datasets, reading and writing,
+``data.megatron.preprocess`` tokenising into them, its GPT samples and blends, weighted mixtures)."""
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports
 
@@ -12,7 +12,8 @@ _EXPORTS = {
     **dict.fromkeys(["count_tokens", "pack_dataset"], ".packing"),
     **dict.fromkeys(["default_pretraining_data", "tokenizer_fingerprint"], ".pretraining"),
     **dict.fromkeys(["DEFAULT_VOCAB_SIZE", "ENDOFTEXT", "PAD", "default_tokenizer", "default_tokenizer_path",
-                     "default_wordpiece_tokenizer", "train_bpe_tokenizer", "train_wordpiece_tokenizer"], ".tokenizer"),
+                     "default_wordpiece_tokenizer", "train_bpe_tokenizer", "train_wordpiece_tokenizer"],
+                    ".tokenizers.bpe_wordpiece"),
     "DataCollatorForMaskedLM": ".masking",
     **dict.fromkeys(["default_masked_lm_data", "masked_lm_blocks"], ".masked_lm"),
     "stdlib_docstrings": ".docstrings",

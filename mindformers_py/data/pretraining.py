@@ -33,7 +33,7 @@ def default_pretraining_data(
     memory-mapped in well under a second.
 
     Args:
-        tokenizer: the tokenizer to encode with (e.g. :func:`~mindformers_py.data.tokenizer.default_tokenizer`).
+        tokenizer: the tokenizer to encode with (e.g. :func:`~mindformers_py.data.tokenizers.bpe_wordpiece.default_tokenizer`).
         block_size: tokens per example (the model's training context length).
         max_files: at most this many files per split (a fixed sample of each); None uses all.
         cache_dir: cache folder; :func:`~mindformers_py.data.cache.default_cache_dir` when None.

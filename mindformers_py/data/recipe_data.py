@@ -279,7 +279,7 @@ def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     ``text2text-generation``), so the task's pipeline prefixes its inputs the same way."""
     from .code_summaries import stdlib_docstring_dataset
     from .span_corruption import span_corruption_dataset
-    from .t5_tokenizer import sentinel_ids
+    from .tokenizers.t5 import sentinel_ids
 
     objective = data.objective
     if objective in (None, "instructions"):

@@ -275,8 +275,8 @@ def _load_tokenizer(tok_s: TokenizerSection, data_s: DataSection, name_or_path: 
     from transformers import AutoTokenizer
 
     from ..data import default_tokenizer, load_text_files, train_bpe_tokenizer
-    from ..data.t5_tokenizer import default_t5_tokenizer, train_t5_tokenizer
-    from ..data.tokenizer import default_wordpiece_tokenizer, train_wordpiece_tokenizer
+    from ..data.tokenizers.t5 import default_t5_tokenizer, train_t5_tokenizer
+    from ..data.tokenizers.bpe_wordpiece import default_wordpiece_tokenizer, train_wordpiece_tokenizer
 
     if tok_s.name_or_path:
         folder = str(resolve_source(tok_s.name_or_path, files=TOKENIZER_FILES))

@@ -24,7 +24,7 @@ from mindformers_py.data import (
     train_bpe_tokenizer,
 )
 from mindformers_py.data import pretraining as pretraining_module
-from mindformers_py.data import tokenizer as tokenizer_module
+from mindformers_py.data.tokenizers import bpe_wordpiece as tokenizer_module
 from mindformers_py.errors import ConfigError, MindFormersError
 
 MAX_FILES = 30

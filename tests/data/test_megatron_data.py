@@ -19,7 +19,7 @@ from mindformers_py.cli import main
 from mindformers_py.data.megatron.blending import blending_indices, build_megatron_datasets, mix_datasets, parse_data_path
 from mindformers_py.data.megatron.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from mindformers_py.data.megatron.gpt_dataset import GPTSampleOptions, document_positions, parse_split
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError, MindFormersError
 
 with warnings.catch_warnings():  # it warns that Transformer Engine and Apex are absent (CPU)

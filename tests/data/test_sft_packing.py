@@ -14,7 +14,7 @@ import mindformers_py as mf
 from mindformers_py.data.collators import DataCollatorForCausalLM
 from mindformers_py.data.recipe_data import causal_lm_data
 from mindformers_py.data.sft_packing import PackedRowsCollator, first_fit_decreasing, pack_samples
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError
 from mindformers_py.recipes.sections import DataSection, section_from_dict
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import DynamicCache, TextStreamer
 
 import mindformers_py as mf
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.generation import StaticKVCache, fast_generate
 from mindformers_py.generation import skinny_linear
 from mindformers_py.generation.skinny_linear import skinny_linear_kernels

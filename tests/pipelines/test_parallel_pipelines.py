@@ -18,7 +18,7 @@ from transformers import TextIteratorStreamer
 import mindformers_py as mf
 from dist_utils import process_alive
 from mindformers_py.cli import main
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel.inference import cache_bytes, local_bytes
 from mindformers_py.launcher.launch import LaunchError

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 
 TEXTS = ["def main(): return 0", "hello world, hello there", "the quick brown fox jumps over the lazy dog"]
 

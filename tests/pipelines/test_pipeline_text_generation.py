@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 
 PROMPTS = ["def main(", "hello world", "the quick brown fox jumps"]
 

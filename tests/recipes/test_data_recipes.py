@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mindformers_py.cli import main
-from mindformers_py.data.tokenizer import train_bpe_tokenizer
+from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.num_hidden_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",

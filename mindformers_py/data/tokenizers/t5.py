@@ -8,7 +8,7 @@ source code) with T5's special tokens and sentinels.
 
 The result is a :class:`transformers.PreTrainedTokenizerFast` saved with ``save_pretrained``; ``AutoTokenizer``
 loads it back. :func:`default_t5_tokenizer` trains one on the stdlib corpus once and caches it, like
-:func:`~mindformers_py.data.tokenizer.default_tokenizer` does for GPT.
+:func:`~mindformers_py.data.tokenizers.bpe_wordpiece.default_tokenizer` does for GPT.
 """
 
 from __future__ import annotations
