@@ -97,7 +97,7 @@ def bench_mask(args: argparse.Namespace) -> None:
 
 def _sft_samples(count: int, block: int):
     from mindformers_py.data import default_tokenizer
-    from mindformers_py.data.instructions import docstring_instructions, tokenize_instructions
+    from mindformers_py.data.stdlib.instructions import docstring_instructions, tokenize_instructions
 
     tokenizer = default_tokenizer(vocab_size=4096)
     pairs = docstring_instructions("train")

@@ -1,5 +1,5 @@
 """Data: the embedded default corpus (Python stdlib source), tokenizer training (:mod:`.tokenizers`: BPE, WordPiece,
-T5's), packing, masked-LM blocks and per-sample masking, collators, the stdlib docstring classification task, packed
+T5's), packing, masked-LM blocks and per-sample masking, collators, the stdlib datasets (:mod:`.stdlib`), packed
 fine-tuning; Megatron's corpus formats in :mod:`.megatron` (indexed datasets, reading and writing,
 ``data.megatron.preprocess`` tokenising into them, its GPT samples and blends, weighted mixtures)."""
 
@@ -16,7 +16,7 @@ _EXPORTS = {
                     ".tokenizers.bpe_wordpiece"),
     "DataCollatorForMaskedLM": ".masking",
     **dict.fromkeys(["default_masked_lm_data", "masked_lm_blocks"], ".masked_lm"),
-    "stdlib_docstrings": ".docstrings",
+    "stdlib_docstrings": ".stdlib.docstrings",
     **dict.fromkeys(["IndexedDataset", "IndexedDatasetWriter"], ".megatron.indexed_dataset"),
     **dict.fromkeys(["GPTSampleOptions", "MegatronGPTDataset"], ".megatron.gpt_dataset"),
     **dict.fromkeys(["BlendedDataset", "build_megatron_datasets", "mix_datasets"], ".megatron.blending"),

@@ -76,7 +76,7 @@ def _mixed(data: Any, build: Any) -> datasets.Dataset:
 def causal_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     """Text packed into ``block_size``-token blocks: the standard library's source (``source: stdlib``, split by
     file) or the recipe's files; with ``objective: instructions``, prompt / response pairs scored on the response
-    (:mod:`~mindformers_py.data.instructions`): the stdlib's docstring -> function pairs, or the recipe's files'
+    (:mod:`~mindformers_py.data.stdlib.instructions`): the stdlib's docstring -> function pairs, or the recipe's files'
     ``text_column`` (prompt) -> ``target_column`` (response)."""
     if data.objective == "instructions":
         return _instruction_data(data, tokenizer)
@@ -124,7 +124,7 @@ def _packed_text(data: Any, tokenizer: Any, **documents: bool) -> RecipeData:
 
 
 def _instruction_data(data: Any, tokenizer: Any) -> RecipeData:
-    from .instructions import docstring_instructions, tokenize_instructions
+    from .stdlib.instructions import docstring_instructions, tokenize_instructions
 
     if data.source == "stdlib":
         raw = {split: docstring_instructions(split, data.max_files) for split in ("train", "validation")}
@@ -171,12 +171,12 @@ def masked_lm_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
 def sequence_classification_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
     """Rows of ``text_column`` (and ``text_pair_column``) with a ``label_column`` from the recipe's files (csv,
     json/jsonl), or the standard library's docstrings labelled by package (``source: stdlib_docstrings``,
-    :mod:`~mindformers_py.data.docstrings`), tokenized and truncated to ``block_size`` tokens (a text pair by
+    :mod:`~mindformers_py.data.stdlib.docstrings`), tokenized and truncated to ``block_size`` tokens (a text pair by
     transformers' ``longest_first`` rule: the longer text loses tokens first). String labels are numbered in sorted
     order and become the config's ``id2label``; integer labels are taken as class ids; float labels make a
     regression."""
     if data.source == "stdlib_docstrings":
-        from .docstrings import stdlib_docstrings
+        from .stdlib.docstrings import stdlib_docstrings
 
         raw = dict(stdlib_docstrings())
     elif data.source == "files":
@@ -277,7 +277,7 @@ def seq2seq_data(data: Any, tokenizer: Any, config: Any) -> RecipeData:
 
     A ``source_prefix`` is recorded in the config's ``task_specific_params`` (``summarization`` for docstrings, else
     ``text2text-generation``), so the task's pipeline prefixes its inputs the same way."""
-    from .code_summaries import stdlib_docstring_dataset
+    from .stdlib.code_summaries import stdlib_docstring_dataset
     from .span_corruption import span_corruption_dataset
     from .tokenizers.t5 import sentinel_ids
 

@@ -10,7 +10,7 @@ import datasets
 import pytest
 
 from mindformers_py.data import pack_dataset, train_bpe_tokenizer
-from mindformers_py.data.instructions import tokenize_instructions
+from mindformers_py.data.stdlib.instructions import tokenize_instructions
 
 LONG = "def f(x):\n    return x + 1\n" * 40  # far longer than the tokenizer's 16-token model_max_length
 

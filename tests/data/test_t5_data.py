@@ -5,7 +5,7 @@ import pytest
 import rouge_score.rouge_scorer
 import sacrebleu
 
-from mindformers_py.data.code_summaries import function_summaries
+from mindformers_py.data.stdlib.code_summaries import function_summaries
 from mindformers_py.data.span_corruption import corrupted_lengths, span_corrupt, span_corruption_dataset
 from mindformers_py.data.tokenizers.t5 import sentinel_ids, train_t5_tokenizer
 from mindformers_py.errors import ConfigError

@@ -203,7 +203,7 @@ def inputs(tmp_path_factory) -> Path:
     import mindformers_py as mf
     from mindformers_py.data import train_bpe_tokenizer
     from mindformers_py.data.images import digits_dataset
-    from mindformers_py.data.instructions import docstring_instructions
+    from mindformers_py.data.stdlib.instructions import docstring_instructions
     from mindformers_py.models.packaged import resolve_checkpoint_name
     from transformers import AutoTokenizer
 

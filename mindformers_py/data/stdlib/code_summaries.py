@@ -13,7 +13,7 @@ import ast
 
 import datasets
 
-from .corpus import stdlib_files
+from ..corpus import stdlib_files
 
 MIN_WORDS = 3
 """Shortest summary line kept, in words."""

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import datasets
 
-from ..errors import ConfigError
-from .cache import atomic_dir, fingerprint, resolve_cache_dir
-from .corpus import stdlib_files, stdlib_root
+from ...errors import ConfigError
+from ..cache import atomic_dir, fingerprint, resolve_cache_dir
+from ..corpus import stdlib_files, stdlib_root
 
 _CACHE_FORMAT = 1  # bump when the extraction rules change so old cache entries are not reused
 

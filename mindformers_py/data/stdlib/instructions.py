@@ -2,7 +2,7 @@
 the response's tokens are scored (the prompt's labels are -100), as trl's ``SFTTrainer`` trains on completions.
 
 The pairs on every machine come from the running interpreter's standard library: each documented function
-(:mod:`~mindformers_py.data.code_summaries`: split by file, the corpus's own train / validation split) gives the
+(:mod:`~mindformers_py.data.stdlib.code_summaries`: split by file, the corpus's own train / validation split) gives the
 prompt "write the Python function for this docstring" with its docstring's summary line, and the function's source
 as the response.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import datasets
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .code_summaries import stdlib_docstring_dataset
 
 PROMPT_TEMPLATE = "# Write the Python function for this docstring:\n# {summary}\n"
