@@ -1,6 +1,6 @@
 """Mixture of experts: our MoE block against transformers' Mixtral block, and dense against MoE pretraining.
 
-``block``: tokens/s of one MoE block, forward and forward+backward, ours (:class:`mindformers_py.layers.moe.MoE`,
+``block``: tokens/s of one MoE block, forward and forward+backward, ours (:class:`mindformers_py.layers.moe.layer.MoE`,
 dropless) against transformers' ``MixtralSparseMoeBlock`` holding the same weights (outputs asserted equal), in
 both of its expert implementations that run here: ``grouped_mm`` (what a loaded transformers model uses when
 torch has the kernel) and ``eager`` (a loop over the experts that gathers each one's tokens); fp32, interleaved
@@ -31,8 +31,8 @@ import torch
 import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from mindformers_py.layers.moe import MoE
-from mindformers_py.layers.moe_config import MoEConfig
+from mindformers_py.layers.moe.layer import MoE
+from mindformers_py.layers.moe.config import MoEConfig
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 

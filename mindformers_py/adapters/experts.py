@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..layers.moe import GroupedExperts
+from ..layers.moe.layer import GroupedExperts
 
 
 def with_expert_parameters(model: nn.Module, config: Any, name: str) -> Any:

@@ -7,7 +7,7 @@ A layer reads its sizes from any config that uses the common field names (``hidd
 ``norm_bias``, ``attention_dropout``, ``hidden_dropout``; optionally ``attention_scale``, ``mlp_dropout`` and GPT-2's
 attention options), so families differ by config values, not code.
 
-A mixture-of-experts layer is the same block with a :class:`~mindformers_py.layers.moe.MoE` given as ``mlp``; it
+A mixture-of-experts layer is the same block with a :class:`~mindformers_py.layers.moe.layer.MoE` given as ``mlp``; it
 then also returns that layer's router statistics. An encoder-decoder's decoder layer is the same block with
 ``cross_attention=True``: a cross-attention sublayer to the encoder output sits between self-attention and the MLP
 (T5, BART, a BERT decoder).
@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import Attention
 from .dropout import Dropout
 from .mlp import MLP
-from .moe import MoE
+from .moe.layer import MoE
 from .norms import build_norm
 
 

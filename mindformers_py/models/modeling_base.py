@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
 
 from ..layers import Attention, TransformerBlock
-from ..layers.moe import Router
+from ..layers.moe.layer import Router
 from ..task_registry import TaskSpec, task_of_model
 from .cache_names import CACHE_NAMES
 from .hf_config import own_config

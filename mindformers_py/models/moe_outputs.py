@@ -1,6 +1,6 @@
 """Model outputs of mixture-of-experts models: transformers' MoE outputs plus the router statistics.
 
-``router_stats`` (B, layers, width; see :func:`mindformers_py.layers.moe.router_statistics`) is what the router
+``router_stats`` (B, layers, width; see :func:`mindformers_py.layers.moe.layer.router_statistics`) is what the router
 losses are computed from. It is a field of the outputs so that a pipeline stage hands it to the next one and the
 last stage computes the losses from it; it comes last, after transformers' own fields.
 """

@@ -37,8 +37,8 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
-from ..layers.moe_config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
-from ..layers.moe_config import expert_count, moe_config_of
+from ..layers.moe.config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
+from ..layers.moe.config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
 from .context.checks import default_ulysses_degree, validate_context_layout, validate_context_model
 

@@ -1,7 +1,7 @@
 """Expert parallelism: the routed experts of every MoE layer split over ranks, tokens sent to them by all-to-all.
 
-Model code stays single-device (:mod:`mindformers_py.layers.moe`): an MoE layer sorts its (token, choice) rows by
-expert and calls its :class:`~mindformers_py.layers.moe.GroupedExperts` with those rows and the count of each
+Model code stays single-device (:mod:`mindformers_py.layers.moe.layer`): an MoE layer sorts its (token, choice) rows by
+expert and calls its :class:`~mindformers_py.layers.moe.layer.GroupedExperts` with those rows and the count of each
 expert. This module, applied by :func:`~.parallelize.parallelize` right after tensor parallelism, changes only
 what happens around that call:
 
@@ -46,7 +46,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..layers.moe import GroupedExperts
+from ..layers.moe.layer import GroupedExperts
 from .config import FSDP, NONE, ParallelConfig
 from .data import mixed_precision_policy
 from .gloo_collectives import use_in_place_collectives

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..layers.moe_config import moe_config_of
+from ..layers.moe.config import moe_config_of
 from ..models import registry  # the family table (it imports the built-in families on first read)
 from ..parallel.config import RecomputeConfig
 

@@ -2,7 +2,7 @@
 :class:`_Section` base and value converters.
 
 :class:`_Section` gives every dataclass section (:mod:`mindformers_py.parallel.config`, the MoE section of model
-configs in :mod:`mindformers_py.layers.moe_config`) its dict/CLI construction, ``to_dict`` and overrides; the
+configs in :mod:`mindformers_py.layers.moe.config`) its dict/CLI construction, ``to_dict`` and overrides; the
 ``_to_*`` converters turn raw values (YAML scalars, CLI strings) into field values and raise one-line ConfigErrors
 naming the field.
 """

@@ -10,8 +10,8 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 import mindformers_py as mf
 from mindformers_py.errors import ConfigError
-from mindformers_py.layers.moe import MoE, router_losses, stat_columns
-from mindformers_py.layers.moe_config import MoEConfig
+from mindformers_py.layers.moe.layer import MoE, router_losses, stat_columns
+from mindformers_py.layers.moe.config import MoEConfig
 
 H, I, E = 16, 24, 4
 
@@ -214,7 +214,7 @@ def test_expert_loads_are_logged_without_the_router_loss():
 def test_expert_load_is_logged_per_layer():
     """Each MoE layer's most loaded expert against its mean, and its dropped share, from the summed statistics:
     layer 0 balanced, layer 2 routing everything to expert 1 and dropping a quarter (layer 1 is dense)."""
-    from mindformers_py.layers.moe import RouterMetrics, stat_width
+    from mindformers_py.layers.moe.layer import RouterMetrics, stat_width
 
     metrics = RouterMetrics(3, 4, 2, [0, 2], capacity_limited=True, z_loss=False)
     cols = stat_columns(4)
@@ -282,7 +282,7 @@ def test_planner_reads_gpt_moe_configs(moe):
 
 def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
     """Where torch has no grouped-GEMM kernel the experts run one product per expert: same outputs and gradients."""
-    import mindformers_py.layers.moe as moe_module
+    import mindformers_py.layers.moe.layer as moe_module
 
     results = []
     for kernel in (True, False):
@@ -316,7 +316,7 @@ def test_half_precision_experts_whose_rows_are_not_16_byte_multiples_run():
 def test_bf16_grouped_products_pad_each_experts_rows_without_changing_results(monkeypatch):
     """On the CPU in bf16 each expert's rows are padded to a multiple of a granularity (so oneDNN sees few shapes):
     outputs and gradients equal those of the unpadded grouped products, and the padding really happens."""
-    import mindformers_py.layers.moe as moe_module
+    import mindformers_py.layers.moe.layer as moe_module
 
     calls = []
     original_of = moe_module._PaddedGroups.of.__func__

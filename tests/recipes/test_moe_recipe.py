@@ -100,7 +100,7 @@ def test_capacity_limits_count_and_log_dropped_tokens(files, tmp_path):
 
 
 def test_progress_bar_shows_the_router_values():
-    from mindformers_py.layers.moe import RouterMetrics
+    from mindformers_py.layers.moe.layer import RouterMetrics
     from mindformers_py.trainer.callbacks import ProgressCallback
     from transformers import TrainerControl, TrainerState
 

@@ -9,7 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ...errors import ConfigError, check_choice
-from ...layers.moe_config import MoEConfig, moe_config_of
+from ...layers.moe.config import MoEConfig, moe_config_of
 from ..cache_names import CACHE_NAMES
 
 # Defaults that differ between the flavours. A field left as None takes its flavour's value, so
@@ -219,7 +219,7 @@ class GPTConfig(PretrainedConfig):
     pad_token_id: int | None = None
     """Padding token id (used by sequence classification to find the last real token)."""
     moe_config: dict | None = None
-    """Mixture of experts (GPT-MoE): the fields of :class:`~mindformers_py.layers.moe_config.MoEConfig`
+    """Mixture of experts (GPT-MoE): the fields of :class:`~mindformers_py.layers.moe.config.MoEConfig`
     (``expert_num``, ``num_experts_chosen``, ``routing_policy``, ``capacity_factor``, ``aux_loss_factor``, shared
     experts, ...); stored validated, as a plain dict. None or ``expert_num=1``: every layer has a dense MLP."""
     output_router_logits: bool = False

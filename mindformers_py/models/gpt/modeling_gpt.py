@@ -8,7 +8,7 @@ hold set to None. Without ``embed_tokens`` the base model takes the previous sta
 ``inputs_embeds`` and skips the embedding phase (positions, embedding dropout); without ``norm`` it returns the
 last layer's output; a head without its head module returns the base model's output unchanged.
 
-GPT-MoE is this family with a ``moe_config``: the layers it names get a :class:`~mindformers_py.layers.moe.MoE`
+GPT-MoE is this family with a ``moe_config``: the layers it names get a :class:`~mindformers_py.layers.moe.layer.MoE`
 instead of the MLP, the base model gathers their router statistics (``router_stats``, handed from pipeline stage to
 stage like the hidden states) and the causal-LM head turns them into the router losses (load balancing, z-loss)
 when ``output_router_logits`` is on, as transformers' Mixtral and Qwen-MoE do.
@@ -38,7 +38,7 @@ from ...layers.heads import SequenceSummary
 from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
-from ...layers.moe import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
+from ...layers.moe.layer import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
 from ..moe_outputs import MoECausalLMOutputWithPast, MoEModelOutputWithPast
@@ -302,7 +302,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         losses to add to the language-model loss, ``aux_loss_factor`` x load balancing + ``z_loss_factor`` x z-loss.
 
         With ``labels`` the added losses are this batch's share of the step's, weighted by its label tokens out of
-        ``num_items_in_batch`` (see :func:`~mindformers_py.layers.moe.router_losses`), so gradient accumulation and
+        ``num_items_in_batch`` (see :func:`~mindformers_py.layers.moe.layer.router_losses`), so gradient accumulation and
         data-parallel or pipeline splits add up to the step's; in training they are then counted for the logs
         (unless ``counted`` is False)."""
         moe = self.config.moe

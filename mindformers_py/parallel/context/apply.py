@@ -42,7 +42,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...layers import Attention, attention_core
 from ...layers.block import TransformerBlock
-from ...layers.moe import MoE
+from ...layers.moe.layer import MoE
 from ...layers.position_bias import RelativePositionBias
 from ..config import ParallelConfig
 from .attention import (

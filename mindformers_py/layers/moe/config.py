@@ -1,5 +1,5 @@
 """Mixture-of-experts settings: :class:`MoEConfig` (MindFormers' ``moe_config``), the one description of an MoE
-layer. A model config holds it as its ``moe_config`` section; :class:`~mindformers_py.layers.moe.MoE` is built
+layer. A model config holds it as its ``moe_config`` section; :class:`~mindformers_py.layers.moe.layer.MoE` is built
 from it; ``mindformers_py.parallel`` reads it to split the experts over expert-parallel ranks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, invalid_choice
-from ..utils.config_section import _require_int, _Section, _split_list, _to_bool, _to_choice, _to_float, _to_int
+from ...errors import ConfigError, invalid_choice
+from ...utils.config_section import _require_int, _Section, _split_list, _to_bool, _to_choice, _to_float, _to_int
 
 ROUTING_POLICIES = ("topk", "dropless")
 # MindFormers' router class names; both route tokens top-k with a per-expert capacity.
@@ -17,7 +17,7 @@ ROUTING_POLICY_ALIASES = {"topkrouterv1": "topk", "topkrouterv2": "topk"}
 AUX_LOSS_SCOPES = ("batch", "sequence")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16", "auto")
 ROUTER_TYPES = ("softmax_topk",)
-"""Router kinds (:data:`mindformers_py.layers.moe.ROUTERS` builds each): how a token's expert scores are computed
+"""Router kinds (:data:`mindformers_py.layers.moe.layer.ROUTERS` builds each): how a token's expert scores are computed
 and its experts chosen."""
 
 
@@ -43,7 +43,7 @@ class MoEConfig(_Section):
     router_type: str = "softmax_topk"
     """How the router scores and chooses experts: ``"softmax_topk"``, a softmax over the experts' logits and the k
     most probable (Switch Transformer, Mixtral, Qwen-MoE). Each kind is a router class of its own
-    (``mindformers_py.layers.moe.ROUTERS``)."""
+    (``mindformers_py.layers.moe.layer.ROUTERS``)."""
     norm_topk_prob: bool = True
     """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral, Qwen3-MoE); False keeps
     the raw softmax probabilities (Qwen1.5/2-MoE)."""

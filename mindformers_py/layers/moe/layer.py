@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..errors import check_choice
-from .mlp import _TANH_GELU, MLP
-from .moe_config import MoEConfig, moe_config_of
+from ...errors import check_choice
+from ..mlp import _TANH_GELU, MLP
+from .config import MoEConfig, moe_config_of
 
 
 def stat_width(num_experts: int) -> int:
