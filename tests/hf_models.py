@@ -53,3 +53,21 @@ def tiny_hf_model(kind: str, head: str = "causal_lm", **overrides):
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def saved_hf_model(kind: str, tmp_path_factory) -> tuple[str, "transformers.PreTrainedModel", object]:
+    """(kind, the tiny HF causal LM, the folder it was saved to): what a module-scoped parity fixture returns."""
+    model = tiny_hf_model(kind)
+    path = tmp_path_factory.mktemp(kind)
+    model.save_pretrained(path)
+    return kind, model, path
+
+
+def ours_and_theirs(saved) -> tuple:
+    """(our GPTForCausalLM loaded from a :func:`saved_hf_model` folder, transformers' model)."""
+    import mindformers_py as mf
+
+    kind, hf, path = saved
+    ours = mf.AutoModelForCausalLM.from_pretrained(path)
+    assert isinstance(ours, mf.GPTForCausalLM) and ours.config.hf_architecture == kind
+    return ours, hf

@@ -151,10 +151,22 @@ def first_step(head: str, batch: int, accumulation: int, folder: str, parallel=N
                              parallel_config=parallel or mf.ParallelConfig())
     trainer = trainer_class(model=make_model(head), args=args, train_dataset=make_data(head), callbacks=[clock],
                             **trainer_kwargs)
+    return train_first_step(trainer, clock)
+
+
+def train_first_step(trainer, clock: FirstStepGradients) -> tuple[dict, float]:
+    """Train ``trainer`` (one step, ``clock`` among its callbacks); the step's gradients and logged loss."""
     trainer.train()
     loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
     trainer.engine.teardown()
     return clock.grads, loss
+
+
+def full_gradients(grads: dict) -> dict:
+    """Gradients by the checkpoint's names, whole: recompute wraps layers (a name part the checkpoints drop) and
+    tensor parallelism gives DTensor gradients."""
+    return {k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in grads.items()}
 
 
 def assert_same(grads, loss, ref_grads, ref_loss):

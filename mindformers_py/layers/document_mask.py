@@ -221,13 +221,14 @@ def _units(mask: DocumentMask, batch: int) -> list[tuple[slice, list[tuple[slice
     return [(slice(b, b + 1), mask.plan[b], b) for b in range(batch)]
 
 
-def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key / value heads repeated to the query heads (grouped-query attention)."""
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key / value heads (batch, heads, n, d) repeated to the query heads (grouped-query attention), for kernels
+    that take as many key/value heads as query heads."""
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Gradients of repeated key/value heads summed back to their head."""
+def fold_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Gradients of key/value heads repeated by :func:`repeat_kv`, summed back to their head."""
     if groups == 1:
         return t
     b, h, n, d = t.shape
@@ -251,7 +252,7 @@ class BlockSparseAttention(torch.autograd.Function):
             for span, masked in spans:
                 additive = mask.call_mask(row, span, q.dtype) if masked else None
                 at = (rows, slice(None), span)
-                o, l = _FLASH_CPU(q[at], _repeat(k[at], groups), _repeat(v[at], groups), 0.0, not masked,
+                o, l = _FLASH_CPU(q[at], repeat_kv(k[at], groups), repeat_kv(v[at], groups), 0.0, not masked,
                                   attn_mask=additive, scale=scale)
                 out[at], lse[at] = o, l
         ctx.save_for_backward(q, k, v, out, lse)
@@ -269,7 +270,7 @@ class BlockSparseAttention(torch.autograd.Function):
             for span, masked in spans:
                 additive = mask.call_mask(row, span, q.dtype) if masked else None
                 at = (rows, slice(None), span)
-                gq, gk, gv = _FLASH_CPU_BACKWARD(dout[at], q[at], _repeat(k[at], groups), _repeat(v[at], groups),
+                gq, gk, gv = _FLASH_CPU_BACKWARD(dout[at], q[at], repeat_kv(k[at], groups), repeat_kv(v[at], groups),
                                                  out[at], lse[at], 0.0, not masked, attn_mask=additive, scale=scale)
-                dq[at], dk[at], dv[at] = gq, _fold(gk, groups), _fold(gv, groups)
+                dq[at], dk[at], dv[at] = gq, fold_kv(gk, groups), fold_kv(gv, groups)
         return dq, dk, dv, None, None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_workers
-from task_heads import N, assert_bf16_close, assert_same, first_step, make_data, make_model
+from task_heads import N, assert_bf16_close, assert_same, first_step, full_gradients, make_data, make_model
 
 import mindformers_py as mf
 from mindformers_py.errors import ConfigError
@@ -197,8 +197,7 @@ def _gradient_job(rank: int, world: int, folder: str, cases: list) -> dict:
         for head in heads:
             grads, loss = first_step(head, batch, accumulation, f"{folder}/{name}-{head}",
                                      mf.ParallelConfig(parallel_mode=SEMI, **layout))
-            out[name, head] = ({k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor() if hasattr(v, "full_tensor")
-                                else v for k, v in grads.items()}, loss)
+            out[name, head] = (full_gradients(grads), loss)
     for name, layout, heads, batch, accumulation in BF16_CASES[world]:
         for head in heads:
             out[name, head] = first_step(head, batch, accumulation, f"{folder}/{name}-{head}",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_workers
-from task_heads import FirstStepGradients
+from task_heads import FirstStepGradients, full_gradients, train_first_step
 from torch.utils.data import IterableDataset
 
 import mindformers_py as mf
@@ -78,12 +78,8 @@ def first_step(family: str, folder: str, parallel: mf.ParallelConfig, dataset=No
                              parallel_config=parallel)
     trainer = Trainer(model=make_model(family), args=args, train_dataset=packed_rows() if dataset is None else dataset,
                       callbacks=[clock], data_collator=PackedRowsCollator())
-    trainer.train()
-    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    trainer.engine.teardown()
-    grads = {k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor() if hasattr(v, "full_tensor") else v
-             for k, v in clock.grads.items()}
-    return grads, loss
+    grads, loss = train_first_step(trainer, clock)
+    return full_gradients(grads), loss
 
 
 def documents_alone(family: str) -> tuple[dict, float]:

@@ -11,7 +11,8 @@ import torch
 import mindformers_py as mf
 from dist_utils import run_workers
 from mindformers_py.trainer import Trainer, TrainingArguments
-from task_heads import N, VOCAB, FirstStepGradients, assert_bf16_close, assert_same, make_data
+from task_heads import (N, VOCAB, FirstStepGradients, assert_bf16_close, assert_same, full_gradients, make_data,
+                        train_first_step)
 
 LAYOUTS = {
     "tp2": dict(model_parallel=2),
@@ -38,13 +39,8 @@ def first_step(folder: str, parallel=None, batch: int = N, accumulation: int = 1
                              report_to="none", disable_tqdm=True, plot_loss_curve=False, use_cpu=True,
                              bf16=bf16, parallel_config=parallel or mf.ParallelConfig(), **trainer_args)
     trainer = Trainer(model=make_t5(), args=args, train_dataset=make_data("seq2seq_lm"), callbacks=[clock])
-    trainer.train()
-    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    trainer.engine.teardown()
-    # Recompute wraps layers (a name part the checkpoints drop); tensor parallelism gives DTensor gradients.
-    grads = {k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor() if hasattr(v, "full_tensor") else v
-             for k, v in clock.grads.items()}
-    return grads, loss
+    grads, loss = train_first_step(trainer, clock)
+    return full_gradients(grads), loss
 
 
 BF16_LAYOUT_NAME = "pp2"  # once more under bf16 autocast, in the same launch: the stages hand on tuples (issue 37)

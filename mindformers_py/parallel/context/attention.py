@@ -42,6 +42,7 @@ import torch.distributed.nn.functional as dist_fn  # all_reduce with a summed gr
 from torch import nn
 
 from ...layers.attention import attention_core
+from ...layers.document_mask import fold_kv, repeat_kv
 from ...layers.masks import additive_mask, build_attention_mask, packed_sequence_ids
 from ...layers.position_bias import relative_position_bucket
 from .layout import ContextLayout
@@ -283,17 +284,6 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
-
-
-def _fold_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return t
-    b, h, n, d = t.shape
-    return t.view(b, h // groups, groups, n, d).sum(2)
-
-
 class RingAttention(torch.autograd.Function):
     """softmax(q kᵀ·scale + bias, masked) v over the whole ring of ranks; q, k, v hold this rank's ring share.
 
@@ -311,8 +301,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(plan.size):
             src = (plan.rank - step) % plan.size
             pending = _exchange(kv, plan) if step < plan.size - 1 else None
-            k_s = _repeat_kv(kv[:k.numel()].view(k.shape), plan.kv_groups)
-            v_s = _repeat_kv(kv[k.numel():].view(v.shape), plan.kv_groups)
+            k_s = repeat_kv(kv[:k.numel()].view(k.shape), plan.kv_groups)
+            v_s = repeat_kv(kv[k.numel():].view(v.shape), plan.kv_groups)
             columns = plan.bias_columns(src, q.device) if bias is not None else None
             for rows, cols, kind, mask in plan.blocks(src, q.device):
                 block_bias = bias[..., rows, :][..., columns[cols]] if bias is not None else None
@@ -342,8 +332,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(plan.size):
             src = (plan.rank - step) % plan.size
             pending = _exchange(kv, plan) if step < plan.size - 1 else None
-            k_s = _repeat_kv(kv[:k.numel()].view(k.shape), plan.kv_groups)
-            v_s = _repeat_kv(kv[k.numel():].view(v.shape), plan.kv_groups)
+            k_s = repeat_kv(kv[:k.numel()].view(k.shape), plan.kv_groups)
+            v_s = repeat_kv(kv[k.numel():].view(v.shape), plan.kv_groups)
             dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=q.device)
             dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=q.device)
             columns = plan.bias_columns(src, q.device) if bias is not None else None
@@ -359,7 +349,7 @@ class RingAttention(torch.autograd.Function):
                 if gb is not None:
                     target = columns[cols]
                     dbias[..., rows, :] = dbias[..., rows, :].index_add(-1, target, gb.float())
-            dkv += torch.cat([_fold_kv(dk_s, plan.kv_groups).reshape(-1), _fold_kv(dv_s, plan.kv_groups).reshape(-1)])
+            dkv += torch.cat([fold_kv(dk_s, plan.kv_groups).reshape(-1), fold_kv(dv_s, plan.kv_groups).reshape(-1)])
             if pending is not None:
                 _wait(pending[1])
                 kv = pending[0]
@@ -428,7 +418,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: A
     u, r = groups.ulysses, groups.ring
     if u > 1:
         if k.shape[1] % u:  # fewer key/value heads than the group: give every query head its own copy
-            k, v = (_repeat_kv(t, heads // t.shape[1]) for t in (k, v))
+            k, v = (repeat_kv(t, heads // t.shape[1]) for t in (k, v))
         q, k, v = sequence_to_heads([q, k, v], groups.ulysses_group, u)
     own = slice(groups.ulysses_rank * (heads // u), (groups.ulysses_rank + 1) * (heads // u))
     if r > 1:

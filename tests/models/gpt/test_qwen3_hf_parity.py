@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, tiny_hf_model
+from hf_models import VOCAB, ours_and_theirs, saved_hf_model, tiny_hf_model
 from mindformers_py.errors import MindFormersError
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
 from tolerances import SAME_WEIGHTS_ANOTHER_PATH
@@ -28,17 +28,10 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module", params=KINDS)
 def hf_dir(request, tmp_path_factory):
-    model = tiny_hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return saved_hf_model(request.param, tmp_path_factory)
 
 
-def _pair(hf_dir):
-    kind, hf, path = hf_dir
-    ours = mf.AutoModelForCausalLM.from_pretrained(path)
-    assert isinstance(ours, mf.GPTForCausalLM) and ours.config.hf_architecture == kind
-    return ours, hf
+_pair = ours_and_theirs
 
 
 def _batch():
