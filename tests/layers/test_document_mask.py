@@ -2,7 +2,7 @@
 heads, rows of their own or one row of positions for the batch, lengths that are not a multiple of the tile), its
 block mask is a correct FlexAttention BlockMask (FlexAttention's own forward on it gives the same output), the
 metadata is O(T) (4 x 8,192 tokens in under 1 MiB, where the dense mask is 256 MiB), and a packed row's forward and
-backward through GPT (GPT-2 flavour) and GPT-MoE (Llama flavour, a dense layer then an MoE one) equal each document
+backward through GPT (GPT-2 flavour) and GPT-MoE (Qwen3-MoE's shape: Llama flavour with per-head q/k norms, a dense layer then an MoE one) equal each document
 run alone (<= 1e-6, fp32)."""
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "
        "aux_loss_factor": 0.0, "mlp_only_layers": [0]}
 """Dropless top-k routing, token by token, without router losses: those are normalised over a forward's routed
 tokens (transformers' definition), so a row's and its documents' differ by their definition, not by attention.
-Layer 0 keeps a dense (SwiGLU) MLP: one Llama-flavoured model covers GPT's dense layer and GPT-MoE's expert layer."""
+Layer 0 keeps a dense (SwiGLU) MLP: one Qwen3-shaped model covers the dense layer and GPT-MoE's expert layer."""
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama_moe"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen3_moe"])
 def test_a_packed_row_equals_its_documents_run_alone(family):
     torch.manual_seed(0)
-    extra = {"moe_config": MOE} if family == "llama_moe" else {}
+    extra = {"moe_config": MOE, "qk_norm": True} if family == "qwen3_moe" else {}
     config = mf.GPTConfig(flavour="gpt2" if family == "gpt2" else "llama", vocab_size=64, hidden_size=32,
                           num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=None if family == "gpt2" else 2, max_position_embeddings=256, **extra)

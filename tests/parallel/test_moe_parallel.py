@@ -121,7 +121,8 @@ LAYOUTS_2 = {
     "qwen3_moe_tp2": semi(model_parallel=2),
     "qwen3_moe_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
 }
-# dp4 x ep4, dp2 x tp2 x ep2 and dp2 x pp2 x ep2 run through the recipe and the CLI (test_moe_recipe.py).
+# dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
+# recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
 LAYOUTS_4 = {
     "dp4_ep2": semi(data_parallel=4, expert_parallel=2),  # experts replicated over pairs of ranks
     "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them

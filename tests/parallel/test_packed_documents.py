@@ -2,7 +2,7 @@
 
 * packed rows (positions restarting at each document, no attention mask) give, under stand-alone, tp2 (with sequence
   parallelism for the dense model), pp2, cp2 ring with ZeRO-3 (and ep2 for the MoE model) and cp2 Ulysses, the loss
-  and gradients of each document run alone (<= 1e-6, fp32) for GPT in GPT-2 flavour and GPT-MoE in Llama flavour (a
+  and gradients of each document run alone (<= 1e-6, fp32) for GPT in GPT-2 flavour and GPT-MoE in Qwen3-MoE's shape (Llama flavour with per-head q/k norms; a
   dense layer, then an MoE one): the block-sparse path on one rank, tensor and pipeline ranks; the boundaries cut
   with the sequence under context parallelism;
 * Megatron's samples (pre-shifted targets, restarting positions) under cp2 ring give one process's gradients;
@@ -34,10 +34,11 @@ SEMI = "semi_auto_parallel"
 VOCAB = 64
 DOCUMENTS = [[5, 11], [16], [3, 4, 9], [7, 1, 8]]  # four rows of 16 tokens, documents of 1 to 16 tokens
 # token-level routing; router losses are normalised per forward, not per document. Layer 0 keeps a dense (SwiGLU) MLP,
-# so one Llama-flavoured model covers GPT's dense layer and GPT-MoE's expert layer in every launch.
+# so one Qwen3-shaped model (Llama flavour, per-head q/k norms) covers the dense Llama / Qwen3 layer and GPT-MoE's
+# expert layer in every launch.
 MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "moe_intermediate_size": 16,
        "aux_loss_factor": 0.0, "mlp_only_layers": [0]}
-FAMILIES = ["gpt2", "llama_moe"]
+FAMILIES = ["gpt2", "qwen3_moe"]
 LAYOUTS = {"tp2_sp": dict(model_parallel=2, use_seq_parallel=True), "pp2": dict(pipeline_stage=2, micro_batch_num=2),
            "cp2_ring_zero3_ep2": dict(context_parallel=2, optimizer_shard=3, expert_parallel=2),
            "cp2_ulysses": dict(context_parallel=2, context_parallel_algo="ulysses")}
@@ -47,13 +48,13 @@ def layout_of(name: str, family: str) -> mf.ParallelConfig:
     """The layout ``name`` for ``family``: the MoE model runs tp2 without sequence parallelism (which it refuses), the
     dense one the ring without expert parallelism (it has no experts)."""
     layout = dict(LAYOUTS[name])
-    layout.pop("use_seq_parallel" if family == "llama_moe" else "expert_parallel", None)
+    layout.pop("use_seq_parallel" if family == "qwen3_moe" else "expert_parallel", None)
     return mf.ParallelConfig(parallel_mode=SEMI, **layout)
 
 
 def make_model(family: str) -> mf.GPTForCausalLM:
     torch.manual_seed(0)
-    extra = {"moe_config": MOE} if family == "llama_moe" else {}
+    extra = {"moe_config": MOE, "qk_norm": True} if family == "qwen3_moe" else {}
     return mf.GPTForCausalLM(mf.GPTConfig(
         flavour="gpt2" if family == "gpt2" else "llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=None if family == "gpt2" else 2, max_position_embeddings=32,
