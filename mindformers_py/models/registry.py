@@ -91,12 +91,14 @@ def families() -> list[Family]:
     """Every family, the built-in ones imported first. ``import mindformers_py`` imports no family (each costs torch
     and transformers' modeling code), so the table fills on first read; ``registry.FAMILIES`` is this list too."""
     load_builtin_families()
-    # In the built-in table's order whatever order their packages were imported in (error messages list presets and
-    # model types from here: the same text in every process), families registered by users after them.
-    builtin = [package + "." for package, _ in BUILTIN_CONFIGS.values()]
-    _FAMILIES.sort(key=lambda family: next(
-        (i for i, package in enumerate(builtin) if family.config_class.__module__.startswith(package)), len(builtin)))
     return _FAMILIES
+
+
+def _builtin_rank(family: Family) -> int:
+    """The position of ``family``'s package in the built-in table; after all of them for a user's family."""
+    packages = [package + "." for package, _ in BUILTIN_CONFIGS.values()]
+    module = family.config_class.__module__
+    return next((i for i, package in enumerate(packages) if module.startswith(package)), len(packages))
 
 
 def __getattr__(name: str) -> list[Family]:
@@ -121,6 +123,9 @@ def register_family(family: Family) -> None:
     import transformers
 
     _FAMILIES.append(family)
+    # In the built-in table's order whatever order their packages were imported in (error messages list presets and
+    # model types from here: the same text in every process), families registered by users after them (stable).
+    _FAMILIES.sort(key=_builtin_rank)
     model_type = family.config_class.model_type
     transformers.AutoConfig.register(model_type, family.config_class, exist_ok=True)
     for task in family.model_classes:
