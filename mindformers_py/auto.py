@@ -144,11 +144,13 @@ class AutoConfig:
         return_unused = bool(kwargs.pop("return_unused_kwargs", False))
         kwargs.pop("trust_remote_code", None)  # our classes are this package's: no remote code to trust
         hub = hub_options(kwargs)  # which files of a hub repository: resolved by huggingface_hub (models/hub.py)
-        stored = resolve_config(name_or_path, **hub)[0]
+        subfolder = {"subfolder": hub.pop("subfolder")} if "subfolder" in hub else {}
+        source = resolve_source(name_or_path, **hub)  # once: both reads below take the local folder (or preset)
+        stored = resolve_config(source, **subfolder)[0]
         unused = {k: v for k, v in kwargs.items() if not hasattr(stored, k)}
         if unused and not return_unused:
             _check_fields(stored, unused, "AutoConfig.from_pretrained", CONFIG_KWARGS)
-        config = resolve_config(name_or_path, **hub, **{k: v for k, v in kwargs.items() if k not in unused})[0]
+        config = resolve_config(source, **subfolder, **{k: v for k, v in kwargs.items() if k not in unused})[0]
         return (config, unused) if return_unused else config
 
     @classmethod
