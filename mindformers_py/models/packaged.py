@@ -56,9 +56,3 @@ def packaged_checkpoint_path(name: str | os.PathLike) -> Path | None:
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"the package {entry.package!r} has no checkpoint in {folder}; reinstall it: {entry.install}")
     return folder
-
-
-def resolve_checkpoint_name(name_or_path: str | os.PathLike) -> str | os.PathLike:
-    """``name_or_path``, with a packaged checkpoint's name replaced by its folder."""
-    folder = packaged_checkpoint_path(name_or_path)
-    return str(folder) if folder is not None else name_or_path

@@ -204,7 +204,7 @@ def inputs(tmp_path_factory) -> Path:
     from mindformers_py.data import train_bpe_tokenizer
     from mindformers_py.data.images import digits_dataset
     from mindformers_py.data.stdlib.instructions import docstring_instructions
-    from mindformers_py.models.packaged import resolve_checkpoint_name
+    from mindformers_py.models.packaged import packaged_checkpoint_path
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("matrix_inputs")
@@ -217,7 +217,7 @@ def inputs(tmp_path_factory) -> Path:
                           pad_token_id=tokenizer.pad_token_id)
     mf.GPTForCausalLM(config).save_pretrained(folder / "gpt_base")
     tokenizer.save_pretrained(folder / "gpt_base")
-    minilm = AutoTokenizer.from_pretrained(resolve_checkpoint_name("sentence-transformers/all-MiniLM-L6-v2"))
+    minilm = AutoTokenizer.from_pretrained(packaged_checkpoint_path("sentence-transformers/all-MiniLM-L6-v2"))
     torch.manual_seed(0)
     mf.BertModel(mf.BertConfig(vocab_size=len(minilm), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                intermediate_size=64, max_position_embeddings=64, pad_token_id=minilm.pad_token_id)
