@@ -118,7 +118,8 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
             core, output, scores, qk_norms, latent = 0, 0, 0, 0, 0  # only the normed inputs
             cross = norm if cross else 0
         elif "attention_core" in select:
-            core, scores = q + kv + v, 0  # the checkpoint keeps its inputs q, k, v
+            # the checkpoint keeps its inputs q, k, v (latent attention's values have heads of their own size)
+            core, scores = q + kv + (v if shape.latent_attention else kv), 0
         if "mlp" in select:
             mlp = 0  # only the normed input, counted in ``norm``
     return (2 * norm + core + qk_norms + latent + output + scores + mlp + cross + dropout_masks) * act_bytes
