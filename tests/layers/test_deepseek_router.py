@@ -9,7 +9,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from mindformers_py.errors import ConfigError
 from mindformers_py.layers.moe.config import MoEConfig
-from mindformers_py.layers.moe.layer import MoE, stat_columns
+from mindformers_py.layers.moe.layer import MoE, router_losses, stat_columns
 from mindformers_py.layers.moe.sigmoid_router import GroupLimitedSigmoidRouter
 
 H, I, E = 16, 8, 8
@@ -152,3 +152,36 @@ def test_update_rule_on_known_loads():
     router.update_bias(torch.tensor([3, 3, 3, 3]))  # balanced: no move
     assert router.e_score_correction_bias.tolist() == [-0.25, 0.75, -0.25, 1.25]
     assert router.e_score_correction_bias.dtype == torch.float32
+
+
+def test_sequence_balance_loss_is_the_papers_for_the_sigmoid_router():
+    """DeepSeek-V3 paper eqs. 17-20, written out: per sequence of T tokens, f_i = E / (K T) · #tokens choosing i,
+    s'_{i,t} = s_{i,t} / Σ_j s_{j,t}, P_i = (1/T) Σ_t s'_{i,t}, L = Σ_i f_i P_i; averaged over sequences (and here
+    two MoE layers). The choices are transformers' router's; padding tokens count in neither f nor P."""
+    hf, moe = _pair(n_group=4, topk_group=2, k=3)
+    layers = [(torch.randn(3, 6, H), None), (torch.randn(3, 6, H), torch.tensor([[1] * 6, [0, 0] + [1] * 4, [1] * 6]))]
+    stats, expected = [], torch.zeros(3)
+    for x, mask in layers:
+        _, s = moe(x, mask)
+        stats.append(s)
+        with torch.no_grad():
+            _, _, chosen = hf.gate(x)
+        scores = torch.sigmoid(x.reshape(-1, H) @ hf.gate.weight.t()).view(3, 6, E)
+        chosen = chosen.view(3, 6, 3)
+        for b in range(3):
+            keep = torch.ones(6, dtype=torch.bool) if mask is None else mask[b].bool()
+            t_b = int(keep.sum())
+            f = torch.zeros(E)
+            for t in range(6):
+                if keep[t]:
+                    for i in chosen[b, t]:
+                        f[i] += E / (3 * t_b)
+            s_norm = scores[b][keep] / scores[b][keep].sum(-1, keepdim=True)
+            expected[b] += (f * s_norm.mean(0)).sum() / len(layers)
+    aux, _ = router_losses(torch.stack(stats, dim=1), E, "sequence")
+    assert abs(aux.item() - expected.mean().item()) <= 1e-6
+    # balanced routing gives 1 (the paper's normalisation): all experts chosen equally, uniform scores
+    balanced = torch.zeros(1, 1, 2 * E + 3)
+    cols = stat_columns(E)
+    balanced[0, 0, cols["counts"]], balanced[0, 0, cols["probs"]], balanced[0, 0, cols["tokens"]] = 3.0, 1.0, 8.0
+    assert router_losses(balanced, E, "sequence")[0].item() == pytest.approx(1.0)

@@ -72,8 +72,10 @@ class MoEConfig(_Section):
     """Which tokens the load-balancing statistics are taken over: ``"batch"``, all tokens of one forward pass (one
     micro-batch on one rank) and all MoE layers together (transformers' ``load_balancing_loss_func``), or
     ``"sequence"``, each MoE layer and sequence on its own, averaged over the layers and the step's loss items
-    (DeepSeek-V3's sequence-wise balance loss). Only ``"sequence"`` is the same whatever the batch is split into
-    (data-parallel ranks, pipeline micro-batches, accumulation)."""
+    (DeepSeek-V3's sequence-wise balance loss, with its paper's ``1/k`` normalisation: 1 when balanced; with
+    ``router_type="deepseek_v3"`` its probabilities are the sigmoid scores normalised per token, as in the paper).
+    Only ``"sequence"`` is the same whatever the batch is split into (data-parallel ranks, pipeline micro-batches,
+    accumulation)."""
     z_loss_factor: float = 0.0
     """Weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of the router logits) added with the
     load-balancing loss; 0 disables it."""

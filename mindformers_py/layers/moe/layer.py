@@ -293,10 +293,12 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
 
     ``scope="batch"``: transformers' ``load_balancing_loss_func`` exactly, ``E · Σ_e f_e · P_e`` with ``f_e`` the
     share of top-k choices and ``P_e`` the mean probability of expert ``e`` over all tokens of all MoE layers at
-    once (so layers that favour different experts can look balanced together). ``"sequence"``: the same per MoE
-    layer and sequence (DeepSeek-V3's sequence-wise balance loss), averaged over the layers, then over the
-    sequences. The z-loss is the mean over routed tokens (and layers) of the squared log-sum-exp of the router
-    logits.
+    once (so layers that favour different experts can look balanced together). ``"sequence"``: DeepSeek-V3's
+    sequence-wise balance loss (its paper's eqs. 17-20, as DeepSeek-V2's), per MoE layer and sequence of ``T``
+    tokens ``Σ_e f_e · P_e`` with ``f_e = E / (k · T) · count_e`` and ``P_e`` the mean of ``probs`` (for the
+    sigmoid router the scores normalised per token, the paper's ``s'``), averaged over the layers, then over the
+    sequences; it is 1 for a balanced layer (the batch formula, without the ``1/k``, is ``k``). The z-loss is the mean
+    over routed tokens (and layers) of the squared log-sum-exp of the router logits.
 
     ``row_weights`` (B,) are the loss items of each sequence and ``num_items_in_batch`` those of the whole step:
     then each loss is this batch's share of the step's (a sequence-weighted mean, times the batch's share of the
@@ -315,7 +317,8 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
             aux, z = aux * share, z * share
         return aux, z
     routed = tokens.clamp(min=1.0).unsqueeze(-1)  # (B, layers, 1)
-    per_layer = num_experts * ((counts / routed) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
+    choices = counts.sum(-1, keepdim=True).clamp(min=1.0)  # k · T: f_e = E · count_e / (k · T)
+    per_layer = num_experts * ((counts / choices) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
     aux_rows = per_layer.sum(1) / (tokens > 0).sum(1).clamp(min=1)  # mean over the layers that routed the row
     z_rows = z_sums.sum(1) / tokens.sum(1).clamp(min=1.0)
     if row_weights is None:
