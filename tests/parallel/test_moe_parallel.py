@@ -4,7 +4,9 @@ gradient accumulation) when its experts are split over expert-parallel ranks bor
 tensor parallelism, ZeRO 1/2/3, recompute and pipeline stages (where the router statistics travel from stage to
 stage), and the same gradient norms (which AdamW's updates would not show a constant factor in); its checkpoints
 consolidate to whole weights; the router metrics are the stand-alone ones. The layouts named ``qwen3_moe_*`` run a
-Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert).
+Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert); those named
+``deepseek_v3_*`` DeepSeek-V3's router (sigmoid, group-limited) with auxiliary-loss-free balancing, whose selection
+biases after every step are bitwise stand-alone's on every rank (dp, ep, ZeRO-3, recompute, pp, cp, tp).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     for batch in global_batches():
         rows = engine.shard_indices(range(GLOBAL_BATCH))
         local = {k: v[rows] for k, v in batch.items()}
-        micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
+        # each rank's chunks of every sequence under context parallelism (the Trainer's read_step)
+        micro = [engine.shard_batch({k: v[i::MICRO_BATCHES] for k, v in local.items()}) for i in range(MICRO_BATCHES)]
         items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(mb) for mb in micro)))
         loss = engine.forward_backward(wrapped, micro, items, _loss_fn)
         norms.append(float(engine.clip_grad_norm(model, optimizer, engine.args.max_grad_norm)))
@@ -138,6 +141,8 @@ LAYOUTS_2 = {
     "deepseek_v3_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
                                                 recompute="full"),
     "deepseek_v3_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
+    "deepseek_v3_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
+    "deepseek_v3_tp2": semi(model_parallel=2),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
@@ -195,7 +200,7 @@ def _check(results, name):
         assert all(bias.abs().min() == DEEPSEEK_MOE["bias_update_rate"] for bias in expected["biases"][0].values())
         # The ranks' counts add up to stand-alone's: each token once (twice where recompute runs the forward again,
         # which sign(mean - load) does not see), none from pipeline shape inference, none from padding.
-        factor = 2 if "recompute" in name else 1
+        factor = (2 if "recompute" in name else 1) * (2 if "tp2" in name else 1)  # tp ranks see the same tokens
         for step, expected_loads in enumerate(expected["loads"]):
             for key, load in expected_loads.items():
                 total = sum(result[name]["loads"][step][key] for result in results if key in result[name]["loads"][step])
