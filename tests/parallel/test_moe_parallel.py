@@ -203,7 +203,8 @@ def _check(results, name):
         factor = (2 if "recompute" in name else 1) * (2 if "tp2" in name else 1)  # tp ranks see the same tokens
         for step, expected_loads in enumerate(expected["loads"]):
             for key, load in expected_loads.items():
-                total = sum(result[name]["loads"][step][key] for result in results if key in result[name]["loads"][step])
+                total = sum(result[name]["loads"][step][key] for result in results
+                            if key in result[name]["loads"][step])
                 assert torch.equal(total, factor * load), (name, step, key, total, load)
 
 

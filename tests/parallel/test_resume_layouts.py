@@ -2,12 +2,14 @@
 pipeline parallel, dp4, stand-alone), optimizer state included, on stand-alone's loss curve: GPT, GPT-MoE in
 Qwen3-MoE's shape (per-head q/k norms, no shared expert; saved with expert parallelism) and BERT (masked LM); the
 same GPT-MoE with DeepSeek-V3's router and auxiliary-loss-free balancing under pp2 and stand-alone (its selection
-biases, moved every step, come back from the checkpoint: the routing and so the losses go on as uninterrupted). The pipeline pairs failed before: the last stage's copy of the tied
-embedding found no optimizer state of its own in a checkpoint without stages, and an MoE model without router loss
-sent router statistics no loss used (so no gradient came back).
+biases, moved every step, come back from the checkpoint and go on bitwise as uninterrupted). The pipeline pairs
+failed before: the last stage's copy of the tied embedding found no optimizer state of its own in a checkpoint
+without stages, and an MoE model without router loss sent router statistics no loss used (so no gradient came
+back).
 
-Every family resumes under every layout. One 2-process job saves all three and resumes the tensor/pipeline pairs,
-one 4-process job the dp4 ones; the stand-alone references and resumes run in the test process."""
+Every family resumes under every layout (DeepSeek-V3's routing under pp2 and stand-alone). One 2-process job saves
+all four and resumes the tensor/pipeline pairs, one 4-process job the dp4 ones; the stand-alone references and
+resumes run in the test process."""
 
 from __future__ import annotations
 
