@@ -43,7 +43,7 @@ from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, Recompu
 from .context.checks import validate_context_layout
 # The data-parallel engines' names and torch's schedule names are the Layout's; re-exported from here too.
 from .layout import DDP_ZERO1, FSDP, NONE, REPLICATE, TORCH_SCHEDULE_NAMES, Layout  # noqa: F401
-from .layout_checks import check_batch, check_model, check_world
+from .layout_checks import check_run, check_world
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 # MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
@@ -295,9 +295,7 @@ class ParallelConfig(_Section):
         if self.parallel_mode == "auto_parallel":
             return layout
         check_world(self, layout)
-        if model_config is not None:
-            check_model(layout, model_config, task=task, sequence_length=sequence_length)
-        check_batch(layout, per_device_batch, global_batch)
+        check_run(layout, model_config, per_device_batch, global_batch, task=task, sequence_length=sequence_length)
         return layout
 
     def validate_for(

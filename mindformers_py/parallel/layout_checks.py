@@ -53,6 +53,17 @@ def check_world(config: Any, layout: Layout) -> None:
         )
 
 
+def check_run(layout: Layout, model_config: Any = None, per_device_batch: int | None = None,
+              global_batch: int | None = None, *, task: str | None = None, sequence_length: int | None = None) -> None:
+    """The checks of ``layout`` against the model config (when given: :func:`check_model`) and the batch sizes
+    (:func:`check_batch`). :meth:`ParallelConfig.resolve <.config.ParallelConfig.resolve>` runs them; a run that
+    resolves its layout before the model is final (the recipe runner, before its data sets ``num_labels`` or the
+    vocabulary) runs them once the model is."""
+    if model_config is not None:
+        check_model(layout, model_config, task=task, sequence_length=sequence_length)
+    check_batch(layout, per_device_batch, global_batch)
+
+
 def check_model(layout: Layout, cfg: Any, task: str | None = None, sequence_length: int | None = None) -> None:
     """Refuse a layout the model config ``cfg`` cannot be split by: heads, FFN, experts and (sharded) vocabulary
     against ``tp``, layers against the pipeline's chunks, experts against ``ep``, and context parallelism against
