@@ -87,7 +87,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if foreign:
         raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
                           f"recipe's task is {task.name!r}")
-    args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
+    # field names and values, before anything slow; the layout the arguments hold is the recipe's (whose recompute
+    # activation_checkpointing may turn on)
+    args = arguments_class(**{**training, "task": task.name, "parallel_config": parallel})
     _check_output_dir(args, run_mode)
     peft_config = recipe_peft_config(recipe, task.name)
     if peft_config is not None and adapter_dir is not None and run_mode in ("train", "finetune"):
@@ -117,9 +119,10 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
 
         trainable = adapter_parameter_count(peft_config, config, task.name) if peft_config is not None else None
-        parallel = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
-        # the arguments' config: activation_checkpointing may turn its recompute on. A world it cannot hold fails here.
-        layout = args.with_layout(parallel).parallel_config.resolve(world)
+        planned = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
+        if planned is not parallel:
+            parallel, args = planned, args.with_layout(planned)
+        layout = args.parallel_config.resolve(world)  # a world it cannot hold fails here
     if run_mode in ("train", "finetune", "eval"):  # refused now, not at the first evaluation after training
         from ..trainer.seq2seq import check_generation_layout
 
@@ -127,6 +130,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if parallel.ignored_sizes_warning(layout):  # e.g. stand_alone with data_parallel=2: say so, record what runs
         logger.warning("%s", parallel.ignored_sizes_warning(layout))
         parallel = parallel.without_ignored_sizes()
+        args = args.with_layout(parallel)  # recorded with the sizes that run (the layout is the same)
     recipe["parallel"] = parallel.to_dict()
 
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
@@ -176,8 +180,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     from ..adapters.apply import with_saved_adapter
     from ..loading import deferred_loading
 
-    # bf16="auto" stays "auto" (recorded so, and said so in the run); the Trainer's engine takes the layout as is
-    args = args.with_layout(parallel).with_resolved_layout(layout)
+    args = args.with_resolved_layout(layout)  # the Trainer's engine takes the layout as it is
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     # A worker of a multi-process layout builds the model on meta: its engine fills only this rank's shards.
