@@ -298,6 +298,12 @@ class TrainingArguments:
         out._resolved_layout = layout
         return out
 
+    @property
+    def resolved_layout(self) -> Layout | None:
+        """The layout :meth:`with_resolved_layout` gave these arguments (None: the Trainer resolves
+        ``parallel_config`` itself)."""
+        return getattr(self, "_resolved_layout", None)
+
     def to_json_string(self) -> str:
         """The fields as indented JSON (saved beside checkpoints as ``training_args.json``)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)

@@ -176,8 +176,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         it; in this process, or in each worker the Trainer started (:mod:`.local_workers`). The layout is resolved
         here, once, against the model, the batch and the task, unless the process that started this one resolved it
         already and sent it with the arguments (:meth:`TrainingArguments.with_resolved_layout`)."""
-        layout = getattr(self.args, "_resolved_layout", None)
-        self.engine = build_engine(layout or self.args.parallel_config, self.args,
+        self.engine = build_engine(self.args.resolved_layout or self.args.parallel_config, self.args,
                                    model_config=getattr(self.model, "config", None), seq_length=seq_length,
                                    task=self.task)
         self.engine.setup()
