@@ -80,7 +80,8 @@ def measure(seq: int, cp: int, args: argparse.Namespace) -> dict[str, float]:
     model = mf.GPTForCausalLM(model_config(args, seq)).train()
     context = None
     if cp > 1:
-        parallelize(model, config, build_mesh(config))
+        layout = config.resolve(cp)  # one context-parallel group: the world
+        parallelize(model, layout, build_mesh(layout))
         context = model.context_parallel
         context.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)

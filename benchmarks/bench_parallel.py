@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import mindformers_py as mf
-from mindformers_py.parallel import ParallelConfig, ParallelMesh, build_mesh, parallelize
+from mindformers_py.parallel import Layout, ParallelConfig, ParallelMesh, build_mesh, parallelize
 from mindformers_py.parallel.data import shard_optimizer
 from mindformers_py.parallel.pipelining.schedule import build_pipeline
 from mindformers_py.planner.search import estimate_memory
@@ -105,7 +105,7 @@ class Training:
     """Run once before the measured step (not counted): one-time work such as pipeline shape inference."""
 
 
-def build_plain(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> Training:
+def build_plain(model: nn.Module, config: Layout, mesh: ParallelMesh) -> Training:
     """A model that is one module on every rank: ``parallelize`` it, AdamW (ZeRO-1 wrapped when asked)."""
     parallelize(model, config, mesh)
     optimizer = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), mesh, config)
@@ -122,7 +122,7 @@ def build_plain(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) ->
     return Training([model], optimizer, forward, backward)
 
 
-def build_pipelined(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> Training:
+def build_pipelined(model: nn.Module, config: Layout, mesh: ParallelMesh) -> Training:
     """This rank's pipeline stages, each parallelized like a model; one schedule step runs forward and backward of
     every micro-batch, so ``forward`` does both (and the counter sees the schedule's in-flight peak)."""
     pipe = build_pipeline(model, config, mesh,
@@ -141,7 +141,7 @@ def build_pipelined(model: nn.Module, config: ParallelConfig, mesh: ParallelMesh
 
 
 # (predicate on the config, builder): the first whose predicate holds builds the layout.
-BUILDERS: list[tuple[Callable[[ParallelConfig], bool], Callable[..., Training]]] = [
+BUILDERS: list[tuple[Callable[[Layout], bool], Callable[..., Training]]] = [
     (lambda config: config.pp == 1, build_plain),
     (lambda config: config.pp > 1, build_pipelined),
 ]
@@ -228,7 +228,7 @@ def model_config(args: argparse.Namespace) -> mf.GPTConfig:
 
 def measure(name: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[str, int]:
     """One training step of layout ``name`` on this rank; returns the byte counts of the module docstring."""
-    config = ParallelConfig(**fields)
+    config = ParallelConfig(**fields).resolve(int(os.environ.get("WORLD_SIZE", "1")))
     mesh = build_mesh(config)
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(model_config(args)).train()

@@ -16,7 +16,7 @@ _EXPORTS = {
     **dict.fromkeys(["LossFn", "StepLoss", "TrainingLoss"], ".step_loss"),
     "DistributedEngine": ".distributed",
     "PipelineEngine": ".pipeline_engine",
-    **dict.fromkeys(["build_engine", "current_world_size", "plan_layout", "register_engine"], ".registry"),
+    **dict.fromkeys(["build_engine", "current_world_size", "plan_layout", "register_engine", "resolve_layout"], ".registry"),
 }
 
 __all__ = sorted(_EXPORTS)

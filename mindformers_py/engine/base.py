@@ -26,7 +26,7 @@ from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model,
 from ..errors import ConfigError
 from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
-from ..parallel.config import FSDP, ParallelConfig
+from ..parallel.layout import FSDP, Layout
 from ..parallel.recompute import apply_recompute
 from ..utils.batch_rows import batch_rows, first_rows
 from ..utils.disk_space import check_free_space
@@ -50,6 +50,8 @@ class Engine:
         cp_size: context-parallel ranks that split each sequence of this rank's batches (1 here).
         device: where the model, batches and losses live.
         scaler: the fp16 ``GradScaler`` (None unless ``fp16``).
+        layout: the run's resolved :class:`~mindformers_py.parallel.layout.Layout` (checked once, when it was
+            resolved; the engine reads it and checks nothing again).
         plan_summary: why the ``auto_parallel`` planner chose this engine's layout (None for a given layout).
     """
 
@@ -57,8 +59,8 @@ class Engine:
     """Whether the Trainer may compute a causal-LM loss from the model's body and head directly (the model is not
     wrapped, so calling its submodules is the same as calling it)."""
 
-    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
-        self.parallel_config = parallel_config
+    def __init__(self, layout: Layout, args: EngineArguments) -> None:
+        self.layout = layout
         self.args = args
         self.rank = 0
         self.world_size = 1
@@ -83,8 +85,7 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Check the layout against this process group and pick the device and precision tools."""
-        self.parallel_config.validate_for(self.world_size)
+        """Pick the device and precision tools."""
         self._pick_device()
         if self.args.fp16:
             if self.device.type != "cuda":
@@ -98,7 +99,7 @@ class Engine:
     def keeps_freed_cpu_memory(self) -> bool:
         """Whether this engine's layout gains from ``cpu_keep_freed_memory`` (not where FSDP2 shards the model:
         see :attr:`~mindformers_py.trainer.arguments.TrainingArguments.cpu_keep_freed_memory`)."""
-        return self.parallel_config.data_parallel_engine != FSDP
+        return self.layout.data_parallel_engine != FSDP
 
     def _pick_device(self) -> None:
         """This process's device: the current CUDA device when visible and not ``use_cpu``, else the CPU (whose
@@ -134,11 +135,9 @@ class Engine:
         and parameters the Trainer uses. ``task`` is the task the Trainer trains (its task registry entry), for
         engines whose model parts must know it (pipeline stages); None lets the model say.
         """
-        self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
-                                          per_device_batch=self.args.per_device_train_batch_size)
         materialize(model, self.device)  # a model built on meta for a layout: one process holds it all
         model.to(self.device)
-        apply_recompute(model, self.parallel_config.recompute)
+        apply_recompute(model, self.layout.recompute)
         if not self.args.torch_compile:
             return model
         backend = self.args.torch_compile_backend or "inductor"

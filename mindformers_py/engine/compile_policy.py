@@ -31,15 +31,15 @@ def resolve_torch_compile(torch_compile: bool | str, use_cpu: bool, parallel_con
     context parallelism nor is left to the ``auto_parallel`` planner."""
     if torch_compile != AUTO:
         return bool(torch_compile)
-    return _auto_decision(use_cpu, parallel_config)[0]
+    return auto_decision(use_cpu, parallel_config)[0]
 
 
 def auto_reason(use_cpu: bool, parallel_config: Any = None) -> str:
     """Why ``"auto"`` decided as :func:`resolve_torch_compile` did, in words for the run's log."""
-    return _auto_decision(use_cpu, parallel_config)[1]
+    return auto_decision(use_cpu, parallel_config)[1]
 
 
-def _auto_decision(use_cpu: bool, parallel_config: Any) -> tuple[bool, str]:
+def auto_decision(use_cpu: bool, parallel_config: Any = None) -> tuple[bool, str]:
     """What ``"auto"`` decides, and why (one place for both, so the log cannot say other than what was done)."""
     device = training_device(use_cpu).type
     if device != "cuda":

@@ -48,14 +48,13 @@ from ..errors import CheckpointError, ConfigError
 from ..layers.loss import IGNORE_INDEX
 from ..loading.deferred import has_meta_parameters, materialize
 from ..parallel import checkpoint as dcp_checkpoint
-from ..parallel.config import FSDP, REPLICATE, ParallelConfig
+from ..parallel.layout import FSDP, REPLICATE, Layout
 from ..parallel.context.apply import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
-from ..task_registry import task_of_model
 from ..utils.disk_space import check_free_space
 from ..utils.manifest import first_problem, manifest_problem
 from ..utils.safetensors_io import load_state_dict
@@ -85,8 +84,8 @@ class DistributedEngine(Engine):
     runs_pipelines: bool = False
     """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline.PipelineEngine` does)."""
 
-    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
-        super().__init__(parallel_config, args)
+    def __init__(self, layout: Layout, args: EngineArguments) -> None:
+        super().__init__(layout, args)
         self.mesh: ParallelMesh | None = None
         self.context: ContextParallel | None = None
         self._owns_process_group = False
@@ -106,23 +105,22 @@ class DistributedEngine(Engine):
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Join the process group, check the layout against it and build the mesh."""
+        """Join the process group and build the layout's mesh (the layout was checked when it was resolved)."""
         if self.args.fp16:
-            raise ConfigError(f"fp16=True is not supported with parallel_mode={self.parallel_config.parallel_mode!r} "
+            raise ConfigError(f"fp16=True is not supported with parallel_mode={self.layout.parallel_mode!r} "
                               "(FSDP2/DTensor have no float16 loss scaling here); use bf16=True")
         use_cuda = torch.cuda.is_available() and not self.args.use_cpu
         self._owns_process_group = not dist.is_initialized()
         init_distributed(backend=None if use_cuda else "gloo", timeout_s=collective_timeout(self.args.ddp_timeout))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.parallel_config.validate_for(self.world_size)
-        if self.parallel_config.pp > 1 and not self.runs_pipelines:
-            raise ConfigError(f"pipeline_stage={self.parallel_config.pp} needs the pipeline engine; "
+        if self.layout.pp > 1 and not self.runs_pipelines:
+            raise ConfigError(f"pipeline_stage={self.layout.pp} needs the pipeline engine; "
                               f"{type(self).__name__} runs layouts without pipeline stages")
         self._pick_device()
-        self.mesh = build_mesh(self.parallel_config, shard_size=self.parallel_config.shard_size, device_type=self.device.type)
+        self.mesh = build_mesh(self.layout, device_type=self.device.type)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.cp_size = self.mesh.cp
-        self.context = ContextParallel(self.mesh, self.parallel_config) if self.mesh.cp > 1 else None
+        self.context = ContextParallel(self.mesh, self.layout) if self.mesh.cp > 1 else None
         # Background checkpoint writes run their collectives on a group of their own, never interleaved with the
         # step's on the default group (gloo: DCP stages to host memory).
         self._checkpoint_group = dist.new_group(backend="gloo") if self.args.save_async else None
@@ -152,12 +150,10 @@ class DistributedEngine(Engine):
     # -- model and optimizer --------------------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module, task: Any = None) -> nn.Module:
-        """Check the model against the layout, move it to the device and parallelize it in place (its parameter
-        names stay the same; its class gains FSDP/DDP mix-ins). Every rank must build the same model."""
-        self.parallel_config.validate_for(self.world_size, getattr(model, "config", None),
-                                          per_device_batch=self.args.per_device_train_batch_size,
-                                          task=_task_name(model, task))
-        refuse_prompt_learning(model, f"parallel_mode={self.parallel_config.parallel_mode!r}")
+        """Move the model to the device and parallelize it in place (its parameter names stay the same; its class
+        gains FSDP/DDP mix-ins). Every rank must build the same model (the layout was checked against it when it was
+        resolved)."""
+        refuse_prompt_learning(model, f"parallel_mode={self.layout.parallel_mode!r}")
         self._optimizer_names = parameter_group_names(model)
         self._note_sequences(model, task)
         if self.context is not None:
@@ -174,9 +170,9 @@ class DistributedEngine(Engine):
         :func:`~mindformers_py.parallel.parallelize.parallelize`: tensor parallel, recompute, ``torch.compile``
         of each layer (``torch_compile``, ``torch_compile_mode``), data parallel / ZeRO with bf16 mixed precision
         under FSDP2. The one place every distributed engine's modules are parallelized."""
-        fsdp_family = self.parallel_config.data_parallel_engine in (FSDP, REPLICATE)
+        fsdp_family = self.layout.data_parallel_engine in (FSDP, REPLICATE)
         self._fsdp_mixed_precision = bool(self.args.bf16 and fsdp_family)
-        return parallelize(module, self.parallel_config, self.mesh,
+        return parallelize(module, self.layout, self.mesh,
                            param_dtype=torch.bfloat16 if self._fsdp_mixed_precision else None,
                            compile_layers=bool(self.args.torch_compile), compile_mode=self.args.torch_compile_mode,
                            compile_backend=self.args.torch_compile_backend,
@@ -188,7 +184,7 @@ class DistributedEngine(Engine):
         or its ZeRO-1 wrapper (:func:`~mindformers_py.parallel.data.shard_optimizer`)."""
         optimizer = super().build_optimizer(model)
         _fit_multi_tensor_kernels(optimizer)
-        return shard_optimizer(optimizer, self.mesh, self.parallel_config)
+        return shard_optimizer(optimizer, self.mesh, self.layout)
 
     # -- one optimizer step ---------------------------------------------------------------------------------------
 
@@ -198,7 +194,7 @@ class DistributedEngine(Engine):
 
     def loss_context(self) -> ContextManager[Any]:
         """``loss_parallel()`` when the vocabulary is sharded (the cross-entropy of sharded logits), else nothing."""
-        return loss_parallel() if self.parallel_config.vocab_parallel else contextlib.nullcontext()
+        return loss_parallel() if self.layout.vocab_parallel else contextlib.nullcontext()
 
     def forward_backward(self, model: nn.Module, micro_batches: Sequence[Mapping[str, Any]],
                          num_items_in_batch: torch.Tensor | None, loss_fn: LossFn | TrainingLoss,
@@ -247,7 +243,7 @@ class DistributedEngine(Engine):
         """Which tensors of a batch share a sequence length and what pads them, for sequence parallelism: the
         model input's side (its labels too, unless the model is an encoder-decoder, whose labels are the target
         side's)."""
-        if not self.parallel_config.sequence_parallel:
+        if not self.layout.sequence_parallel:
             return
         config = getattr(model, "config", None)
         pad = getattr(config, "pad_token_id", None)
@@ -265,7 +261,7 @@ class DistributedEngine(Engine):
         """``batch`` padded for sequence parallelism and the lengths :func:`cut_sequences` cuts outputs back to."""
         if not self._sequence_groups:
             return batch, {}
-        padded, lengths = pad_sequences(batch, self.parallel_config.tp, self._sequence_groups)
+        padded, lengths = pad_sequences(batch, self.layout.tp, self._sequence_groups)
         names = ["encoder", None] if len(lengths) == 2 else [None]
         return padded, {name: side for name, side in zip(names, lengths) if side is not None}
 
@@ -325,7 +321,7 @@ class DistributedEngine(Engine):
         flat = torch.cat([sums[k].detach().to(self.device, torch.float64).reshape(-1) for k in names]) if names \
             else torch.zeros(0, dtype=torch.float64, device=self.device)
         dist.all_reduce(flat)
-        flat /= self.parallel_config.tp
+        flat /= self.layout.tp
         out, start = {}, 0
         for name in names:
             size = sums[name].numel()
@@ -493,12 +489,6 @@ def _fit_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> None:
         kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in group["params"]}
         if len(kinds) > 1:
             group.update(foreach=False, fused=False)
-
-
-def _task_name(model: nn.Module, task: Any = None) -> str | None:
-    """The name of the task ``model`` trains: ``task``'s (the Trainer's), else the model's own."""
-    task = task if task is not None else task_of_model(model)
-    return getattr(task, "name", None)
 
 
 def _tied_names(model: nn.Module) -> set[str]:

@@ -33,12 +33,12 @@ from torch import nn
 
 from ..adapters.apply import adapted_model, is_peft_model, refuse_prompt_learning
 from ..errors import ConfigError
-from ..parallel.config import DDP_ZERO1, ParallelConfig
+from ..parallel.layout import DDP_ZERO1, Layout
 from ..parallel.pipelining.schedule import PipelineParallel, build_pipeline
 from ..parallel.pipelining.stages import carried_names
 from ..utils.safetensors_io import load_state_dict
 from .args import EngineArguments
-from .distributed import DistributedEngine, _task_name, global_grad_norm
+from .distributed import DistributedEngine, global_grad_norm
 from .optim import parameter_group_names
 from .step_loss import LossFn, TrainingLoss
 
@@ -52,8 +52,8 @@ class PipelineEngine(DistributedEngine):
 
     runs_pipelines = True
 
-    def __init__(self, parallel_config: ParallelConfig, args: EngineArguments) -> None:
-        super().__init__(parallel_config, args)
+    def __init__(self, layout: Layout, args: EngineArguments) -> None:
+        super().__init__(layout, args)
         self.pipeline: PipelineParallel | None = None
         self._model_name = ""
 
@@ -61,9 +61,7 @@ class PipelineEngine(DistributedEngine):
         """Cut ``model`` into stages computing ``task`` (the Trainer's; None: the model's own), keep and parallelize
         this rank's, and cut ``model`` down to them in place; returns the pipeline, which the Trainer calls to train
         and evaluate. Every rank must build the same model."""
-        config = self.parallel_config
-        config.validate_for(self.world_size, getattr(model, "config", None),
-                            per_device_batch=self.args.per_device_train_batch_size, task=_task_name(model, task))
+        config = self.layout
         if self.context is not None:
             self.context.task = task
         if config.data_parallel_engine == DDP_ZERO1:
@@ -90,7 +88,7 @@ class PipelineEngine(DistributedEngine):
         if loss.override is not None and self.pipeline is not None and self.pipeline.carries_state:
             carried = ", ".join(carried_names(self.pipeline.model_parts[-1]))
             raise ConfigError(
-                f"{loss.override} cannot run under pipeline_stage={self.parallel_config.pp}: "
+                f"{loss.override} cannot run under pipeline_stage={self.layout.pp}: "
                 f"{self._model_name} carries {carried} between stages, so the last stage does not have the whole "
                 "model's outputs to give it; use pipeline_stage=1 or the model's own loss")
 

@@ -8,6 +8,7 @@ from ..utils.lazy_exports import lazy_exports as _lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["MoEConfig", "ParallelConfig", "RecomputeConfig"], ".config"),
     **dict.fromkeys(["ParallelMesh", "build_mesh"], ".mesh"),
+    "Layout": ".layout",
     "parallelize": ".parallelize",
 }
 

@@ -8,8 +8,9 @@ Checking happens in two phases:
 
 * construction (and :meth:`ParallelConfig.validate`) checks what the config says on its own: types, ranges,
   known modes and schedules, micro-batches against pipeline stages, expert parallel dividing data parallel;
-* :meth:`ParallelConfig.validate_for` checks the config against the run: the world size, a model config
-  (heads, FFN size, vocabulary, layers and experts against the shard sizes) and the batch size.
+* :meth:`ParallelConfig.resolve` checks the config against the run: the world size, a model config
+  (heads, FFN size, vocabulary, layers and experts against the shard sizes) and the batch size
+  (:mod:`.layout_checks`), and returns the frozen :class:`~.layout.Layout` the run reads from then on.
 
 Values may come from Python, from a YAML section (:meth:`~_Section.from_dict`) or from CLI flags as strings
 (``"true"``, ``"2"``, ``"full"``, ``"attention_core,mlp"``); strings are converted at construction.
@@ -38,9 +39,11 @@ from ..utils.config_section import (_FALSE_STRINGS, _TRUE_STRINGS, _divisors, _p
 # RecomputeConfig, MoEConfig and their constants are re-exported so that ``mindformers_py.parallel.config``
 # stays the one import path for every config section and its constants.
 from ..layers.moe.config import ROUTING_POLICIES, ROUTING_POLICY_ALIASES, MoEConfig  # noqa: F401
-from ..layers.moe.config import expert_count, moe_config_of
 from .recompute_config import RECOMPUTE_MODES, SELECT_RECOMPUTE_CHOICES, RecomputeConfig  # noqa: F401
-from .context.checks import default_ulysses_degree, validate_context_layout, validate_context_model
+from .context.checks import validate_context_layout
+# The data-parallel engines' names and torch's schedule names are the Layout's; re-exported from here too.
+from .layout import DDP_ZERO1, FSDP, NONE, REPLICATE, TORCH_SCHEDULE_NAMES, Layout  # noqa: F401
+from .layout_checks import check_run, check_world
 
 PARALLEL_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 # MindFormers YAMLs write the mode as MindSpore's ParallelMode integer (3, hybrid_parallel, has no counterpart).
@@ -51,12 +54,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CONTEXT_PARALLEL_ALGOS = ("ring", "ulysses", "hybrid")
 CONTEXT_PARALLEL_ALIASES = {"colossalai_cp": "ring", "ring_attention": "ring", "ulysses_cp": "ulysses",
                             "hybrid_cp": "hybrid"}
-# Names understood by torch.distributed.pipelining.schedules.get_schedule_class.
-TORCH_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 ZERO_STAGES = (0, 1, 2, 3)
-# What serves data parallelism (see mindformers_py.parallel.data): nothing (one data-parallel rank), FSDP2's
-# replicate (stage 0), DDP + ZeroRedundancyOptimizer (stage 1 without tensor parallelism), FSDP2 (stages 2/3).
-NONE, REPLICATE, DDP_ZERO1, FSDP = "none", "replicate", "ddp_zero1", "fsdp"
 _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "virtual_pipeline_stages",
                 "expert_parallel", "context_parallel")
 
@@ -64,11 +62,6 @@ _SIZE_FIELDS = ("data_parallel", "model_parallel", "pipeline_stage", "micro_batc
 # ---------------------------------------------------------------------------------------------------------------
 # Parallel layout
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _processes(count: int) -> str:
-    """How to start ``count`` processes, for an error's fix."""
-    return f"{count} processes (torchrun --nproc_per_node {count}, or mindformers-py run without torchrun)"
 
 
 @dataclass
@@ -81,9 +74,10 @@ class ParallelConfig(_Section):
     ``semi_auto_parallel`` applies the layout as given; ``auto_parallel`` lets the planner choose it: the sizes
     are hints, not checked against the world size, and the planner's answer comes from :meth:`with_layout`.
 
-    The raw fields keep what the user wrote; the read-only properties ``dp``, ``cp``, ``tp``, ``pp``, ``ep``,
-    ``vpp``, ``micro_batches``, ``zero_stage``, ``sequence_parallel`` and ``vocab_parallel`` give what the engine
-    applies in the current mode.
+    The raw fields keep what the user wrote; :meth:`resolve` checks them against a run once and returns the
+    frozen :class:`~.layout.Layout` the run reads (the degrees ``dp``, ``cp``, ``tp``, ``pp``, ``ep``, the ZeRO
+    stage, the mesh). The read-only properties of those names give the same values for this config without the
+    run's checks (the planner's candidates).
     """
 
     _SUBSECTIONS: ClassVar[tuple[str, ...]] = ("recompute",)
@@ -267,7 +261,42 @@ class ParallelConfig(_Section):
                 f"{', '.join(map(str, _divisors(borrowed)))}"
             )
 
-    # -- phase (b): the config against a run --------------------------------------------------------------------
+    # -- phase (b): the config against a run, once: the resolved Layout ----------------------------------------
+
+    def resolve(
+        self,
+        world_size: int,
+        model_config: Any = None,
+        per_device_batch: int | None = None,
+        global_batch: int | None = None,
+        *,
+        task: str | None = None,
+        sequence_length: int | None = None,
+    ) -> Layout:
+        """Check the config against a run and return its frozen :class:`~.layout.Layout` (the degrees applied, the
+        data-parallel engine, the mesh shape): ``world_size`` processes, a model config and batch sizes (and, for
+        context parallelism, the task and the tokens per sequence when known). A run resolves its config once;
+        everything downstream takes the ``Layout`` and checks nothing again.
+
+        ``model_config`` is any object with ``num_attention_heads``, ``num_key_value_heads`` (None = heads),
+        ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``fixed_sequence_length`` (models whose every
+        input has that many tokens, such as ViT) and, for MoE, ``num_experts`` / ``expert_num`` /
+        ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
+        ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
+        all data-parallel ranks (before gradient accumulation). ``task`` (a task registry name) and
+        ``sequence_length`` let context parallelism refuse a head or a length it cannot split
+        (:func:`~.context.checks.validate_context_model`). In ``auto_parallel`` mode only ``world_size`` is
+        checked (the layout's sizes are the planner's hints): resolve the planner's :meth:`with_layout` result.
+        """
+        self.validate()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size={world_size!r} is not valid; expected an integer >= 1")
+        layout = Layout.of(self, world_size)
+        if self.parallel_mode == "auto_parallel":
+            return layout
+        check_world(self, layout)
+        check_run(layout, model_config, per_device_batch, global_batch, task=task, sequence_length=sequence_length)
+        return layout
 
     def validate_for(
         self,
@@ -279,121 +308,10 @@ class ParallelConfig(_Section):
         task: str | None = None,
         sequence_length: int | None = None,
     ) -> None:
-        """Check the config against a run: ``world_size`` processes, a model config and batch sizes (and, for
-        context parallelism, the task and the tokens per sequence when known).
-
-        ``model_config`` is any object with ``num_attention_heads``, ``num_key_value_heads`` (None = heads),
-        ``intermediate_size``, ``vocab_size``, ``num_hidden_layers``, ``fixed_sequence_length`` (models whose every
-        input has that many tokens, such as ViT) and, for MoE, ``num_experts`` / ``expert_num`` /
-        ``num_local_experts`` or a ``moe_config``; missing attributes are not checked.
-        ``per_device_batch`` is the batch of one data-parallel rank, ``global_batch`` the batch of one step over
-        all data-parallel ranks (before gradient accumulation). ``task`` (a task registry name) and
-        ``sequence_length`` let context parallelism refuse a head or a length it cannot split
-        (:func:`~.context.checks.validate_context_model`). In ``auto_parallel`` mode only ``world_size`` is
-        checked: validate the planner's :meth:`with_layout` result instead.
-        """
-        self.validate()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world_size={world_size!r} is not valid; expected an integer >= 1")
-        mode = self.parallel_mode
-        if mode == "auto_parallel":
-            return
-        if mode == "stand_alone" and world_size != 1:
-            raise ConfigError(
-                f"parallel_mode='stand_alone' is not valid with world_size={world_size} (it runs one process); "
-                "choose one of: 'data_parallel', 'semi_auto_parallel', 'auto_parallel'"
-            )
-        if mode == "data_parallel" and self.data_parallel != world_size:
-            raise ConfigError(
-                f"data_parallel={self.data_parallel} does not match world_size={world_size}; "
-                f"expected data_parallel={world_size} with parallel_mode='data_parallel', or run "
-                f"{_processes(self.data_parallel)}"
-            )
-        if mode == "semi_auto_parallel" and self.required_world_size() != world_size:
-            cp = "*context_parallel" if self.context_parallel > 1 else ""
-            cp_size = f"*{self.context_parallel}" if self.context_parallel > 1 else ""
-            others = self.context_parallel * self.model_parallel * self.pipeline_stage
-            borrowed = self.context_parallel  # expert ranks are borrowed from data x context parallel ranks
-            fits = world_size % others == 0 and (world_size // others * borrowed) % self.expert_parallel == 0
-            fix = f"set data_parallel={world_size // others}" if fits else "change the layout"
-            raise ConfigError(
-                f"data_parallel{cp}*model_parallel*pipeline_stage = {self.data_parallel}{cp_size}*{self.model_parallel}*"
-                f"{self.pipeline_stage} = {self.required_world_size()} does not match world_size={world_size}; run "
-                f"{_processes(self.required_world_size())}, or {fix}"
-            )
-        if model_config is not None:
-            self._validate_model(model_config)
-            validate_context_model(self, model_config, task=task, sequence_length=sequence_length)
-        self._validate_batch(per_device_batch, global_batch)
-
-    def _validate_model(self, cfg: Any) -> None:
-        tp = self.tp
-        heads = getattr(cfg, "num_attention_heads", None)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        sharded = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                   "intermediate_size": getattr(cfg, "intermediate_size", None)}
-        moe = moe_config_of(cfg)
-        if moe is not None:  # tensor parallelism splits routed and shared experts like the MLP
-            sharded["moe_config.moe_intermediate_size"] = moe.expert_size(cfg.intermediate_size)
-            if moe.shared_expert_num:
-                sharded["moe_config.shared_expert_intermediate_size"] = moe.shared_expert_size(cfg.intermediate_size)
-        if self.vocab_parallel:
-            sharded["vocab_size"] = getattr(cfg, "vocab_size", None)
-        sharded = {k: v for k, v in sharded.items() if isinstance(v, int)}
-        for name, size in sharded.items():
-            if size % tp:
-                allowed = _divisors(math.gcd(*sharded.values()))
-                raise ConfigError(
-                    f"model_parallel={tp} does not divide the model's {name}={size}; "
-                    f"choose one of: {', '.join(map(str, allowed))}"
-                )
-        tokens = getattr(cfg, "fixed_sequence_length", None)  # models whose every input has this many tokens (ViT)
-        if self.sequence_parallel and isinstance(tokens, int) and tokens % tp:
-            raise ConfigError(
-                f"use_seq_parallel=True splits the model's {tokens} tokens per sample over model_parallel={tp} ranks, "
-                f"which does not divide them; choose a model_parallel dividing {tokens}, another image_size/patch_size, "
-                "or use_seq_parallel=False")
-        num_layers = getattr(cfg, "num_hidden_layers", None)
-        if getattr(cfg, "is_encoder_decoder", False) and isinstance(getattr(cfg, "num_decoder_layers", None), int):
-            num_layers += cfg.num_decoder_layers  # the stages split the encoder's layers, then the decoder's
-        chunks = self.pp * self.vpp
-        if isinstance(num_layers, int) and num_layers < chunks:
-            what = f"pipeline_stage*virtual_pipeline_stages = {self.pp}*{self.vpp} = " if self.vpp > 1 \
-                else "pipeline_stage="
-            raise ConfigError(
-                f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
-                f"expected at most {num_layers} model chunks (each needs a layer)"
-            )
-        experts, source = expert_count(cfg)
-        if experts is None and self.ep > 1:
-            raise ConfigError(f"expert_parallel={self.ep} is not valid for a model without experts (a dense model); "
-                              "expected expert_parallel=1, or a model with experts (MoE)")
-        if experts is not None and experts % self.ep:
-            raise ConfigError(
-                f"expert_parallel={self.ep} does not divide the model's {source}={experts}; choose one of: "
-                f"{', '.join(str(d) for d in _divisors(experts) if (self.dp * self.cp) % d == 0)}"
-            )
-        if experts is not None and self.sequence_parallel:
-            raise ConfigError("use_seq_parallel=True is not supported for a model with experts (MoE): the router "
-                              "statistics need whole sequences on each rank; set use_seq_parallel=false")
-
-    def _validate_batch(self, per_device_batch: int | None, global_batch: int | None) -> None:
-        if per_device_batch is not None:
-            per_device_batch = _to_int("per_device_train_batch_size", per_device_batch)
-            if per_device_batch % self.micro_batches:
-                raise ConfigError(
-                    f"per_device_train_batch_size={per_device_batch} is not divisible by micro_batch_num="
-                    f"{self.micro_batches}; "
-                    f"expected a multiple of {self.micro_batches} (pipeline micro-batches split each rank's batch)"
-                )
-        if global_batch is not None:
-            global_batch = _to_int("global_batch", global_batch)
-            unit = self.dp * self.micro_batches
-            if global_batch % unit:
-                raise ConfigError(
-                    f"global_batch={global_batch} is not divisible by data_parallel*micro_batch_num = "
-                    f"{self.dp}*{self.micro_batches} = {unit}; expected a multiple of {unit}"
-                )
+        """Check the config against a run, as :meth:`resolve` does, keeping nothing (the planner's candidates, a
+        user's own check): a run resolves instead and keeps the :class:`~.layout.Layout`."""
+        self.resolve(world_size, model_config, per_device_batch, global_batch, task=task,
+                     sequence_length=sequence_length)
 
     # -- layout helpers for the launcher, the planner and the engine --------------------------------------------
 
@@ -401,7 +319,7 @@ class ParallelConfig(_Section):
         """Processes this config asks for: 1 (stand_alone), ``data_parallel`` (data_parallel), or
         data_parallel*context_parallel*model_parallel*pipeline_stage (semi_auto_parallel; auto_parallel's hint
         sizes)."""
-        return self.dp * self.cp * self.tp * self.pp
+        return Layout.of(self).required_world_size()
 
     def with_layout(self, data_parallel: int, model_parallel: int = 1, pipeline_stage: int = 1,
                     **fields: Any) -> ParallelConfig:
@@ -416,42 +334,21 @@ class ParallelConfig(_Section):
                                             "model_parallel": model_parallel, "pipeline_stage": pipeline_stage})
 
     def describe(self) -> str:
-        """The layout applied, in one line: ``dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full`` (then the pipeline
-        schedule, sequence and vocabulary parallelism where they apply; ``cp=2 (ring)`` after ``dp`` with context
-        parallelism). Runs print it at start."""
-        cp = f" cp={self.cp} ({self.context_parallel_algo})" if self.cp > 1 else ""
-        parts = [f"dp={self.dp}{cp} tp={self.tp} pp={self.pp} ep={self.ep}"]
-        if self.pp > 1:
-            chunks = f" x{self.vpp} chunks" if self.vpp > 1 else ""
-            parts.append(f"{self.pipeline_schedule}{chunks} over {self.micro_batches} micro-batches")
-        zero = f"ZeRO-{self.zero_stage}" if self.zero_stage else "no ZeRO"
-        parts.append(zero + (f" (HSDP, shard groups of {self.shard_size})" if self.shard_size else ""))
-        recompute = self.recompute
-        mode = "off" if not recompute.enabled else recompute.recompute
-        if recompute.enabled and recompute.recompute == "selective":
-            mode += "(" + "+".join(recompute.select_recompute) + ")"
-        if recompute.enabled and recompute.recompute_num_layers is not None:
-            layers = recompute.recompute_num_layers
-            mode += f" on {list(layers) if isinstance(layers, tuple) else layers} layer(s) per stage"
-        parts.append(f"recompute={mode}")
-        if self.sequence_parallel:
-            parts.append("sequence parallel")
-        elif self.use_seq_parallel:  # asked for, not applied: said rather than silently ignored
-            parts.append("use_seq_parallel ignored (it splits sequences over model_parallel > 1 ranks)")
-        if self.vocab_parallel:
-            parts.append("vocabulary sharded")
-        return ", ".join(parts)
+        """The layout this config applies, in one line (:meth:`Layout.describe <.layout.Layout.describe>`)."""
+        return Layout.of(self).describe()
 
-    def ignored_sizes(self) -> dict[str, int]:
+    def ignored_sizes(self, layout: Layout | None = None) -> dict[str, int]:
         """Layout sizes above 1 that this ``parallel_mode`` does not apply (``stand_alone`` runs one process whatever
-        ``data_parallel`` says), by field name; a run warns about them rather than pretend they ran."""
-        applied = {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                   "expert_parallel": self.ep, "context_parallel": self.cp}
+        ``data_parallel`` says), by field name; a run warns about them rather than pretend they ran. ``layout``: this
+        config's resolved layout, when there is one (else the degrees are derived here)."""
+        layout = layout or Layout.of(self)
+        applied = {"data_parallel": layout.dp, "model_parallel": layout.tp, "pipeline_stage": layout.pp,
+                   "expert_parallel": layout.ep, "context_parallel": layout.cp}
         return {name: getattr(self, name) for name, size in applied.items() if getattr(self, name) != size}
 
-    def ignored_sizes_warning(self) -> str | None:
+    def ignored_sizes_warning(self, layout: Layout | None = None) -> str | None:
         """One line saying which sizes this mode leaves unapplied and how to apply them; None when all apply."""
-        ignored = self.ignored_sizes()
+        ignored = self.ignored_sizes(layout)
         if not ignored:
             return None
         sizes = ", ".join(f"{name}={size}" for name, size in ignored.items())
@@ -470,96 +367,16 @@ class ParallelConfig(_Section):
         """Whether the run uses torch.distributed (every mode except ``stand_alone``)."""
         return self.parallel_mode != "stand_alone"
 
-    @property
-    def _layout_applies(self) -> bool:
-        return self.parallel_mode in ("semi_auto_parallel", "auto_parallel")
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel size applied (1 in stand_alone)."""
-        return self.data_parallel if self.is_distributed else 1
+def _derived(name: str) -> property:
+    """``ParallelConfig.<name>``: :class:`~.layout.Layout`'s ``<name>`` for this config, derived without the run's
+    checks (:meth:`Layout.of <.layout.Layout.of>`): what the planner and a user read; a run reads its resolved
+    ``Layout``."""
+    return property(lambda self: getattr(Layout.of(self), name),
+                    doc=f"``{name}`` as this config applies it in its mode (see :attr:`Layout.{name} <.layout.Layout>`).")
 
-    @property
-    def tp(self) -> int:
-        """Tensor (model) parallel size applied (1 in stand_alone and data_parallel modes)."""
-        return self.model_parallel if self._layout_applies else 1
 
-    @property
-    def pp(self) -> int:
-        """Pipeline-parallel size applied (1 in stand_alone and data_parallel modes)."""
-        return self.pipeline_stage if self._layout_applies else 1
-
-    @property
-    def cp(self) -> int:
-        """Context-parallel size applied (1 in stand_alone and data_parallel modes)."""
-        return self.context_parallel if self._layout_applies else 1
-
-    @property
-    def cp_ulysses(self) -> int:
-        """Ranks of each Ulysses (all-to-all) group of the context parallelism applied: ``cp`` under ``ulysses``,
-        ``ulysses_degree_in_cp`` (or its default) under ``hybrid``, 1 under ``ring``."""
-        if self.cp == 1 or self.context_parallel_algo == "ring":
-            return 1
-        if self.context_parallel_algo == "ulysses":
-            return self.cp
-        return self.ulysses_degree_in_cp or default_ulysses_degree(self.cp)
-
-    @property
-    def cp_ring(self) -> int:
-        """Ranks of each ring of the context parallelism applied (``cp / cp_ulysses``)."""
-        return self.cp // self.cp_ulysses
-
-    @property
-    def ep(self) -> int:
-        """Expert-parallel size applied (1 in stand_alone and data_parallel modes)."""
-        return self.expert_parallel if self._layout_applies else 1
-
-    @property
-    def vpp(self) -> int:
-        """Model chunks per pipeline rank applied (1 without pipeline parallelism)."""
-        return self.virtual_pipeline_stages if self.pp > 1 else 1
-
-    @property
-    def micro_batches(self) -> int:
-        """Pipeline micro-batches per step applied (1 without pipeline parallelism)."""
-        return self.micro_batch_num if self.pp > 1 else 1
-
-    @property
-    def shard_size(self) -> int | None:
-        """FSDP shard-group size for ZeRO 2/3 (None: all data-parallel ranks); below ``dp`` it means HSDP."""
-        size = self.optimizer_weight_shard_size
-        return None if size == -1 or size >= self.dp else size
-
-    @property
-    def zero_stage(self) -> int:
-        """ZeRO stage applied, 0..3 (0 when there is only one data-parallel rank and no context parallelism: the
-        ranks that reduce gradients together are data x context parallel, as in torchtitan)."""
-        return self.optimizer_shard if self.dp * self.cp > 1 else 0
-
-    @property
-    def data_parallel_engine(self) -> str:
-        """What serves the data parallelism applied: ``"none"`` (one data-parallel rank), ``"replicate"`` (stage
-        0), ``"ddp_zero1"`` (stage 1 without tensor or expert parallelism) or ``"fsdp"`` (stages 2/3, and stage 1
-        under tensor or expert parallelism, where ZeroRedundancyOptimizer cannot update DTensor parameters)."""
-        if self.dp * self.cp == 1:
-            return NONE
-        if self.zero_stage == 0:
-            return REPLICATE
-        if self.zero_stage == 1 and self.tp == 1 and self.ep == 1:
-            return DDP_ZERO1
-        return FSDP
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Whether sequence parallelism is applied (needs more than one model-parallel rank)."""
-        return self.use_seq_parallel and self.tp > 1
-
-    @property
-    def vocab_parallel(self) -> bool:
-        """Whether the vocabulary is sharded across model-parallel ranks."""
-        return not self.vocab_emb_dp and self.tp > 1
-
-    @property
-    def torch_schedule_name(self) -> str:
-        """``pipeline_schedule`` as named by ``torch.distributed.pipelining.schedules.get_schedule_class``."""
-        return TORCH_SCHEDULE_NAMES[self.pipeline_schedule]
+for _name in ("dp", "cp", "tp", "pp", "ep", "vpp", "micro_batches", "cp_ulysses", "cp_ring", "zero_stage", "shard_size",
+              "data_parallel_engine", "sequence_parallel", "vocab_parallel", "torch_schedule_name"):
+    setattr(ParallelConfig, _name, _derived(_name))
+del _name

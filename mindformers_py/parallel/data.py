@@ -56,7 +56,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
-from .config import DDP_ZERO1, NONE, REPLICATE, ParallelConfig
+from .layout import DDP_ZERO1, NONE, REPLICATE, Layout
 from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
 
@@ -117,7 +117,7 @@ def _wrapped_name(module: nn.Module) -> str:
 def apply_data_parallel(
     model: nn.Module,
     mesh: ParallelMesh,
-    config: ParallelConfig,
+    config: Layout,
     param_dtype: torch.dtype | None = None,
     layers: Iterable[nn.Module] | None = None,
 ) -> nn.Module:
@@ -127,7 +127,7 @@ def apply_data_parallel(
     Args:
         model: the (possibly tensor-parallel) model or pipeline stage.
         mesh: the run's :class:`ParallelMesh`.
-        config: the layout; its ``zero_stage`` picks the engine (:attr:`ParallelConfig.data_parallel_engine`).
+        config: the layout; its ``zero_stage`` picks the engine (:attr:`Layout.data_parallel_engine <.layout.Layout.data_parallel_engine>`).
         param_dtype: compute dtype under FSDP2 (e.g. ``torch.bfloat16``); None computes in the parameters' dtype.
         layers: the modules made separate FSDP units; default :func:`layer_modules`.
     """
@@ -170,7 +170,7 @@ def apply_data_parallel(
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
-                    config: ParallelConfig) -> torch.optim.Optimizer:
+                    config: Layout) -> torch.optim.Optimizer:
     """The optimizer to train a model prepared by :func:`apply_data_parallel` with.
 
     Under ZeRO-1 on DDP, ``optimizer`` (built as usual over the model's parameter groups, its state still empty)

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..layers.moe.layer import GroupedExperts
-from .config import FSDP, NONE, ParallelConfig
+from .layout import FSDP, NONE, Layout
 from .data import mixed_precision_policy
 from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
@@ -114,7 +114,7 @@ def _replicated(method, wrapper: nn.Module, ep: int, *args, **kwargs):
     return tuple(place(t) for t in out) if isinstance(out, tuple) else place(out)
 
 
-def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
+def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: Layout,
                                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Make each experts module of ``model`` its own data-parallel unit over the ranks holding the same experts
     (FSDP2, sharded under ZeRO 2/3, replicated otherwise), dividing gradients by the whole data-parallel size.

@@ -33,15 +33,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..errors import ConfigError
 from ..models.cache_names import cache_output, output_cache
 from .config import ParallelConfig
+from .layout import Layout
 from .expert import apply_expert_parallel
 from .mesh import ParallelMesh
 from .pipelining.stages import layer_ranges, stage_plan
 from .tensor import apply_tensor_parallel
 
 
-def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any = None) -> ParallelConfig:
-    """The layout a pool of generation workers runs: the sizes as given (a ``stand_alone`` config asking for
-    ``model_parallel=2`` means two processes), checked against the model. A mapping may leave out ``micro_batch_num``
+def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any = None) -> Layout:
+    """The layout a pool of generation workers runs, resolved once: the sizes as given (a ``stand_alone`` config
+    asking for ``model_parallel=2`` means two processes), checked against the model. A mapping may leave out ``micro_batch_num``
     (pipeline micro-batches do not apply to generation). Refused in one line: ``auto_parallel`` (the planner plans
     training), sequence and context parallelism (a decode step has one token), data parallelism other than the ranks that hold an
     MoE model's experts, and pipeline stages of an encoder-decoder."""
@@ -64,15 +65,14 @@ def inference_layout(parallel_config: ParallelConfig | dict, model_config: Any =
             f"generates the same batch, so data_parallel must equal expert_parallel={config.expert_parallel} (the "
             "ranks that share an MoE model's experts); use model_parallel or pipeline_stage to split a model")
     config = dataclasses.replace(config, parallel_mode="semi_auto_parallel")
-    world = config.required_world_size()
-    config.validate_for(world, model_config)
-    if config.pp > 1 and getattr(model_config, "is_encoder_decoder", False):
-        raise ConfigError(f"parallel_config.pipeline_stage={config.pp} is not supported for generation with an "
+    layout = config.resolve(config.required_world_size(), model_config)
+    if layout.pp > 1 and getattr(model_config, "is_encoder_decoder", False):
+        raise ConfigError(f"parallel_config.pipeline_stage={layout.pp} is not supported for generation with an "
                           "encoder-decoder model; split it with model_parallel instead")
-    return config
+    return layout
 
 
-def generation_layout(model_config: Any, world_size: int) -> ParallelConfig | None:
+def generation_layout(model_config: Any, world_size: int) -> Layout | None:
     """A layout sharding the model over all ``world_size`` ranks for generation: tensor parallel with the vocabulary
     sharded too (embedding and head split like the rest), else tensor parallel alone, else pipeline stages; None when
     none of them fits the model (heads, vocabulary or layers that do not divide)."""
@@ -85,7 +85,7 @@ def generation_layout(model_config: Any, world_size: int) -> ParallelConfig | No
     return None
 
 
-def shard_for_inference(model: nn.Module, layout: ParallelConfig, mesh: ParallelMesh) -> nn.Module:
+def shard_for_inference(model: nn.Module, layout: Layout, mesh: ParallelMesh) -> nn.Module:
     """Shard ``model`` (on this rank's device, in eval mode, the same weights on every rank) for generation under
     ``layout``, in place: its pipeline stage's layers only, then tensor and expert parallelism. Returns ``model``."""
     if mesh.pp > 1:

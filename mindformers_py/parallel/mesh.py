@@ -1,4 +1,4 @@
-"""The device mesh of a run: torch's ``DeviceMesh`` with named dimensions built from a :class:`ParallelConfig`.
+"""The device mesh of a run: torch's ``DeviceMesh`` with named dimensions built from a resolved :class:`~.layout.Layout`.
 
 One 5-D world mesh ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` (torchtitan's layout, sizes of 1 kept so
 every dimension can always be named) covers every layout. Data parallelism is split in two so that ZeRO and HSDP
@@ -35,9 +35,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ConfigError
-from .config import FSDP, ParallelConfig
+from .layout import MESH_DIMS, Layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
 CONTEXT_MESH_DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
 DEFAULT_TIMEOUT_S = 600
@@ -236,50 +235,47 @@ class ParallelMesh:
         return self.local_rank("cp")
 
 
-def mesh_sizes(config: ParallelConfig, shard_size: int | None = None) -> dict[str, int]:
-    """Sizes of ``MESH_DIMS`` for ``config``.
+def mesh_sizes(layout: Layout, shard_size: int | None = None) -> dict[str, int]:
+    """Sizes of ``MESH_DIMS`` for ``layout`` (:meth:`Layout.mesh_sizes <.layout.Layout.mesh_sizes>`).
 
     When FSDP2 shards the state (ZeRO stages 2 and 3, see :mod:`.data`), it shards over ``shard_size``
-    data-parallel ranks (default: all of them, plain FSDP); a smaller ``shard_size`` keeps ``dp / shard_size``
-    replicas of each shard (HSDP, MindFormers' ``optimizer_weight_shard_size``). Otherwise all data-parallel
-    ranks are replicas.
+    data-parallel ranks (default: the layout's, else all of them, plain FSDP); a smaller ``shard_size`` keeps
+    ``dp / shard_size`` replicas of each shard (HSDP, MindFormers' ``optimizer_weight_shard_size``). Otherwise all
+    data-parallel ranks are replicas.
     """
-    dp = config.dp
-    shard = 1
-    if config.data_parallel_engine == FSDP:
-        shard = dp if shard_size is None else shard_size
-        if shard < 1 or dp % shard:
-            raise ConfigError(
-                f"optimizer shard size={shard_size} is not valid with data_parallel={dp}; expected a divisor of {dp}"
-            )
-    return {"pp": config.pp, "dp_replicate": dp // shard, "dp_shard": shard, "cp": config.cp, "tp": config.tp}
+    return layout.mesh_sizes(shard_size)
 
 
-def build_mesh(config: ParallelConfig, shard_size: int | None = None, device_type: str | None = None) -> ParallelMesh:
-    """The :class:`ParallelMesh` of ``config`` for this process, joining the process group if needed.
+def build_mesh(layout: Layout, shard_size: int | None = None, device_type: str | None = None) -> ParallelMesh:
+    """The :class:`ParallelMesh` of a resolved ``layout`` (:meth:`ParallelConfig.resolve
+    <.config.ParallelConfig.resolve>`) for this process, joining the process group if needed.
 
     ``stand_alone`` (or any layout of one process without a process group) gives a mesh-less
-    :class:`ParallelMesh`; otherwise the world size must equal the layout's size (checked by
-    :meth:`ParallelConfig.validate_for`, so the message names the offending fields).
+    :class:`ParallelMesh`. The layout was checked when it was resolved; only its world size is compared with the
+    process group's here.
     """
-    sizes = mesh_sizes(config, shard_size)
-    if not config.is_distributed and not dist.is_initialized():
+    if not isinstance(layout, Layout):
+        raise TypeError(f"build_mesh takes a resolved Layout (ParallelConfig.resolve), not a {type(layout).__name__}")
+    sizes = mesh_sizes(layout, shard_size)
+    if not layout.is_distributed and not dist.is_initialized():
         return ParallelMesh(world=None, **{k: 1 for k in sizes})
     init_distributed()
-    config.validate_for(dist.get_world_size())
+    if dist.get_world_size() != layout.world_size:
+        raise ConfigError(f"the layout was resolved for world_size={layout.world_size}, but this process group has "
+                          f"{dist.get_world_size()} processes; resolve it for this run (ParallelConfig.resolve)")
     device_type = device_type or default_device_type()
     shape = tuple(sizes[d] for d in MESH_DIMS)
     world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     experts = context = None
-    if config.ep > 1:
+    if layout.ep > 1:
         # The same ranks, data (x context) parallelism split the other way: rank order (pp, dp, cp, tp) with the
         # index over data x context parallel ranks d * cp + c = dp_mod_ep * ep + ep index, so both meshes agree.
-        experts = init_device_mesh(device_type, (config.pp, config.dp * config.cp // config.ep, config.ep, config.tp),
+        experts = init_device_mesh(device_type, (layout.pp, layout.dp * layout.cp // layout.ep, layout.ep, layout.tp),
                                    mesh_dim_names=EXPERT_MESH_DIMS)
-    if 1 < config.cp_ulysses < config.cp:  # hybrid: the context-parallel index c = ring index * ulysses + its member
-        context = init_device_mesh(device_type, (config.pp, config.dp, config.cp_ring, config.cp_ulysses, config.tp),
+    if 1 < layout.cp_ulysses < layout.cp:  # hybrid: the context-parallel index c = ring index * ulysses + its member
+        context = init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp_ring, layout.cp_ulysses, layout.tp),
                                    mesh_dim_names=CONTEXT_MESH_DIMS)
-    mesh = ParallelMesh(world=world, ep=config.ep, expert_world=experts, cp_ulysses=config.cp_ulysses,
+    mesh = ParallelMesh(world=world, ep=layout.ep, expert_world=experts, cp_ulysses=layout.cp_ulysses,
                         context_world=context, **sizes)
     # Every group the run uses is created now (the flattened dimensions too), and every rank finishes before any
     # goes on: a rank that then stops at once (a refused layout) must not take the rendezvous store down while

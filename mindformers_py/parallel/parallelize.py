@@ -1,4 +1,4 @@
-"""``parallelize``: apply a :class:`ParallelConfig` to a model in torchtitan's fixed order.
+"""``parallelize``: apply a resolved :class:`~.layout.Layout` to a model in torchtitan's fixed order.
 
 1. tensor parallelism (and sequence / vocabulary parallelism) from the model's declared plans (:mod:`.tensor`);
 2. expert parallelism: MoE experts sharded over the expert (and tensor) parallel ranks, tokens exchanged by
@@ -24,7 +24,7 @@ from torch import nn
 
 from .adapter_layers import adapted_model
 from .compile import compile_layers as compile_each_layer
-from .config import FSDP, ParallelConfig
+from .layout import FSDP, Layout
 from .context.apply import ContextParallel, apply_context_parallel
 from .context.checks import check_compile
 from .data import apply_data_parallel
@@ -36,7 +36,7 @@ from .tensor import apply_tensor_parallel
 
 def parallelize(
     model: nn.Module,
-    parallel_config: ParallelConfig,
+    layout: Layout,
     mesh: ParallelMesh,
     *,
     param_dtype: torch.dtype | None = None,
@@ -47,12 +47,12 @@ def parallelize(
     context: ContextParallel | None = None,
     materialize: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
-    """Apply ``parallel_config`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
+    """Apply ``layout`` to ``model`` (or one pipeline stage of it) in place; returns ``model``.
 
     Args:
         model: the model, already on this rank's device, built identically on every rank (same seed or same
             checkpoint), so replicated parts agree everywhere.
-        parallel_config: the layout.
+        layout: the resolved layout (:meth:`ParallelConfig.resolve <.config.ParallelConfig.resolve>`).
         mesh: the run's mesh (:func:`~.mesh.build_mesh`).
         param_dtype: compute dtype for FSDP2's mixed precision (``torch.bfloat16`` for bf16 training).
         compile_layers: ``torch.compile`` each transformer layer (before data parallelism, as torchtitan does).
@@ -70,24 +70,24 @@ def parallelize(
     # name); data parallelism wraps the peft model itself, so adapters outside the base (prompts) are reduced too.
     inner = adapted_model(model)
     if mesh.tp > 1:
-        apply_tensor_parallel(inner, mesh.tp_mesh, sequence_parallel=parallel_config.sequence_parallel,
-                              vocab_parallel=parallel_config.vocab_parallel)
+        apply_tensor_parallel(inner, mesh.tp_mesh, sequence_parallel=layout.sequence_parallel,
+                              vocab_parallel=layout.vocab_parallel)
     apply_expert_parallel(inner, mesh)
     context_fn = None
     check_compile(mesh.cp, compile_layers)
     if mesh.cp > 1:
-        context = context or ContextParallel(mesh, parallel_config)
+        context = context or ContextParallel(mesh, layout)
         apply_context_parallel(inner, context)
         model.context_parallel = context
         context_fn = context.recompute_context
-    apply_recompute(inner, parallel_config.recompute, stage, context_fn=context_fn)
+    apply_recompute(inner, layout.recompute, stage, context_fn=context_fn)
     if compile_layers:
         compile_each_layer(inner, compile_mode, compile_backend or "inductor")
-    sharded_by_fsdp = parallel_config.data_parallel_engine == FSDP
+    sharded_by_fsdp = layout.data_parallel_engine == FSDP
     if materialize is not None and not sharded_by_fsdp:
         materialize(model)
-    apply_expert_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
-    apply_data_parallel(model, mesh, parallel_config, param_dtype=param_dtype)
+    apply_expert_data_parallel(model, mesh, layout, param_dtype=param_dtype)
+    apply_data_parallel(model, mesh, layout, param_dtype=param_dtype)
     if materialize is not None and sharded_by_fsdp:
         materialize(model)
     return model

@@ -42,7 +42,7 @@ from ..errors import MindFormersError
 from ..loading.deferred import deferred_loading, materialize
 from ..parallel.adapter_layers import adapted_model
 from ..loading.handover import dumps, weights_by_reference
-from ..parallel.config import ParallelConfig
+from ..parallel.layout import Layout
 from ..launcher.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \
     quiet_agent, threads_per_worker
 
@@ -62,7 +62,7 @@ class InferencePool:
         load_kwargs: ``from_pretrained`` arguments for a folder (``dtype``).
     """
 
-    def __init__(self, source: str | os.PathLike | nn.Module, task: str, layout: ParallelConfig,
+    def __init__(self, source: str | os.PathLike | nn.Module, task: str, layout: Layout,
                  load_kwargs: dict[str, Any] | None = None) -> None:
         self.layout = layout
         self.world_size = layout.required_world_size()
@@ -144,7 +144,7 @@ class _PoolState:
         self.thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, source: dict[str, Any], layout: ParallelConfig, world_size: int) -> _PoolState:
+    def start(cls, source: dict[str, Any], layout: Layout, world_size: int) -> _PoolState:
         state = cls(world_size)
         prepare_fork_server()
         args = (source, layout.to_dict(), state.requests, state.replies, threads_per_worker(world_size),
@@ -305,7 +305,7 @@ def _serve(source: dict[str, Any], layout: dict[str, Any], requests: list, repli
     try:
         use_cuda = torch.cuda.is_available()
         init_distributed(backend=None if use_cuda else "gloo")
-        config = ParallelConfig.from_dict(layout)
+        config = Layout.from_dict(layout)  # resolved by the process that started the pool: read, not checked again
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         mesh = build_mesh(config, device_type=device.type)
         with deferred_loading():  # built on meta: the layout is applied first, then only this rank's shards are read

@@ -21,10 +21,13 @@ from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import ConfigError, check_choice
 from ..models.hub import TOKENIZER_FILES, hub_options, resolve_source
 from ..parallel.config import ParallelConfig
+from ..parallel.layout import Layout
+from ..parallel.layout_checks import check_run
 from ..parallel.context.checks import check_compile
 from ..launcher.launch import launched_by_torchrun as under_torchrun
 from ..task_registry import TASKS, TaskSpec, get_task
 from ..utils.damaged_files import loading_from
+from .layout_handover import layout_was_sent, received_layout, sending_layout
 from .loader import apply_overrides, check_recipe, dump_recipe, from_mindformers_r2, parse_overrides
 from .sections import RUN_MODES, DataSection, GenerateSection, TokenizerSection, section_from_dict
 
@@ -84,7 +87,9 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if foreign:
         raise ConfigError(f"training.{foreign[0]} is a Seq2SeqTrainingArguments field, for task seq2seq_lm only; this "
                           f"recipe's task is {task.name!r}")
-    args = arguments_class(**{**training, "task": task.name})  # field names and values, before anything slow
+    # field names and values, before anything slow; the layout the arguments hold is the recipe's (whose recompute
+    # activation_checkpointing may turn on)
+    args = arguments_class(**{**training, "task": task.name, "parallel_config": parallel})
     _check_output_dir(args, run_mode)
     peft_config = recipe_peft_config(recipe, task.name)
     if peft_config is not None and adapter_dir is not None and run_mode in ("train", "finetune"):
@@ -101,23 +106,31 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
     if run_mode in ("finetune", "predict", "eval") and not Path(name_or_path).is_dir():
         raise ConfigError(f"run_mode={run_mode!r} needs model.name_or_path to be a checkpoint folder, got {name_or_path!r}")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else default_world_size(parallel)
-    parallel.validate_for(world)  # a layout torchrun's world cannot hold fails here, before any data is prepared
     per_device_batch = args.per_device_train_batch_size
-    # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
     # Image models see a fixed number of tokens per sample (class token + patches), text models data.block_size.
     seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
-    from ..adapters.counting import adapter_parameter_count
-    from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
+    # The layout, resolved once in this process: sent by the process that launched this one, else checked here
+    # against the world before any data is prepared (against the final model and the batch once the data has
+    # said what the model is, below).
+    layout = received_layout(world)
+    if layout is None:
+        # auto_parallel: the planner turns the hints into a fixed layout, which the launched workers then run.
+        from ..adapters.counting import adapter_parameter_count
+        from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
 
-    trainable = adapter_parameter_count(peft_config, config, task.name) if peft_config is not None else None
-    parallel = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
+        trainable = adapter_parameter_count(peft_config, config, task.name) if peft_config is not None else None
+        planned = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
+        if planned is not parallel:
+            parallel, args = planned, args.with_layout(planned)
+        layout = args.parallel_config.resolve(world)  # a world it cannot hold fails here
     if run_mode in ("train", "finetune", "eval"):  # refused now, not at the first evaluation after training
         from ..trainer.seq2seq import check_generation_layout
 
-        check_generation_layout(args, parallel)
-    if parallel.ignored_sizes_warning():  # e.g. stand_alone with data_parallel=2: say so, record what runs
-        logger.warning("%s", parallel.ignored_sizes_warning())
+        check_generation_layout(args, layout)
+    if parallel.ignored_sizes_warning(layout):  # e.g. stand_alone with data_parallel=2: say so, record what runs
+        logger.warning("%s", parallel.ignored_sizes_warning(layout))
         parallel = parallel.without_ignored_sizes()
+        args = args.with_layout(parallel)  # recorded with the sizes that run (the layout is the same)
     recipe["parallel"] = parallel.to_dict()
 
     # The task's processing class (tokenizer or image processor) and data are prepared (and cached) here, once,
@@ -139,7 +152,7 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
 
         if data_s.source == "megatron" and data_s.train_samples is None and args.max_steps > 0:
             # Megatron builds the samples a run reads (--train-iters x the global batch), epochs reshuffled
-            data_s.train_samples = args.max_steps * per_device_batch * args.gradient_accumulation_steps * parallel.dp
+            data_s.train_samples = args.max_steps * per_device_batch * args.gradient_accumulation_steps * layout.dp
         with data_progress():  # datasets' bars from one process: this one, or rank 0 of a job started elsewhere
             datasets = RECIPE_DATA[task.recipe_data](data_s, tokenizer, config)
         if data_s.max_train_samples is not None and datasets.train is not None:
@@ -153,20 +166,21 @@ def run_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -> di
         # classifier's labels from there when the run is evaluated or predicted again.
         recipe["model"] = {**(recipe.get("model") or {}), **datasets.config_updates}
     config, _, _ = resolve_config(name_or_path, **model_s)
-    parallel.validate_for(world, config, per_device_batch=per_device_batch, task=task.name, sequence_length=seq_length)
-    check_compile(parallel.cp, bool(args.torch_compile))
+    if not layout_was_sent():  # the rest of the resolution: the final model and the batch
+        check_run(layout, config, per_device_batch, task=task.name, sequence_length=seq_length)
+    check_compile(layout.cp, bool(args.torch_compile))
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
         return _predict_in_pool(task, adapter_dir or name_or_path, model_s, tokenizer, gen_s, args.output_dir, parallel,
                                 args.seed)
     if world > 1 and not under_torchrun():
-        return _relaunch(recipe, args.output_dir, world, args.max_restarts)
+        return _relaunch(recipe, args.output_dir, world, args.max_restarts, layout)
 
     from transformers import set_seed
 
     from ..adapters.apply import with_saved_adapter
     from ..loading import deferred_loading
 
-    args = args.with_layout(parallel)  # bf16="auto" stays "auto" (recorded so, and said so in the run)
+    args = args.with_resolved_layout(layout)  # the Trainer's engine takes the layout as it is
     set_seed(args.seed)  # the same initial weights on every rank and in every layout
     auto = auto_class_for(task.name)
     # A worker of a multi-process layout builds the model on meta: its engine fills only this rank's shards.
@@ -414,9 +428,11 @@ def run_pipeline(task: TaskSpec, model, tokenizer, gen_s: GenerateSection, outpu
     return samples
 
 
-def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts: int = 0) -> dict[str, Any]:
+def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts: int = 0,
+              layout: Layout | None = None) -> dict[str, Any]:
     """Start ``world`` local ranks running this recipe (torchrun's machinery) and wait for them; after a failure the
-    ranks are restarted up to ``max_restarts`` times (each resumes from the latest checkpoint in ``output_dir``)."""
+    ranks are restarted up to ``max_restarts`` times (each resumes from the latest checkpoint in ``output_dir``).
+    ``layout``, resolved here, is sent to them (:func:`sending_layout`): they run it without checking it again."""
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -432,7 +448,7 @@ def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts:
         try:
             # this process showed the data's progress: the ranks prepare it quietly; the agent's own log lines (a
             # signal received, each rank it stops) give way to the one line the CLI prints
-            with progress_shown_to_workers(), quiet_agent():
+            with progress_shown_to_workers(), quiet_agent(), sending_layout(layout):
                 launch(["-m", "mindformers_py", "run", str(resolved)], world, max_restarts=max_restarts)
         except SignalException as err:  # the agent stopped every rank; one line says so (the CLI's)
             if err.sigval == signal.SIGINT:

@@ -8,6 +8,7 @@ construction and every field is checked there, so an instance that exists is val
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -17,10 +18,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..engine.compile_policy import resolve_torch_compile
+from ..engine.compile_policy import auto_decision
 from ..engine.precision import AUTO, resolve_bf16
 from ..errors import ConfigError, check_choice
 from ..parallel.config import ParallelConfig
+from ..parallel.layout import Layout
 from ..utils.typed_values import coerce_value
 
 
@@ -288,6 +290,20 @@ class TrainingArguments:
         ``bf16="auto"`` and ``torch_compile="auto"`` stay ``"auto"`` and are decided again for that layout."""
         return type(self).from_dict({**self.to_dict(), "parallel_config": parallel_config})
 
+    def with_resolved_layout(self, layout: Layout) -> TrainingArguments:
+        """A copy of these arguments carrying ``layout``, their ``parallel_config`` already resolved for the run (by
+        the process that started this one: :meth:`ParallelConfig.resolve`): the Trainer's engine takes it as it is
+        and checks nothing again. The layout is not saved with the arguments (:meth:`to_dict`)."""
+        out = copy.copy(self)
+        out._resolved_layout = layout
+        return out
+
+    @property
+    def resolved_layout(self) -> Layout | None:
+        """The layout :meth:`with_resolved_layout` gave these arguments (None: the Trainer resolves
+        ``parallel_config`` itself)."""
+        return getattr(self, "_resolved_layout", None)
+
     def to_json_string(self) -> str:
         """The fields as indented JSON (saved beside checkpoints as ``training_args.json``)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
@@ -344,8 +360,9 @@ class TrainingArguments:
             return
         if self.torch_compile.strip().lower() != AUTO:
             raise ConfigError(f"torch_compile={self.torch_compile!r} is not valid; expected true, false or 'auto'")
-        self.torch_compile = self._torch_compile_auto = resolve_torch_compile(AUTO, self.use_cpu,
-                                                                              self.parallel_config)
+        # the reason is kept with the decision: the run's compile line says it without reading the layout again
+        decision, self._torch_compile_reason = auto_decision(self.use_cpu, self.parallel_config)
+        self.torch_compile = self._torch_compile_auto = decision
 
     # -- checks -------------------------------------------------------------------------------------------------
 

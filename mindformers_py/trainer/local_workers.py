@@ -66,6 +66,7 @@ from ..engine.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
+from ..parallel.layout import Layout
 from ..parallel.context.checks import check_compile
 from ..launcher.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
@@ -103,26 +104,28 @@ class LocalWorkers:
 
     world_size: int
     """Processes per call."""
-    layout: ParallelConfig
-    """The fixed layout the workers run (the planner's answer for ``auto_parallel``)."""
+    config: ParallelConfig
+    """The fixed config the workers run (the planner's answer for ``auto_parallel``): their arguments'."""
+    layout: Layout
+    """``config`` resolved here, once, for the workers; they take it as it is (checking nothing again)."""
 
     @classmethod
     def plan(cls, args: Any, model: Any, seq_length: int | None, task: str | None = None) -> LocalWorkers | None:
         """The workers a Trainer with ``args`` and ``model`` needs, or None when it runs in this process. The layout
-        is checked against the model, the batch and the ``task`` here, before anything starts."""
-        world, layout = planned_layout(args.parallel_config, getattr(model, "config", None),
+        is resolved against the model, the batch and the ``task`` here, before anything starts, and sent to them."""
+        world, config = planned_layout(args.parallel_config, getattr(model, "config", None),
                                        args.per_device_train_batch_size, seq_length)
         if world <= 1:
             return None
-        layout.validate_for(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size,
-                            task=task)
+        layout = config.resolve(world, getattr(model, "config", None), per_device_batch=args.per_device_train_batch_size,
+                                task=task)
         check_compile(layout.cp, bool(args.torch_compile))
-        return cls(world, layout)
+        return cls(world, config, layout)
 
     def host_engine(self, args: Any) -> Engine:
         """The parent's engine: stand-alone, without a process group; it saves and loads the parent's whole model
         (``save_model``, ``finetune``'s weights)."""
-        return Engine(ParallelConfig(), args)
+        return Engine(Layout("stand_alone"), args)
 
     def run(self, trainer: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function(trainer, *args, **kwargs)`` (``Trainer.train``, ...) in the workers; returns rank 0's result
@@ -171,7 +174,7 @@ class LocalWorkers:
         not a copy, so what refers to it (its bound methods held by the loss, the callbacks) refers to the one the
         workers set up."""
         sent = {"_workers": None, "engine": None, "model_wrapped": None,
-                "args": trainer.args.with_layout(self.layout)}
+                "args": trainer.args.with_layout(self.config).with_resolved_layout(self.layout)}
         kept = {name: getattr(trainer, name) for name in sent}
         vars(trainer).update(sent)
         try:

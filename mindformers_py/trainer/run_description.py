@@ -13,18 +13,16 @@ def layout_line(engine: Engine) -> str:
     """What this run started: ``2 processes (data_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=full``, and
     for ``auto_parallel`` what the planner chose and why."""
     processes = f"{engine.world_size} process{'es' if engine.world_size > 1 else ''}"
-    line = f"{processes} ({engine.parallel_config.parallel_mode}): {engine.parallel_config.describe()}"
+    line = f"{processes} ({engine.layout.parallel_mode}): {engine.layout.describe()}"
     return line + (f"; auto_parallel {engine.plan_summary}" if engine.plan_summary else "")
 
 
 def compile_line(args: TrainingArguments) -> str:
     """Whether the run compiles its layers and why, e.g. ``compile: off, chosen by torch_compile='auto': training on
     cpu, where compiled layers are slower than eager ones``: a compiled run's first step takes much longer."""
-    from ..engine.compile_policy import auto_reason
-
     what = ("each transformer layer (the first step pays the compilation)" if args.torch_compile else "off (eager)")
     if getattr(args, "_torch_compile_auto", None) is args.torch_compile:  # "auto" decided
-        return f"compile: {what}, chosen by torch_compile='auto': {auto_reason(args.use_cpu, args.parallel_config)}"
+        return f"compile: {what}, chosen by torch_compile='auto': {args._torch_compile_reason}"
     return f"compile: {what}; torch_compile={args.torch_compile}"
 
 

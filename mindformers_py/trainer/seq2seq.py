@@ -41,7 +41,7 @@ class Seq2SeqTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_generation_layout(self.args, self._workers.layout if self._workers is not None
-                                else self.engine.parallel_config)
+                                else self.engine.layout)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict[str, float]:
@@ -75,5 +75,5 @@ class Seq2SeqTrainer(Trainer):
         if kwargs.get("num_beams") is None and self.args.generation_num_beams is not None:
             kwargs["num_beams"] = self.args.generation_num_beams
         # Ranks holding shards of the weights gather them at every forward: all must run the same number of steps.
-        kwargs.setdefault("synced_gpus", self.engine.dp_size > 1 and self.args.parallel_config.zero_stage >= 2)
+        kwargs.setdefault("synced_gpus", self.engine.dp_size > 1 and self.engine.layout.zero_stage >= 2)
         return kwargs

@@ -141,7 +141,8 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
             self.engine: Engine = self._workers.host_engine(self.args)
             set_seed(self.args.seed)
             self.model_wrapped = model
-        ignored = self.args.parallel_config.ignored_sizes_warning()
+        ignored = self.args.parallel_config.ignored_sizes_warning(
+            self._workers.layout if self._workers is not None else self.engine.layout)
         if ignored and self.engine.is_main_process:
             logger.warning("%s", ignored)
         self.data_collator = data_collator or default_collator(self.task_spec, self.processing_class)
@@ -172,9 +173,12 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
 
     def _setup_engine(self, seq_length: int | None = None) -> None:
         """Build the layout's engine (joining the process group of a distributed layout) and prepare the model on
-        it; in this process, or in each worker the Trainer started (:mod:`.local_workers`)."""
-        self.engine = build_engine(self.args.parallel_config, self.args,
-                                   model_config=getattr(self.model, "config", None), seq_length=seq_length)
+        it; in this process, or in each worker the Trainer started (:mod:`.local_workers`). The layout is resolved
+        here, once, against the model, the batch and the task, unless the process that started this one resolved it
+        already and sent it with the arguments (:meth:`TrainingArguments.with_resolved_layout`)."""
+        self.engine = build_engine(self.args.resolved_layout or self.args.parallel_config, self.args,
+                                   model_config=getattr(self.model, "config", None), seq_length=seq_length,
+                                   task=self.task)
         self.engine.setup()
         set_seed(self.args.seed)
         self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)

@@ -56,7 +56,8 @@ def test_pipeline_stages_are_compiled_with_the_requested_mode(monkeypatch):
     calls = []
     monkeypatch.setattr("mindformers_py.engine.distributed.parallelize", lambda *a, **k: calls.append(k))
     args = mf.TrainingArguments(output_dir="unused", torch_compile=True, torch_compile_mode="max-autotune-no-cudagraphs")
-    engine = PipelineEngine(mf.ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2), args)
+    engine = PipelineEngine(mf.ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2,
+                                              micro_batch_num=2).resolve(2), args)
     engine.parallelize(nn.Linear(2, 2), stage=1)
     assert calls[0]["compile_layers"] and calls[0]["compile_mode"] == "max-autotune-no-cudagraphs" and calls[0]["stage"] == 1
 

@@ -45,7 +45,7 @@ def _installed(rank: int, world: int) -> list[str]:
     from mindformers_py.parallel.mesh import build_mesh
     import mindformers_py as mf
 
-    config = ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=world, optimizer_shard=3)
+    config = ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=world, optimizer_shard=3).resolve(world)
     torch.manual_seed(0)
     model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                            num_attention_heads=4, max_position_embeddings=16))

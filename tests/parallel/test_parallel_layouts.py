@@ -221,7 +221,7 @@ def test_recompute_stand_alone_matches_and_keeps_state_dict_names():
     for mode in ("full", "selective"):
         layout = ParallelConfig(recompute=mode)
         assert run_layout(layout, "llama") == pytest.approx(reference("llama"), rel=RTOL), mode
-    engine = Engine(ParallelConfig(recompute="full"), training_args(ParallelConfig()))
+    engine = Engine(ParallelConfig(recompute="full").resolve(1), training_args(ParallelConfig()))
     engine.setup()
     model = engine.prepare_model(tiny_model("llama"))
     assert set(model.state_dict()) == set(tiny_model("llama").state_dict())
@@ -236,7 +236,8 @@ def _four_worker(rank, world_size, layouts, folder, bf16_layouts):
 
     results = _layouts_worker(rank, world_size, layouts, bf16_layouts)
     # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
-    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3, optimizer_weight_shard_size=2)
+    hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3,
+                          optimizer_weight_shard_size=2).resolve(world_size)
     mesh = build_mesh(hsdp, shard_size=hsdp.shard_size)
     model = parallelize(tiny_model("llama"), hsdp, mesh)
     weight = model.model.layers[0].self_attn.q_proj.weight
@@ -391,20 +392,103 @@ def _trainer_run(parallel: ParallelConfig, output_dir: str, resume: str | None =
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _counting(counts: dict[str, int], key: str, original):
+    """``original`` counting its outermost calls in ``counts[key]`` (a call it makes to another counted function
+    under the same key is not counted again)."""
+    def counted(*args, **kwargs):
+        outermost = not counts.get("_in_" + key)
+        counts[key] += outermost
+        counts["_in_" + key] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counts["_in_" + key] = not outermost
+    return counted
+
+
+def _resolutions_worker(output_dir: str) -> dict:
+    """A tp2 Trainer (2 steps), counting in this process how often its layout is checked against the run
+    (``ParallelConfig.resolve`` and ``validate_for``, outermost calls) and how often the user's sizes are read into
+    degrees (``Layout.of``); then a Trainer given the layout already resolved (as a launched worker is), counted
+    the same way. What the run built from the layout comes back too: the engine's layout, the mesh, a placement."""
+    from unittest import mock
+
+    from datasets import Dataset
+
+    from mindformers_py.parallel.layout import Layout
+
+    parallel = semi(model_parallel=2)
+    ids = torch.randint(0, VOCAB, (4 * GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1)).tolist()
+    args = TrainingArguments(output_dir=output_dir, overwrite_output_dir=True, per_device_train_batch_size=GLOBAL_BATCH,
+                             max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True, parallel_config=parallel,
+                             report_to=[], disable_tqdm=True, bf16=False)
+    data = Dataset.from_dict({"input_ids": ids})
+    derive = Layout.of.__func__
+
+    def counted_run(run_args) -> tuple[dict[str, int], object]:
+        counts = {"checks": 0, "derived": 0}
+        with mock.patch.object(ParallelConfig, "resolve", _counting(counts, "checks", ParallelConfig.resolve)), \
+                mock.patch.object(ParallelConfig, "validate_for", _counting(counts, "checks", ParallelConfig.validate_for)), \
+                mock.patch.object(Layout, "of", classmethod(_counting(counts, "derived", derive))):
+            trainer = mf.Trainer(model=tiny_model("llama"), args=run_args, train_dataset=data)
+            if run_args is args:
+                trainer.train()
+        trainer.engine.teardown()
+        return {k: v for k, v in counts.items() if not k.startswith("_")}, trainer
+
+    counts, trainer = counted_run(args)
+    weight = trainer.model.model.layers[0].self_attn.q_proj.weight
+    out = {"counts": counts, "layout": trainer.engine.layout, "mesh_tp": trainer.engine.mesh.tp,
+           "placement": (tuple(weight.device_mesh.mesh_dim_names),
+                         [(type(p).__name__, getattr(p, "dim", None)) for p in weight.placements],
+                         tuple(weight.to_local().shape))}
+    sent = trainer.engine.layout  # what a launching process sends its workers
+    out["received_counts"], received = counted_run(args.with_resolved_layout(sent))
+    out["received_layout"] = received.engine.layout
+    return out
+
+
 def _trainer_worker(rank, world_size, output_dir):
-    return _trainer_run(semi(data_parallel=2, optimizer_shard=3), output_dir)
+    return {"zero3": _trainer_run(semi(data_parallel=2, optimizer_shard=3), output_dir),
+            "resolutions": _resolutions_worker(output_dir + "_tp2")}
 
 
-def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alone(tmp_path):
+@pytest.fixture(scope="module")
+def trainer_launch(tmp_path_factory):
+    """One 2-process launch for the Trainer tests: ZeRO-3 with its checkpoint, then the counted tp2 runs."""
+    folder = tmp_path_factory.mktemp("trainer")
+    return folder, run_workers(_trainer_worker, 2, str(folder / "zero3"))
+
+
+def test_layout_is_resolved_once_per_process_and_read_from_layout_after(trainer_launch):
+    from mindformers_py.parallel.layout import Layout
+
+    for rank, result in enumerate(trainer_launch[1]):
+        result = result["resolutions"]
+        # checked once against the run (the old code checked 3 times: engine setup, build_mesh, prepare_model),
+        # and model_parallel read into the tp degree once: the engine, mesh and parallelize read the Layout
+        assert result["counts"] == {"checks": 1, "derived": 1}, (rank, result["counts"])
+        layout = result["layout"]
+        assert isinstance(layout, Layout) and (layout.tp, layout.dp, layout.world_size) == (2, 1, 2)
+        assert result["mesh_tp"] == 2
+        # q_proj is column-parallel: its rows split over the mesh's "tp" dimension (32 query dims of 64 per rank)
+        assert result["placement"] == (("tp",), [("Shard", 0)], (32, 64)), result["placement"]
+        # a Trainer given the layout resolved elsewhere (a launched worker) checks and derives nothing
+        assert result["received_counts"] == {"checks": 0, "derived": 0}
+        assert result["received_layout"] == layout
+
+
+def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alone(tmp_path, trainer_launch):
     expected = _trainer_run(ParallelConfig(), str(tmp_path / "stand_alone"))
-    distributed = run_workers(_trainer_worker, 2, str(tmp_path / "zero3"))
+    folder, launched = trainer_launch
+    distributed = [result["zero3"] for result in launched]
     assert distributed[0] == pytest.approx(expected, rel=RTOL) and len(expected) == STEPS
-    records = [json.loads(line) for line in (tmp_path / "zero3" / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (folder / "zero3" / "log.jsonl").read_text().splitlines()]
     assert [r["layout"] for r in records if "layout" in r] == [  # what the run started, recorded once (rank 0)
         "2 processes (semi_auto_parallel): dp=2 tp=1 pp=1 ep=1, ZeRO-3, recompute=off"]
-    checkpoint = tmp_path / "zero3" / f"checkpoint-{SAVE_AT}"
+    checkpoint = folder / "zero3" / f"checkpoint-{SAVE_AT}"
     assert (checkpoint / "dcp" / ".metadata").is_file() and (checkpoint / "model.safetensors").is_file()
-    resumed = _trainer_run(ParallelConfig(), str(tmp_path / "zero3"), resume=str(checkpoint))
+    resumed = _trainer_run(ParallelConfig(), str(folder / "zero3"), resume=str(checkpoint))
     assert len(resumed) == STEPS  # the checkpoint's logged steps, then the ones run after resuming
     assert resumed[SAVE_AT:] == pytest.approx(expected[SAVE_AT:], rel=RTOL)
 

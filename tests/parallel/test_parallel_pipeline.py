@@ -165,11 +165,11 @@ def _pp2_worker(rank, world_size, cases):
     results = {}
     schedule, flavour, layers, micro, _ = BF16_PP_CASE
     config = ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=micro,
-                            pipeline_schedule=schedule)
+                            pipeline_schedule=schedule).resolve(world_size)
     results["bf16"] = train_pipeline(build_pipeline(tiny_model(flavour, layers), config, build_mesh(config)), bf16=True)
     for schedule, flavour, layers, micro, virtual in cases:
         config = ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=micro,
-                                pipeline_schedule=schedule, virtual_pipeline_stages=virtual)
+                                pipeline_schedule=schedule, virtual_pipeline_stages=virtual).resolve(world_size)
         model = tiny_model(flavour, layers)
         pipe = build_pipeline(model, config, build_mesh(config))
         held = [list(part.layer_ids) for part in pipe.model_parts]
@@ -230,7 +230,7 @@ def _composed_layout(dp, tp, extra, bf16=False):
     from mindformers_py.parallel.tensor import apply_tensor_parallel
 
     config = ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=dp, model_parallel=tp,
-                            pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b", **extra)
+                            pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b", **extra).resolve(dp * tp * 2)
     mesh = build_mesh(config)
 
     def parallelize(part):

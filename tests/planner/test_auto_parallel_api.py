@@ -30,7 +30,7 @@ def _train(folder: str, parallel: mf.ParallelConfig) -> tuple[list[float], str, 
     engine = trainer.engine
     engine.teardown()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], type(engine).__name__, \
-        engine.parallel_config.parallel_mode
+        engine.layout.parallel_mode
 
 
 def _layout(folder) -> list[str]:

@@ -44,7 +44,7 @@ from ...layers import Attention, attention_core
 from ...layers.block import TransformerBlock
 from ...layers.moe.layer import MoE
 from ...layers.position_bias import RelativePositionBias
-from ..config import ParallelConfig
+from ..layout import Layout
 from .attention import (
     AttentionView,
     ContextGroups,
@@ -97,7 +97,7 @@ class ContextParallel:
     Build one per run with the mesh, apply it to the model (or each pipeline stage) with
     :func:`apply_context_parallel`, and tell it the model with :meth:`prepare` so it can cut batches."""
 
-    def __init__(self, mesh: ParallelMesh, config: ParallelConfig) -> None:
+    def __init__(self, mesh: ParallelMesh, config: Layout) -> None:
         if mesh.cp == 1 or mesh.cp_mesh is None:
             raise ConfigError("ContextParallel needs context_parallel > 1 and a process group")
         ring, ulysses = mesh.cp_ring_mesh, mesh.cp_ulysses_mesh

@@ -37,7 +37,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ...errors import ConfigError, MindFormersError
-from ..config import ParallelConfig
+from ..layout import Layout
 from .stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
 
 class _Stage(PipelineStage):
@@ -181,7 +181,7 @@ class PipelineParallel:
     """
 
     def __init__(self, model_parts: list[nn.Module], stage_ids: list[int], num_stages: int,
-                 parallel_config: ParallelConfig, pp_group: dist.ProcessGroup, device: torch.device,
+                 layout: Layout, pp_group: dist.ProcessGroup, device: torch.device,
                  tied_group: dist.ProcessGroup | None = None, tied_names: Sequence[str] = ()) -> None:
         self.model_parts = model_parts
         self.stage_ids = stage_ids
@@ -192,12 +192,12 @@ class PipelineParallel:
         self.device = device
         self.pp_rank = dist.get_rank(pp_group)
         self.pp_size = dist.get_world_size(pp_group)
-        self.micro_batches = parallel_config.micro_batches
+        self.micro_batches = layout.micro_batches
         self.has_first_stage = 0 in stage_ids
         self.has_last_stage = num_stages - 1 in stage_ids
         self.training = True
-        self._schedule_cls = get_schedule_class(parallel_config.torch_schedule_name)
-        self._vocab_parallel_loss = parallel_config.vocab_parallel
+        self._schedule_cls = get_schedule_class(layout.torch_schedule_name)
+        self._vocab_parallel_loss = layout.vocab_parallel
         self._tied_group = tied_group
         self._tied_names = list(tied_names)
         self._schedules: dict[tuple[Any, ...], Any] = {}
@@ -515,7 +515,7 @@ def _tied_group(group: dist.ProcessGroup, pp_rank: int, pp_size: int) -> dist.Pr
 
 def build_pipeline(
     model: nn.Module,
-    parallel_config: ParallelConfig,
+    layout: Layout,
     mesh: Any = None,
     device: torch.device | str | None = None,
     parallelize: Callable[[nn.Module], nn.Module | None] | None = None,
@@ -527,7 +527,7 @@ def build_pipeline(
         model: a model declaring a pipeline plan (``GPTForCausalLM``, ``GPTForSequenceClassification``, ...),
             with the same weights on every rank (same seed or same checkpoint). It is cut in place (:func:`cut_to_stages`): afterwards it holds exactly this rank's
             parameters under the full model's names.
-        parallel_config: gives ``pipeline_stage``, ``virtual_pipeline_stages``, ``micro_batch_num``,
+        layout: the resolved layout; gives ``pp``, ``vpp``, ``micro_batches``,
             ``pipeline_schedule`` (and, for the stages' inputs and the loss, sequence and vocabulary parallelism).
         mesh: the run's :class:`~mindformers_py.parallel.mesh.ParallelMesh`, a ``DeviceMesh`` with a ``"pp"`` dimension or a 1-D
             pipeline mesh; None uses the whole world as the pipeline.
@@ -538,7 +538,7 @@ def build_pipeline(
         task: the task the stages compute (the engine passes the Trainer's task registry entry); None takes the
             model's own (its ``task_spec``).
     """
-    pp, vpp = parallel_config.pp, parallel_config.vpp
+    pp, vpp = layout.pp, layout.vpp
     group = _pp_group(mesh)
     if dist.get_world_size(group) != pp:
         raise ConfigError(
@@ -556,9 +556,9 @@ def build_pipeline(
         model.to(device)
     parts: list[nn.Module] = []
     for part in split_model(model, num_chunks, chunk_ids, pp, task=task):
-        part.sequence_shards = parallel_config.tp if parallel_config.sequence_parallel else 1
+        part.sequence_shards = layout.tp if layout.sequence_parallel else 1
         if parallelize is not None:
             part = parallelize(part) or part
         parts.append(part)
     tied_group = _tied_group(group, pp_rank, pp) if tied_names else None
-    return PipelineParallel(parts, chunk_ids, num_chunks, parallel_config, group, device, tied_group, tied_names)
+    return PipelineParallel(parts, chunk_ids, num_chunks, layout, group, device, tied_group, tied_names)
