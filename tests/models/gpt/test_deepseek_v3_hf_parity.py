@@ -1,0 +1,221 @@
+"""DeepSeek-V3 checkpoints made with transformers' own ``DeepseekV3Config`` load into GPTForCausalLM (multi-head
+latent attention, ``attention_type="mla"``) with transformers' logits to 1e-5 in fp32, its loss and gradients,
+identical greedy tokens through the compressed cache (the latent and the shared rotary key only, the up-projection
+absorbed into the decode steps), and export back exactly: every tensor equal, the same ``config.json``.
+
+The tiny checkpoints (tests/hf_models.py) carry what sets the architecture apart: a query latent, interleaved rotary
+pairs, YaRN with its mscale in the softmax scale, head sizes that differ for q/k and v; the MoE one (4 layers, the
+first dense, 8 routed experts in 4 groups beside a shared expert, a non-zero ``e_score_correction_bias``) runs only
+with the ``deepseek_v3`` router in ``MoEConfig.router_type``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+import mindformers_py as mf
+from hf_models import VOCAB, tiny_deepseek_v3_config
+from mindformers_py.layers.latent_attention import LatentAttention
+from mindformers_py.layers.moe.config import ROUTER_TYPES
+from mindformers_py.models.gpt.convert_gpt import config_to_hf
+from tolerances import SAME_WEIGHTS_ANOTHER_PATH
+
+TOL = 1e-5
+HAS_ROUTER = "deepseek_v3" in ROUTER_TYPES
+
+
+def _tiny_deepseek(moe: bool, **overrides):
+    """A seeded tiny transformers DeepSeek-V3 with every norm and the experts' selection bias randomised (a default
+    init leaves them at 1 and 0, which would hide mapping mistakes)."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(moe, **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module", params=[
+    "dense", pytest.param("moe", marks=pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router"))])
+def saved(request, tmp_path_factory):
+    hf = _tiny_deepseek(request.param == "moe")
+    path = tmp_path_factory.mktemp(f"deepseek_v3_{request.param}")
+    hf.save_pretrained(path)
+    return request.param, hf, path
+
+
+def _pair(saved):
+    _, hf, path = saved
+    ours = mf.AutoModelForCausalLM.from_pretrained(path)
+    assert isinstance(ours, mf.GPTForCausalLM) and ours.config.hf_architecture == "deepseek_v3"
+    return ours, hf
+
+
+def _batch(length: int = 20):
+    ids = torch.randint(3, VOCAB, (3, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    return ids, mask
+
+
+def test_config_carries_the_architecture(saved):
+    kind, _, _ = saved
+    ours, _ = _pair(saved)
+    config, attention = ours.config, ours.model.layers[0].self_attn
+    assert isinstance(attention, LatentAttention) and config.attention_type == "mla"
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim, config.rope_interleave) == (24, 16, 8, 4, 12, True)
+    assert config.head_dim == 4  # the rotary width, as transformers sets it
+    assert not hasattr(attention, "k_proj") and attention.q_b_proj.weight.shape == (4 * 12, 24)
+    if kind == "dense":
+        assert config.moe is None
+    else:
+        moe = config.moe
+        assert config.moe_layers() == [1, 2, 3] and moe.router_type == "deepseek_v3"
+        assert (moe.expert_num, moe.num_experts_chosen, moe.n_group, moe.topk_group, moe.shared_expert_num) == (8, 2, 4, 2, 1)
+        assert moe.routed_scaling_factor == 2.5 and moe.expert_size(config.intermediate_size) == 16
+
+
+def test_logits_match_hf_to_1e5(saved):
+    ours, hf = _pair(saved)
+    ids, mask = _batch()
+    with torch.no_grad():
+        full = (ours(ids).logits - hf(ids).logits).abs().max().item()
+        padded = (ours(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits)[mask.bool()]
+    assert full <= TOL and padded.abs().max().item() <= TOL, (full, padded.abs().max().item())
+
+
+def test_loss_and_gradients_match_hf(saved):
+    """Through the loss: every projection of latent attention (the rotary key's share of kv_a_proj_with_mqa
+    included), the latent norms and, in the MoE model, the router and the experts."""
+    kind, _, _ = saved
+    ours, hf = _pair(saved)
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 5] = -100
+    a, b = ours(ids, attention_mask=mask, labels=labels), hf(ids, attention_mask=mask, labels=labels)
+    assert abs(a.loss.item() - b.loss.item()) <= TOL
+    a.loss.backward()
+    b.loss.backward()
+    theirs = {name: p.grad for name, p in hf.named_parameters()}
+    attn = "model.layers.1.self_attn."
+    names = [attn + n + ".weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                            "kv_a_layernorm", "kv_b_proj", "o_proj")] + ["lm_head.weight"]
+    names.append("model.layers.0.mlp.up_proj.weight")
+    if kind == "moe":
+        experts = "model.layers.1.mlp.experts."
+        theirs[experts + "gate_proj"], theirs[experts + "up_proj"] = theirs[experts + "gate_up_proj"].chunk(2, dim=1)
+        theirs["model.layers.1.mlp.shared_expert.up_proj.weight"] = theirs["model.layers.1.mlp.shared_experts.up_proj.weight"]
+        names += ["model.layers.1.mlp.gate.weight", experts + "gate_proj", experts + "down_proj",
+                  "model.layers.1.mlp.shared_expert.up_proj.weight"]
+    for name in names:
+        mine, ref = ours.get_parameter(name).grad, theirs[name]
+        assert (mine - ref).abs().max().item() <= TOL * max(1.0, ref.abs().max().item()), name
+
+
+def test_greedy_generation_token_identical(saved):
+    """Through the compressed cache (our lean loop's preallocated cache, transformers' static one, GenerationMixin's
+    dynamic one) and without a cache, left-padded."""
+    ours, hf = _pair(saved)
+    ids, mask = _batch(8)
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reference = hf.generate(ids, **kw)
+    for extra in ({}, {"cache_implementation": "static", "disable_compile": True}, {"use_cache": False},
+                  {"num_beams": 1, "return_dict_in_generate": True}):  # the last: GenerationMixin's own loop
+        out = ours.generate(ids, **kw, **extra)
+        assert torch.equal(getattr(out, "sequences", out), reference), extra
+
+
+def test_decode_steps_attend_on_the_latents(saved, monkeypatch):
+    """A decode step absorbs kv_b_proj (it never expands the cache) and gives the logits of a full forward; the
+    cache holds kv_lora_rank + qk_rope_head_dim values per token and layer (16 + 4 here; 576 at DeepSeek-V3's
+    shape, against 2 x 128 heads x 160 expanded)."""
+    ours, _ = _pair(saved)
+    ids, _ = _batch(12)
+    absorbed = []
+    original = LatentAttention._absorbed
+    monkeypatch.setattr(LatentAttention, "_absorbed", lambda self, *a: absorbed.append(1) or original(self, *a))
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        ours(ids[:, :-1], past_key_values=cache, use_cache=True)
+        assert not absorbed  # the prompt is expanded
+        step = ours(ids[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+        full = ours(ids).logits[:, -1]
+    assert len(absorbed) == ours.config.num_hidden_layers
+    assert (step - full).abs().max().item() <= TOL
+    config = ours.config
+    for layer in cache.layers:
+        assert layer.keys.shape == (3, 1, 12, config.kv_lora_rank) and layer.values.shape == (3, 1, 12, config.qk_rope_head_dim)
+    per_token = sum(layer.keys[0, :, 0].numel() + layer.values[0, :, 0].numel() for layer in cache.layers)
+    assert per_token == config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
+
+
+def test_hidden_states_and_attentions_as_transformers(saved):
+    ours, hf = _pair(saved)
+    ours.set_attn_implementation("eager")
+    hf.set_attn_implementation("eager")
+    ids, _ = _batch()
+    with torch.no_grad():
+        a = ours(ids, output_hidden_states=True, output_attentions=True)
+        b = hf(ids, output_hidden_states=True, output_attentions=True)
+    assert len(a.hidden_states) == len(b.hidden_states) and len(a.attentions) == len(b.attentions)
+    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
+        assert (x - y).abs().max().item() <= TOL
+
+
+def test_round_trip_is_exact(saved, tmp_path):
+    """HF -> ours -> HF: every tensor equal under transformers' names (per-expert tensors, shared_experts, the
+    router's weight and e_score_correction_bias), and the same config.json."""
+    kind, hf, path = saved
+    mf.convert_checkpoint(path, tmp_path / "ours", to="mindformers")
+    mf.convert_checkpoint(tmp_path / "ours", tmp_path / "back", to="hf")
+    before = safetensors.torch.load_file(path / "model.safetensors")
+    after = safetensors.torch.load_file(tmp_path / "back" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    if kind == "moe":
+        assert before["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
+    written, read = (json.loads((folder / "config.json").read_text()) for folder in (path, tmp_path / "back"))
+    differ = {k for k in written.keys() | read.keys() if written.get(k) != read.get(k)} - {"add_cross_attention"}
+    if kind == "dense":  # a model without experts has no router settings to write back: transformers' defaults
+        differ -= {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+                   "topk_group", "routed_scaling_factor"}
+    assert not differ, {k: (written.get(k), read.get(k)) for k in differ}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(reloaded).__name__ == "DeepseekV3ForCausalLM"
+    ids, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, **SAME_WEIGHTS_ANOTHER_PATH)
+
+
+def test_rotary_over_halves_and_one_query_projection():
+    """DeepSeek-V2-Lite's shape (no query latent: one q_proj) with rotary positions over halves
+    (rope_interleave=False) and plain RoPE (the default scale)."""
+    hf = _tiny_deepseek(False, q_lora_rank=None, rope_interleave=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    ours = mf.GPTForCausalLM(hf.config).eval()
+    from mindformers_py.models.gpt.convert_gpt import state_dict_from_hf
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), ours.config))
+    assert ours.model.layers[0].self_attn.q_proj is not None and ours.config.q_lora_rank is None
+    ids, _ = _batch()
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= TOL
+    assert config_to_hf(ours.config).q_lora_rank is None
+
+
+def test_bad_latent_sizes_are_refused():
+    with pytest.raises(mf.errors.ConfigError, match="kv_lora_rank=None is not valid with attention_type='mla'"):
+        mf.GPTConfig(flavour="llama", attention_type="mla", qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    with pytest.raises(mf.errors.ConfigError, match="attention_type='gqa' is not valid"):
+        mf.GPTConfig(flavour="llama", attention_type="gqa")
+    with pytest.raises(mf.errors.ConfigError, match="head_dim=16 is not valid with attention_type='mla'"):
+        mf.GPTConfig(flavour="llama", attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                     v_head_dim=8, head_dim=16)
