@@ -135,6 +135,30 @@ def test_greedy_generation_token_identical(saved):
         assert torch.equal(getattr(out, "sequences", out), reference), extra
 
 
+def test_compiled_and_fixed_shape_steps_take_the_latent_cache(saved, monkeypatch):
+    """The compiled decode step (dynamo capture only) and the fixed-shape step a CUDA graph would replay (run
+    uncaptured on the CPU: the whole preallocated latent cache under a key mask, written at a slot tensor) give
+    transformers' tokens, left-padded rows included. (The cache is the attention's: checked on the dense model.)"""
+    from transformers import CompileConfig
+    from mindformers_py.generation import fast_generate, graphed_step
+
+    if saved[0] != "dense":
+        pytest.skip("the latent cache is the attention's, checked on the dense checkpoint")
+    ours, hf = _pair(saved)
+    ids, mask = _batch(8)
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reference = hf.generate(ids, **kw)
+    compiled = ours.generate(ids, cache_implementation="static", compile_config=CompileConfig(backend="eager"), **kw)
+    assert torch.equal(compiled, reference)
+    monkeypatch.setattr(fast_generate, "wants_cuda_graph", lambda model, config, device: True)
+    built = []
+    monkeypatch.setattr(fast_generate, "StaticShapeStep",
+                        lambda *args: built.append(graphed_step.StaticShapeStep(*args[:-1], capture=False)) or built[-1])
+    fixed = ours.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+    assert built and torch.equal(fixed, reference)
+
+
 def test_decode_steps_attend_on_the_latents(saved, monkeypatch):
     """A decode step absorbs kv_b_proj (it never expands the cache) and gives the logits of a full forward; the
     cache holds kv_lora_rank + qk_rope_head_dim values per token and layer (16 + 4 here; 576 at DeepSeek-V3's
