@@ -243,3 +243,14 @@ def test_bad_latent_sizes_are_refused():
     with pytest.raises(mf.errors.ConfigError, match="head_dim=16 is not valid with attention_type='mla'"):
         mf.GPTConfig(flavour="llama", attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                      v_head_dim=8, head_dim=16)
+
+
+@pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router")
+def test_tiny_preset_builds_and_exports_as_deepseek_v3():
+    ours = mf.AutoModelForCausalLM.from_pretrained("deepseek_v3_tiny")
+    assert isinstance(ours.model.layers[0].self_attn, LatentAttention) and ours.config.moe_layers() == [1, 2, 3]
+    hf = config_to_hf(ours.config)
+    assert isinstance(hf, transformers.DeepseekV3Config) and hf.first_k_dense_replace == 1 and hf.n_group == 4
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf)
+    assert ours.num_parameters() == theirs.num_parameters()
