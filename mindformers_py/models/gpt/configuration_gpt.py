@@ -208,6 +208,11 @@ class GPTConfig(PretrainedConfig):
     rope_interleave: bool = True
     """MLA: rotary positions over interleaved pairs of the rotary dimensions (DeepSeek's checkpoints,
     transformers' ``rope_interleave``); False: over halves, as Llama's."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers of a DeepSeek-V3 checkpoint (its ``num_nextn_predict_layers``, transformers'
+    ``num_mtp_layers``), stored after the decoder layers as ``model.layers.<num_hidden_layers + i>.*``. Carried to
+    and from HF configs; the model builds no multi-token-prediction module from it yet, so such tensors in a
+    checkpoint are reported as not used when it loads."""
     mlp_bias: bool | None = None
     """Biases in the MLP projections."""
     tie_word_embeddings: bool | None = None

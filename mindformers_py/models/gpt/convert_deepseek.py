@@ -34,10 +34,12 @@ SEQUENCE_BALANCE_FACTOR = 0.0001
 
 
 def latent_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our config's latent-attention fields from a ``deepseek_v3`` ``config.json`` dict."""
+    """Our config's latent-attention fields and multi-token-prediction layer count from a ``deepseek_v3``
+    ``config.json`` dict."""
     out = {"attention_type": "mla", **{k: hf.get(k, _HF_DEFAULTS[k]) for k in _MLA_FIELDS}}
     out["attention_bias"] = out["attention_out_bias"] = hf.get("attention_bias", False)
-    out.pop("head_dim", None)
+    # transformers' default is one such layer (its config.json says 1 even where the weights hold none)
+    out["num_nextn_predict_layers"] = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
     return out
 
 
@@ -58,10 +60,11 @@ def moe_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
 
 
 def config_to_hf_kwargs(config: GPTConfig) -> dict[str, Any]:
-    """The ``DeepseekV3Config`` keyword arguments of ``config``'s attention and experts (beside the Llama-like
-    fields the caller gives)."""
+    """The ``DeepseekV3Config`` keyword arguments of ``config``'s attention, experts and multi-token-prediction
+    layer count (beside the Llama-like fields the caller gives)."""
     kwargs: dict[str, Any] = {k: getattr(config, k) for k in _MLA_FIELDS}
     kwargs["attention_bias"] = config.attention_bias
+    kwargs["num_mtp_layers"] = config.num_nextn_predict_layers
     moe = config.moe
     if moe is None:  # every layer dense
         kwargs["first_k_dense_replace"] = config.num_hidden_layers

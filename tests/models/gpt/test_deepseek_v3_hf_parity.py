@@ -235,6 +235,15 @@ def test_rotary_over_halves_and_one_query_projection():
     assert config_to_hf(ours.config).q_lora_rank is None
 
 
+def test_multi_token_prediction_layer_count_round_trips():
+    from mindformers_py.models.gpt.convert_gpt import config_from_hf
+
+    for count in (0, 2):
+        hf = tiny_deepseek_v3_config(False, num_mtp_layers=count)
+        ours = config_from_hf(hf.to_dict())
+        assert ours.num_nextn_predict_layers == count and config_to_hf(ours).num_mtp_layers == count
+
+
 def test_bad_latent_sizes_are_refused():
     with pytest.raises(mf.errors.ConfigError, match="kv_lora_rank=None is not valid with attention_type='mla'"):
         mf.GPTConfig(flavour="llama", attention_type="mla", qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
