@@ -183,6 +183,30 @@ def test_decode_steps_attend_on_the_latents(saved, monkeypatch):
     assert per_token == config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
 
 
+def test_lora_on_the_latent_projections_decodes_through_the_adapter(saved):
+    """LoRA naming MLA's projections (peft ``target_modules``): a decode step with an adapter on ``kv_b_proj``
+    expands the latents through it (absorbing the bare weight would leave the adapter out) and gives the full
+    forward's logits."""
+    import peft
+
+    if saved[0] != "dense":
+        pytest.skip("the attention's projections: checked on the dense checkpoint")
+    ours, _ = _pair(saved)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    model = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)).eval()
+    wrapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert wrapped == set(targets)
+    ids, _ = _batch(12)
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        step = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+        full = model(input_ids=ids).logits[:, -1]
+    assert (step - full).abs().max().item() <= TOL
+    with model.disable_adapter(), torch.no_grad():
+        assert (model(input_ids=ids).logits[:, -1] - full).abs().max().item() > 1e-3  # the adapter counts
+
+
 def test_hidden_states_and_attentions_as_transformers(saved):
     ours, hf = _pair(saved)
     ours.set_attn_implementation("eager")
