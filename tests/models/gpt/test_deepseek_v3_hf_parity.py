@@ -259,6 +259,28 @@ def test_rotary_over_halves_and_one_query_projection():
     assert config_to_hf(ours.config).q_lora_rank is None
 
 
+def test_selective_recompute_of_the_latent_attention_core():
+    """recompute.select_recompute=['attention_core'] checkpoints latent attention's core too: same loss and
+    gradients as without."""
+    import copy
+
+    from mindformers_py.parallel import RecomputeConfig
+    from mindformers_py.parallel.recompute import apply_recompute
+
+    plain = _tiny_deepseek(False)
+    ours = mf.GPTForCausalLM(plain.config).train()
+    from mindformers_py.models.gpt.convert_gpt import state_dict_from_hf
+    ours.load_state_dict(state_dict_from_hf(plain.state_dict(), ours.config))
+    recomputed = apply_recompute(copy.deepcopy(ours), RecomputeConfig(recompute="selective",
+                                                                      select_recompute=["attention_core"]))
+    assert all("core" in vars(layer.self_attn) for layer in recomputed.model.layers)
+    ids, _ = _batch()
+    for model in (ours, recomputed):
+        model(ids, labels=ids).loss.backward()
+    for (name, a), b in zip(ours.named_parameters(), recomputed.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_multi_token_prediction_layer_count_round_trips():
     from mindformers_py.models.gpt.convert_gpt import config_from_hf
 
