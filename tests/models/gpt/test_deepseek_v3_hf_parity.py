@@ -179,8 +179,8 @@ def test_decode_steps_attend_on_the_latents(saved, monkeypatch):
     config = ours.config
     for layer in cache.layers:
         assert layer.keys.shape == (3, 1, 12, config.kv_lora_rank) and layer.values.shape == (3, 1, 12, config.qk_rope_head_dim)
-    per_token = sum(layer.keys[0, :, 0].numel() + layer.values[0, :, 0].numel() for layer in cache.layers)
-    assert per_token == config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
+    per_token = sum(layer.keys[0, :, 0].nbytes + layer.values[0, :, 0].nbytes for layer in cache.layers)
+    assert per_token == config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 4  # fp32 bytes
 
 
 def test_lora_on_the_latent_projections_decodes_through_the_adapter(saved):
