@@ -15,7 +15,8 @@ from typing import Any
 
 from ..parallel.config import ParallelConfig
 from .context_cost import context_buffer_bytes
-from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, as_shape, recomputed_share
+from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, recomputed_share
+from .shape_readers import as_shape
 from .step_time import Runtime, TimeEstimate, estimate_step_time
 
 __all__ = [
@@ -94,8 +95,13 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     stats = tokens // h_div * (1 if shape.rms_norm else 2)  # rsqrt, or mean and rstd, per token
     norm = hidden * (3 if shape.rms_norm else 2) + stats
     lse = shape.heads * tokens // tp
-    core = 3 * q + lse  # q, k and v expanded to the query heads, log-sum-exp
-    output = q  # SDPA's output, also o_proj's input
+    v = shape.v_width * tokens // tp
+    core = 2 * q + v + lse  # q, k and v expanded to the query heads, log-sum-exp
+    output = v  # SDPA's output, also o_proj's input
+    # Latent attention's latents, whole on every rank: the normed query and key/value latents (input, normalised
+    # value, output) and the shared rope key.
+    latent = (3 * shape.q_lora_rank + 3 * shape.kv_lora_rank + shape.qk_rope_head_dim) * tokens \
+        if shape.latent_attention else 0
     scores = shape.heads * tokens * seq // tp if attention_scores and seq else 0
     # per-head RMSNorms of q and k: each keeps its input and normalised value (rotary needs neither) and a statistic
     qk_norms = 2 * (q + kv) + (shape.heads + shape.kv_heads) * tokens // tp if shape.qk_norm else 0
@@ -109,12 +115,14 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     dropout_masks = (2 * hidden + scores) // act_bytes if shape.dropout else 0  # bool masks, one byte each
     if recompute == "selective":
         if "self_attn" in select:
-            core, output, scores, qk_norms, cross = 0, 0, 0, 0, norm if cross else 0  # only the normed inputs
+            core, output, scores, qk_norms, latent = 0, 0, 0, 0, 0  # only the normed inputs
+            cross = norm if cross else 0
         elif "attention_core" in select:
-            core, scores = q + 2 * kv, 0  # the checkpoint keeps its inputs q, k, v
+            # the checkpoint keeps its inputs q, k, v (latent attention's values have heads of their own size)
+            core, scores = q + kv + (v if shape.latent_attention else kv), 0
         if "mlp" in select:
             mlp = 0  # only the normed input, counted in ``norm``
-    return (2 * norm + core + qk_norms + output + scores + mlp + cross + dropout_masks) * act_bytes
+    return (2 * norm + core + qk_norms + latent + output + scores + mlp + cross + dropout_masks) * act_bytes
 
 
 def _mean_layer_activation_bytes(shape: ModelShape, *args: Any) -> float:
@@ -186,6 +194,7 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         if last:
             tied_single = pp == 1 and shape.tied_embeddings and shape.head != "classifier"
             params += shape.head_params(vocab_tp) - (shape.vocab * shape.hidden // vocab_tp if tied_single else 0)
+            params += shape.mtp_params(tp, ep)
         layer_args = (tokens, tp, pc.sequence_parallel)
         layer_full = _mean_layer_activation_bytes(shape, *layer_args, False, (), act_bytes, attention_scores,
                                                   seq_length)
@@ -197,8 +206,12 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
         if last:
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
-            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes)
-        experts = int(stage_layers * layer_experts)
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes) * (1 + shape.mtp_layers)
+            if shape.mtp_layers:  # each module's layer, its input norms and projection (2·hidden in, hidden out)
+                mtp_layer = layer_activation_bytes(shape, tokens, tp, pc.sequence_parallel, False, (), act_bytes,
+                                                   attention_scores, seq_length, kind=shape.mtp_layer_kind())
+                acts += flight * shape.mtp_layers * (mtp_layer + 9 * shape.hidden * tokens * act_bytes)
+        experts = int(stage_layers * layer_experts) + (shape.mtp_expert_params(tp, ep) if last else 0)
         units = [layer_params]  # what FSDP2 gathers at once: a layer, or the embedding / head this stage holds
         units += [shape.embedding_params(vocab_tp)] if first else []
         units += [shape.head_params(vocab_tp)] if last and not (pp == 1 and shape.tied_embeddings) else []

@@ -1,26 +1,15 @@
-"""The sizes of a model that the planner's memory and time estimates depend on (:class:`ModelShape`), and the one
-place that reads them from a model description: our configs (``GPTConfig`` and presets) and HF ``config.json``
-dicts of every architecture the planner covers (decoders, mixtures of experts, encoders, encoder-decoders, vision
-encoders).
-
-The readers here know transformers' architectures only. A reader for an HF ``model_type`` is registered with
-:func:`register_shape_reader`; model types our own families convert (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
-``qwen3``, ``qwen3_moe``, ...) are read through the family's converter, so the planner sees exactly the model we would build. Our own configs are
-read as their family says (its registry entry's ``planner_config``: BERT, T5 and ViT as the HF config they export
-to), else field by field, GPT-style. Parameter counts are exact for the HF classes named in each reader (the tests
-compare them with transformers' models on the meta device).
+"""The sizes of a model that the planner's memory and time estimates depend on (:class:`ModelShape`): parameters,
+matrix products and FLOPs per token, by layer kind and per rank of a layout. :mod:`.shape_readers` reads a shape
+from our configs and HF ``config.json`` dicts.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
 from ..layers.moe.config import moe_config_of
-from ..models import registry  # the family table (it imports the built-in families on first read)
 from ..parallel.config import RecomputeConfig
 
 # Activation tensors the MLP activation function keeps for backward, counted in intermediate-size units (the
@@ -29,6 +18,19 @@ from ..parallel.config import RecomputeConfig
 ACTIVATION_SAVED_TENSORS = {"gelu_fast": 4, "gelu_python": 3, "quick_gelu": 2}
 DEFAULT_ACTIVATION_SAVED = 1
 HEADS = ("lm", "mlm", "classifier")
+
+
+def _latent_attention_fields(cfg: Any) -> dict[str, int]:
+    """The :class:`ModelShape` fields of multi-head latent attention and multi-token prediction read from a
+    config with DeepSeek's field names (HF ``deepseek_v3``'s and ours); empty for other models."""
+    fields = {"mtp_layers": int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)}
+    kv_rank = int(getattr(cfg, "kv_lora_rank", 0) or 0)
+    if kv_rank:
+        rope = int(cfg.qk_rope_head_dim)
+        fields.update(kv_lora_rank=kv_rank, q_lora_rank=int(getattr(cfg, "q_lora_rank", 0) or 0),
+                      qk_rope_head_dim=rope, v_head_dim=int(cfg.v_head_dim),
+                      head_dim=int(cfg.qk_nope_head_dim) + rope)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,22 @@ class ModelShape:
     """Norms after each residual branch (BERT) instead of before (GPT-2, Llama, T5, ViT)."""
     final_norm: bool = True
     """A norm after the last layer (of each stack)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): rank of the queries' low-rank down-projection (0: queries
+    projected from the hidden state directly). The latent and its norm are whole on every tensor-parallel rank."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention: rank of the compressed key/value latent ``c_kv`` (0: ordinary attention). Keys
+    and values are up-projected from it per head in training (``head_dim`` is then the query/key head size,
+    ``qk_nope_head_dim + qk_rope_head_dim``); decoding caches only the latent and the shared rope key."""
+    qk_rope_head_dim: int = 0
+    """Multi-head latent attention: the rotary part of each query/key head; its key part is one head shared by all
+    heads, projected with the latent."""
+    v_head_dim: int = 0
+    """Size of one value head when it differs from ``head_dim`` (multi-head latent attention; 0: ``head_dim``)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3's ``num_nextn_predict_layers``) on the last pipeline stage: each
+    one more transformer layer of the stack's last kind, two norms, a ``2·hidden x hidden`` projection and a norm
+    before the output head, which it shares with the model (it runs the head once more per token)."""
     model_type: str = ""
     """Where the shape came from (``mindformers_gpt``, ``llama``, ``mixtral``, ``t5``, ...), for display."""
 
@@ -136,9 +154,12 @@ class ModelShape:
             experts=moe.expert_num, top_k=moe.num_experts_chosen, expert_ffn=moe.expert_size(ffn),
             shared_expert_ffn=moe.shared_expert_size(ffn), shared_expert_gate=moe.use_shared_expert_gating,
             moe_layers=len(moe.routed_layers(cfg.num_hidden_layers)))
+        latent = _latent_attention_fields(cfg)
+        head_dim = latent.pop("head_dim", head_dim)
         return cls(
             hidden=hidden, layers=cfg.num_hidden_layers, heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            kv_heads=heads if "kv_lora_rank" in latent else getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
             ffn=ffn, vocab=cfg.vocab_size,
             max_positions=getattr(cfg, "max_position_embeddings", 1024), gated_mlp=gated,
             rope=position == "rope", rms_norm=getattr(cfg, "norm_type", "layernorm") == "rmsnorm",
@@ -147,7 +168,7 @@ class ModelShape:
             qk_norm=bool(getattr(cfg, "qk_norm", False)),
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), learned_positions=position == "learned",
             act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED), dropout=dropout,
-            model_type=getattr(cfg, "model_type", "") or "", **experts,
+            model_type=getattr(cfg, "model_type", "") or "", **{**experts, **latent},
         )
 
     # -- sizes ---------------------------------------------------------------------------------------------------
@@ -159,8 +180,43 @@ class ModelShape:
 
     @property
     def kv_width(self) -> int:
-        """Width of each key/value projection."""
+        """Width of each key/value projection (of the keys, under multi-head latent attention)."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        """Width of the values and of the attention output (``q_width`` except under latent attention)."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (keys and values from a compressed latent)."""
+        return self.kv_lora_rank > 0
+
+    def attention_gemms(self, tokens: float, tp: int = 1) -> list[tuple[float, float, float, float]]:
+        """The attention projections of one layer for ``tokens`` tokens on one of ``tp`` ranks, as matrix
+        products ``(m, n, k, count)``: q/k/v then the output for ordinary attention; under latent attention the
+        down-projections (whole on every rank), then the per-head up-projections and the output (split by heads)."""
+        h = self.hidden
+        if not self.latent_attention:
+            return [(tokens, (self.q_width + 2 * self.kv_width) / tp, h, 1), (tokens, h, self.v_width / tp, 1)]
+        nope = self.head_dim - self.qk_rope_head_dim
+        gemms = [(tokens, self.kv_lora_rank + self.qk_rope_head_dim, h, 1),
+                 (tokens, self.heads * (nope + (self.v_head_dim or self.head_dim)) / tp, self.kv_lora_rank, 1),
+                 (tokens, h, self.v_width / tp, 1)]
+        if self.q_lora_rank:
+            return [(tokens, self.q_lora_rank, h, 1), (tokens, self.q_width / tp, self.q_lora_rank, 1), *gemms]
+        return [(tokens, self.q_width / tp, h, 1), *gemms]
+
+    def attention_matmul_params(self) -> int:
+        """Matrix parameters of one attention block (biases and norms left out)."""
+        return int(sum(n * k * count for _, n, k, count in self.attention_gemms(1)))
+
+    @property
+    def score_width(self) -> float:
+        """Mean width of attention's two products per token (``q kᵀ`` over query/key heads, ``p v`` over value
+        heads): ``q_width`` for ordinary attention."""
+        return (self.q_width + self.v_width) / 2
 
     @property
     def is_moe(self) -> bool:
@@ -203,6 +259,17 @@ class ModelShape:
     def attention_params(self, tp: int = 1) -> int:
         """Parameters of one attention block on one of ``tp`` tensor-parallel ranks."""
         q, kv, h = self.q_width, self.kv_width, self.hidden
+        if self.latent_attention:  # the latents' projections and norms whole, the per-head ones split by heads
+            rope, kv_rank, q_rank = self.qk_rope_head_dim, self.kv_lora_rank, self.q_lora_rank
+            nope = self.head_dim - rope
+            whole = h * (kv_rank + rope) + kv_rank
+            sharded = kv_rank * self.heads * (nope + self.v_width // self.heads) + self.v_width * h
+            if q_rank:
+                whole += h * q_rank + q_rank
+                sharded += q_rank * q
+            else:
+                sharded += h * q
+            return whole + sharded // tp + (h if self.out_bias else 0)
         sharded = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         return sharded // tp + (h if self.out_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
@@ -281,18 +348,40 @@ class ModelShape:
                 + self.vocab // tp
         return norms + self.vocab * self.hidden // tp
 
+    def mtp_layer_kind(self) -> str:
+        """The kind (see :meth:`layer_kinds`) of a multi-token prediction module's layer: the stack's last."""
+        return "moe" if self.num_moe_layers else ("dense" if self.causal else "encoder")
+
+    def mtp_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters of the multi-token prediction modules on the last pipeline stage (the head and the
+        embedding they share with the model not counted again): per module a layer of the stack's last kind, the
+        ``2·hidden x hidden`` projection (whole on every rank) and three norms."""
+        if not self.mtp_layers:
+            return 0
+        layer = self.attention_params(tp) + 2 * self.norm_params
+        if self.mtp_layer_kind() == "moe":
+            layer += self.moe_dense_params(tp) + self.expert_params(tp, ep)
+        else:
+            layer += self.mlp_params(tp)
+        return self.mtp_layers * (layer + 2 * self.hidden * self.hidden + 3 * self.norm_params)
+
+    def mtp_expert_params(self, tp: int = 1, ep: int = 1) -> int:
+        """The routed-expert share of :meth:`mtp_params`."""
+        return self.mtp_layers * self.expert_params(tp, ep) if self.mtp_layer_kind() == "moe" else 0
+
     def total_params(self) -> int:
-        """Parameters of the whole model on one device (a tied head counted once)."""
+        """Parameters of the whole model on one device (a tied head counted once; multi-token prediction modules
+        included)."""
         head = self.head_params()
         if self.tied_embeddings and self.head != "classifier":
             head -= self.vocab * self.hidden
-        return self.embedding_params() + self.stack_params() + head
+        return self.embedding_params() + self.stack_params() + head + self.mtp_params()
 
     def active_layer_matmul_params(self) -> float:
         """Matrix parameters one token passes through in the transformer layers: ``top_k`` routed experts (and
         the shared one) in MoE layers, every matrix in dense ones; biases and norms left out."""
         h = self.hidden
-        attn = 2 * h * self.q_width + 2 * h * self.kv_width
+        attn = self.attention_matmul_params()
         mats = self._mlp_matrices()
         dense_mlp = mats * h * self.ffn
         moe_mlp = mats * h * (self.top_k * self.routed_ffn + self.shared_expert_ffn) + h * self.experts
@@ -308,13 +397,26 @@ class ModelShape:
         dense = self.hidden * self.hidden if self.head == "mlm" else 0
         return dense + self.vocab * self.hidden
 
+    def mtp_matmul_params(self) -> float:
+        """Matrix parameters every token passes through in the multi-token prediction modules: per module, one
+        layer of the stack's last kind, the ``2·hidden x hidden`` projection and the shared output head again."""
+        if not self.mtp_layers:
+            return 0.0
+        h = self.hidden
+        mats = self._mlp_matrices()
+        mlp = mats * h * (self.top_k * self.routed_ffn + self.shared_expert_ffn) + h * self.experts \
+            if self.mtp_layer_kind() == "moe" else mats * h * self.ffn
+        return float(self.mtp_layers * (self.attention_matmul_params() + mlp + 2 * h * h + self.head_matmul_params()))
+
     def flops_per_token(self, seq: int, recompute: RecomputeConfig | None = None) -> float:
         """Training FLOPs per token: ``6·N`` for the matrix products (N the active matrix parameters, the head
-        included, the embedding lookups not) plus ``12·L·q_width·s`` for attention scores (PaLM's convention:
-        the causal half is counted), plus the forward re-run by recompute."""
+        and the multi-token prediction modules included, the embedding lookups not) plus ``12·L·w·s`` for
+        attention scores (``w`` the :attr:`score_width`; PaLM's convention: the causal half is counted), plus the
+        forward re-run by recompute."""
         layers_with_attention = self.total_layers + (self.layers if self.encoder_layers else 0)
-        attention = 12 * layers_with_attention * self.q_width * seq
-        flops = 6 * (self.active_layer_matmul_params() + self.head_matmul_params()) + attention
+        attention = 12 * layers_with_attention * self.score_width * seq
+        flops = 6 * (self.active_layer_matmul_params() + self.head_matmul_params() + self.mtp_matmul_params()) \
+            + attention + 12 * self.mtp_layers * self.score_width * seq
         if recompute is not None and recompute.enabled:
             share = recomputed_share(recompute, self.total_layers)
             per_layer = self.active_layer_matmul_params() / self.total_layers
@@ -324,8 +426,7 @@ class ModelShape:
             else:
                 parts = recompute.select_recompute
                 extra = attention_layer if parts else 0
-                h = self.hidden
-                attn = 2 * h * self.q_width + 2 * h * self.kv_width
+                attn = self.attention_matmul_params()
                 extra += 2 * attn if "self_attn" in parts else 0
                 extra += 2 * (per_layer - attn) if "mlp" in parts else 0
             flops += share * self.total_layers * extra
@@ -338,185 +439,3 @@ def recomputed_share(recompute: RecomputeConfig, layers_per_chunk: int, stage: i
         return 0.0
     chosen = sum(recompute.recomputes_layer(i, stage) for i in range(layers_per_chunk))
     return chosen / layers_per_chunk
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading shapes from HF config.json dicts
-# ---------------------------------------------------------------------------------------------------------------
-
-ShapeReader = Callable[[Mapping[str, Any]], ModelShape]
-SHAPE_READERS: dict[str, ShapeReader] = {}
-
-
-def register_shape_reader(*model_types: str) -> Callable[[ShapeReader], ShapeReader]:
-    """Register a function reading a :class:`ModelShape` from HF ``config.json`` dicts of ``model_types``."""
-
-    def register(reader: ShapeReader) -> ShapeReader:
-        for model_type in model_types:
-            SHAPE_READERS[model_type] = reader
-        return reader
-
-    return register
-
-
-def _require(cfg: Mapping[str, Any], *names: str) -> list[Any]:
-    """The values of ``names``, refusing a config that lacks one or holds a non-positive size."""
-    values = []
-    for name in names:
-        value = cfg.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"config {name}={value!r} is not valid for model_type={cfg.get('model_type')!r}; "
-                              "expected a positive integer")
-        values.append(value)
-    return values
-
-
-def _dropout(cfg: Mapping[str, Any], *names: str) -> bool:
-    return any(float(cfg.get(name) or 0.0) > 0 for name in names)
-
-
-@register_shape_reader("mixtral")
-def _mixtral(cfg: Mapping[str, Any]) -> ModelShape:
-    """``MixtralForCausalLM``: Llama attention, every MLP a top-k mixture of SwiGLU experts with a linear router."""
-    hidden, layers, heads, experts = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_local_experts")
-    return ModelShape(
-        hidden=hidden, layers=layers, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads, ffn=cfg.get("intermediate_size", 14336),
-        vocab=cfg.get("vocab_size", 32000), max_positions=cfg.get("max_position_embeddings", 32768),
-        gated_mlp=True, rope=True, rms_norm=True, norm_bias=False, qkv_bias=False, out_bias=False, mlp_bias=False,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), learned_positions=False,
-        act_saved=DEFAULT_ACTIVATION_SAVED, dropout=_dropout(cfg, "attention_dropout"),
-        experts=experts, top_k=cfg.get("num_experts_per_tok", 2), expert_ffn=cfg.get("intermediate_size", 14336),
-        model_type="mixtral",
-    )
-
-
-@register_shape_reader("qwen2_moe")
-def _qwen2_moe(cfg: Mapping[str, Any]) -> ModelShape:
-    """``Qwen2MoeForCausalLM``: q/k/v biases, MoE layers every ``decoder_sparse_step`` layers (except
-    ``mlp_only_layers``) with a gated shared expert."""
-    hidden, layers, heads, experts = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_experts")
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense_only = set(cfg.get("mlp_only_layers") or [])
-    moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    return ModelShape(
-        hidden=hidden, layers=layers, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads, ffn=cfg.get("intermediate_size", 5632),
-        vocab=cfg.get("vocab_size", 151936), max_positions=cfg.get("max_position_embeddings", 32768),
-        gated_mlp=True, rope=True, rms_norm=True, norm_bias=False, qkv_bias=bool(cfg.get("qkv_bias", True)),
-        out_bias=False, mlp_bias=False, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        learned_positions=False, act_saved=DEFAULT_ACTIVATION_SAVED, dropout=_dropout(cfg, "attention_dropout"),
-        experts=experts, top_k=cfg.get("num_experts_per_tok", 4), expert_ffn=cfg.get("moe_intermediate_size", 1408),
-        shared_expert_ffn=cfg.get("shared_expert_intermediate_size", 0) or 0,
-        shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")), moe_layers=moe_layers,
-        model_type="qwen2_moe",
-    )
-
-
-@register_shape_reader("bert", "roberta")
-def _bert(cfg: Mapping[str, Any]) -> ModelShape:
-    """``BertForMaskedLM`` / ``RobertaForMaskedLM``: post-norm encoder with biases, learned positions and token
-    types, the masked-LM head (dense + norm + tied vocabulary projection with a bias); no pooler."""
-    hidden, layers, heads = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads")
-    act = cfg.get("hidden_act", "gelu")
-    return ModelShape(
-        hidden=hidden, layers=layers, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-        ffn=cfg.get("intermediate_size") or 4 * hidden, vocab=cfg.get("vocab_size", 30522),
-        max_positions=cfg.get("max_position_embeddings", 512), gated_mlp=False, rope=False, rms_norm=False,
-        norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), learned_positions=True,
-        act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"),
-        causal=False,
-        token_types=cfg.get("type_vocab_size", 2), head="mlm", post_norm=True, final_norm=False,
-        model_type=str(cfg.get("model_type")),
-    )
-
-
-@register_shape_reader("t5", "mt5")
-def _t5(cfg: Mapping[str, Any]) -> ModelShape:
-    """``T5ForConditionalGeneration`` / ``MT5ForConditionalGeneration``: encoder and decoder stacks of RMS-normed
-    layers without biases, relative position buckets in each stack's first layer, a shared embedding, ReLU or
-    gated-GELU feed-forward."""
-    hidden, layers, heads, head_dim = _require(cfg, "d_model", "num_layers", "num_heads", "d_kv")
-    decoder_layers = cfg.get("num_decoder_layers") or layers
-    projection = str(cfg.get("feed_forward_proj", "relu"))
-    return ModelShape(
-        hidden=hidden, layers=decoder_layers, heads=heads, kv_heads=heads, head_dim=head_dim,
-        ffn=cfg.get("d_ff", 2048), vocab=cfg.get("vocab_size", 32128), max_positions=0,
-        gated_mlp=projection.startswith("gated"), rope=False, rms_norm=True, norm_bias=False, qkv_bias=False,
-        out_bias=False, mlp_bias=False, tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        learned_positions=False, act_saved=DEFAULT_ACTIVATION_SAVED, dropout=_dropout(cfg, "dropout_rate"),
-        encoder_layers=layers, relative_attention_buckets=cfg.get("relative_attention_num_buckets", 32),
-        model_type=str(cfg.get("model_type")),
-    )
-
-
-@register_shape_reader("vit")
-def _vit(cfg: Mapping[str, Any]) -> ModelShape:
-    """``ViTForImageClassification``: pre-norm encoder over image patches plus a class token, a linear
-    classifier on the class token."""
-    hidden, layers, heads, image, patch = _require(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "image_size", "patch_size")
-    channels = cfg.get("num_channels", 3)
-    patches = (image // patch) ** 2
-    act = cfg.get("hidden_act", "gelu")
-    return ModelShape(
-        hidden=hidden, layers=layers, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-        ffn=cfg.get("intermediate_size") or 4 * hidden, vocab=0, max_positions=patches + 1, gated_mlp=False,
-        rope=False, rms_norm=False, norm_bias=True, qkv_bias=bool(cfg.get("qkv_bias", True)), out_bias=True,
-        mlp_bias=True, tied_embeddings=False, learned_positions=True,
-        act_saved=ACTIVATION_SAVED_TENSORS.get(act, DEFAULT_ACTIVATION_SAVED),
-        dropout=_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"),
-        causal=False,
-        head="classifier", num_labels=len(cfg.get("id2label") or {}) or 2, patch_inputs=channels * patch * patch,
-        model_type="vit",
-    )
-
-
-def image_sequence_length(shape: ModelShape) -> int:
-    """Tokens a vision encoder sees per image (patches + class token); 0 for text models."""
-    return shape.max_positions if shape.patch_inputs else 0
-
-
-def shape_from_config(config: Any) -> ModelShape:
-    """The shape of a model config (a ``PretrainedConfig``): one of our families' as the family reads it (its
-    ``planner_config``, the HF config of the same shape), a transformers one by the reader of its ``model_type``;
-    GPT-style configs field by field."""
-    model_type = getattr(config, "model_type", None)
-    family = registry.family_for_model_type(str(model_type)) if model_type else None
-    if family is not None and family.planner_config is not None and model_type == family.config_class.model_type:
-        return replace(shape_from_hf_dict(family.planner_config(config)), model_type=str(model_type))
-    if model_type in SHAPE_READERS:
-        return SHAPE_READERS[model_type](config.to_dict())
-    return ModelShape.from_config(config)
-
-
-def shape_from_hf_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ModelShape:
-    """The shape of the model an HF ``config.json`` dict describes.
-
-    Types our families convert are read through the family's converter (the same model we would build); the
-    others through :data:`SHAPE_READERS`.
-    """
-    model_type = cfg.get("model_type")
-    family = registry.family_for_model_type(str(model_type)) if model_type else None
-    if model_type in SHAPE_READERS:  # a reader of its own (architectures beyond the GPT-style field set)
-        return SHAPE_READERS[str(model_type)](cfg)
-    if family is not None and family.converter is not None and model_type in family.hf_types:
-        return replace(shape_from_config(family.converter.config_from_hf(dict(cfg))), model_type=str(model_type))
-    if family is not None and model_type == family.config_class.model_type:
-        return shape_from_config(family.config_class(**{k: v for k, v in cfg.items() if k != "model_type"}))
-    known = sorted({*SHAPE_READERS, *registry.all_model_types()})
-    raise ConfigError(f"model_type={model_type!r} in {where} is not one the planner reads; choose one of: "
-                      f"{', '.join(known)}")
-
-
-def as_shape(model: Any) -> ModelShape:
-    """``model`` as a :class:`ModelShape`: a shape, an HF ``config.json`` dict or one of our model configs."""
-    if isinstance(model, ModelShape):
-        return model
-    if isinstance(model, Mapping):
-        return shape_from_hf_dict(model)
-    return shape_from_config(model)

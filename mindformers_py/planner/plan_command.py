@@ -22,7 +22,7 @@ from ..errors import ConfigError, MindFormersError
 from ..parallel.config import ParallelConfig
 from .cost_model import ModelShape
 from .device_spec import DeviceSpec, device_catalog, load_device
-from .model_shape import image_sequence_length, shape_from_config, shape_from_hf_dict
+from .shape_readers import image_sequence_length, shape_from_config, shape_from_hf_dict
 from .search import AutoParallelPlan, LayoutEstimate, plan
 from .step_time import Runtime
 

@@ -44,7 +44,8 @@ from ..parallel.config import ParallelConfig
 from .collectives import all_to_all_seconds, ring_seconds  # noqa: F401 (re-exported)
 from .context_cost import attention_geometry, context_forward_backward_seconds, cross_attention_gather_seconds
 from .device_spec import DeviceSpec
-from .model_shape import ModelShape, as_shape, recomputed_share
+from .model_shape import ModelShape, recomputed_share
+from .shape_readers import as_shape
 
 ATTENTION_KERNELS = ("flash", "materialized")
 CONTEXT_KV_EXCHANGES = ("ring", "allgather")
@@ -229,7 +230,7 @@ def _attention_core(shape: ModelShape, batch_heads: float, q_len: int, kv_len: i
                     device: DeviceSpec, runtime: Runtime, element_bytes: int) -> _Block:
     """softmax(q kᵀ) v for ``batch_heads`` (micro-batch x local heads) independent heads; ``causal`` skips half of
     the work (a context-parallel rank's queries are a load-balanced share of the sequence's)."""
-    d = shape.head_dim
+    d = shape.score_width / shape.heads  # the head size (the mean of the q·k and p·v sizes under latent attention)
     if runtime.attention == "flash":
         work = 4.0 * batch_heads * q_len * kv_len * d * (0.5 if causal else 1.0)
         rate = device.peak_flops * device.attention_efficiency if device.peak_flops and device.attention_efficiency \
@@ -284,10 +285,13 @@ def _layer_time(shape: ModelShape, kind: str, batch: int, seq: int, pc: Parallel
                            runtime, element_bytes)
     context = context_forward_backward_seconds(shape, pc, batch, seq, device, element_bytes,
                                                core.forward.matmul, core.backward.matmul, runtime.context_kv)
-    attention = _gemms([(tokens, (shape.q_width + 2 * shape.kv_width) / tp, h, 1),
-                        (tokens, h, shape.q_width / tp, 1)], device, element_bytes)
+    attention = _gemms(shape.attention_gemms(tokens, tp), device, element_bytes)
     attention += elementwise(norm, h_tokens * h) + elementwise("residual", h_tokens * h)
-    if shape.rope:
+    if shape.latent_attention:  # the latents' norms (whole on every rank); rotary on the rope parts only
+        attention += elementwise("rmsnorm", tokens * (shape.q_lora_rank + shape.kv_lora_rank))
+        rotated = tokens * (shape.heads * shape.qk_rope_head_dim / tp + shape.qk_rope_head_dim)
+        attention += elementwise("rope", rotated) if shape.rope else _Block(_Pass(), _Pass())
+    elif shape.rope:
         attention += elementwise("rope", tokens * (shape.q_width + shape.kv_width) / tp)
     if shape.dropout:
         attention += elementwise("dropout", 2 * h_tokens * h)
@@ -401,6 +405,12 @@ def estimate_step_time(model_config: Any, parallel_config: ParallelConfig, per_d
         context_seconds += weight * (layer.context[0] + layer.context[1] + redo_context)
     vocab_tp = tp if pc.vocab_parallel else 1
     head = _head_time(shape, tokens, vocab_tp, device, runtime, act_bytes)
+    if shape.mtp_layers:  # each module on the last stage: its layer, its projection and the shared head again
+        mtp = _layer_time(shape, shape.mtp_layer_kind(), batch, seq_length, pc, device, runtime, act_bytes)
+        mtp_block = mtp.total + _gemms([(tokens, shape.hidden, 2 * shape.hidden, 1)], device, act_bytes) + head
+        head = head + _Block(mtp_block.forward.scaled(shape.mtp_layers), mtp_block.backward.scaled(shape.mtp_layers))
+        tp_collectives += 2 * mtp.tp_collectives * shape.mtp_layers
+        all_to_alls += 2 * mtp.all_to_alls * shape.mtp_layers
     embedding = _elementwise("embedding", tokens * shape.hidden, runtime, device, act_bytes)
     ends = [head.forward + head.backward, embedding.forward + embedding.backward]
     if pp == 1:

@@ -264,7 +264,7 @@ def test_planner_reads_gpt_moe_configs(moe):
     """The planner's shape of a GPT-MoE config counts the model's parameters exactly, and expert parallelism
     divides the expert state it holds per rank."""
     from mindformers_py.parallel import ParallelConfig
-    from mindformers_py.planner.model_shape import as_shape
+    from mindformers_py.planner.shape_readers import as_shape
     from mindformers_py.planner.search import estimate_memory
 
     config = mf.GPTConfig(flavour="llama", vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,

@@ -23,7 +23,7 @@ import pytest
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.planner.cost_model import estimate_memory
 from mindformers_py.planner.device_spec import load_device
-from mindformers_py.planner.model_shape import shape_from_hf_dict
+from mindformers_py.planner.shape_readers import shape_from_hf_dict
 from mindformers_py.planner.search import plan
 from mindformers_py.planner.step_time import Runtime, estimate_step_time
 

@@ -13,7 +13,7 @@ from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.planner.cost_model import estimate_memory
 from mindformers_py.planner.device_spec import load_device
-from mindformers_py.planner.model_shape import SHAPE_READERS, register_shape_reader, shape_from_hf_dict
+from mindformers_py.planner.shape_readers import SHAPE_READERS, register_shape_reader, shape_from_hf_dict
 from mindformers_py.planner.step_time import Runtime, estimate_step_time
 
 TINY = [
@@ -49,12 +49,20 @@ TINY = [
                                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                                    head_dim=48, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2,
                                                    mlp_only_layers=[3], vocab_size=1000)),
+    # Latent attention with and without a query latent, a dense first layer, fine-grained and shared experts; the
+    # multi-token prediction module transformers does not build is left out of both counts.
+    *[("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=q_rank,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, vocab_size=1000,
+        first_k_dense_replace=1, num_nextn_predict_layers=0)) for q_rank in (96, None)],
     ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0,
                                            eos_token_id=0)),
 ]
 
 
-@pytest.mark.parametrize("config_name, model_name, kwargs", TINY, ids=[t[1] for t in TINY])
+@pytest.mark.parametrize("config_name, model_name, kwargs", TINY,
+                         ids=[f"{t[1]}{'' if t[2].get('q_lora_rank', 1) else '-no-q-latent'}" for t in TINY])
 def test_parameter_count_equals_transformers(config_name, model_name, kwargs):
     config = getattr(transformers, config_name)(**kwargs)
     with torch.device("meta"):
@@ -135,3 +143,28 @@ def test_a_family_plugs_in_by_registering_a_reader():
         SHAPE_READERS.pop("toy_encoder")
     with pytest.raises(ConfigError, match="model_type='toy_encoder' in config.json is not one the planner reads"):
         shape_from_hf_dict({"model_type": "toy_encoder"})
+
+
+def test_multi_token_prediction_modules_are_a_layer_a_projection_and_three_norms_each():
+    """DeepSeek-V3's MTP module (``model.layers.<num_hidden_layers>.*`` in its checkpoints): a layer of the stack's
+    last kind (MoE), ``eh_proj`` (2·hidden -> hidden), ``enorm``, ``hnorm`` and ``shared_head.norm``; the embedding
+    and the head are the model's. Its FLOPs run that layer, the projection and the head once more per token."""
+    config = transformers.DeepseekV3Config(**TINY[-2][2] | {"num_nextn_predict_layers": 0})
+    without = shape_from_hf_dict(config.to_dict())
+    with_mtp = shape_from_hf_dict(config.to_dict() | {"num_nextn_predict_layers": 2})
+    h = without.hidden
+    moe_layer = without.attention_params() + 2 * h + without.moe_dense_params() + without.expert_params()
+    assert with_mtp.total_params() - without.total_params() == 2 * (moe_layer + 2 * h * h + 3 * h)
+    assert with_mtp.mtp_params(ep=2) - with_mtp.mtp_expert_params(ep=2) == with_mtp.mtp_params() - with_mtp.mtp_expert_params()
+    extra = with_mtp.flops_per_token(128) - without.flops_per_token(128)
+    per_module = without.attention_matmul_params() + 3 * h * (2 * without.routed_ffn + without.shared_expert_ffn) \
+        + h * without.experts + 2 * h * h + without.vocab * h
+    assert extra == pytest.approx(2 * (6 * per_module + 12 * without.score_width * 128))
+
+
+def test_latent_attention_splits_its_heads_and_keeps_its_latents_whole_under_tensor_parallelism():
+    shape = shape_from_hf_dict(transformers.DeepseekV3Config(**TINY[-3][2]).to_dict())
+    whole = shape.hidden * (shape.q_lora_rank + shape.kv_lora_rank + shape.qk_rope_head_dim) \
+        + shape.q_lora_rank + shape.kv_lora_rank
+    assert shape.attention_params(tp=1) - whole == 4 * (shape.attention_params(tp=4) - whole)
+    assert shape.v_width == 4 * 24 and shape.q_width == 4 * 48 and shape.score_width == (4 * 24 + 4 * 48) / 2
