@@ -281,6 +281,21 @@ def test_selective_recompute_of_the_latent_attention_core():
         assert torch.equal(a.grad, b.grad), name
 
 
+@pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router")
+def test_init_weights_resets_the_router_state():
+    """What transformers' common tests ask of a model built on the meta device: ``_init_weights`` gives every
+    buffer a value, the router's selection bias included (zeros, as transformers initialises it)."""
+    ours = mf.GPTForCausalLM(tiny_deepseek_v3_config(True))
+    router = ours.model.layers[1].mlp.gate
+    buffers = dict(router.named_buffers(recurse=False))
+    assert "e_score_correction_bias" in buffers
+    with torch.no_grad():
+        for buffer in buffers.values():
+            buffer.fill_(7)
+    ours._init_weights(router)
+    assert all(not buffer.any() for buffer in router.buffers(recurse=False))
+
+
 def test_multi_token_prediction_layer_count_round_trips():
     from mindformers_py.models.gpt.convert_gpt import config_from_hf
 
