@@ -6,13 +6,13 @@ Weights: the attention's names are transformers' (``q_a_proj``, ``kv_a_proj_with
 ``mlp.shared_experts`` is our ``mlp.shared_expert`` (one MLP of ``n_shared_experts · moe_intermediate_size``),
 ``mlp.gate.weight`` and ``mlp.gate.e_score_correction_bias`` keep their names, per-expert tensors are stacked as for
 Qwen3-MoE (``convert_gpt``). A DeepSeek checkpoint's MTP layers sit after the decoder layers, as
-``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``); they are
-kept under those names both ways (see :func:`mtp_keys`).
+``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``); only their
+count (``num_nextn_predict_layers``) is converted so far: the GPT model holds no MTP module yet, and the loader
+reports such tensors as not used.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -100,13 +100,6 @@ def check_exportable(config: GPTConfig) -> None:
 
 # --------------------------------------------------------------------------- weights
 _SHARED_HF, _SHARED_OURS = ".mlp.shared_experts.", ".mlp.shared_expert."
-
-
-def mtp_keys(state: dict[str, torch.Tensor], num_layers: int) -> set[str]:
-    """The keys of ``state`` that belong to multi-token-prediction layers: ``model.layers.<i>.*`` with ``i`` at or
-    past ``num_layers`` (the decoder layers' count), where DeepSeek's checkpoints put them."""
-    pattern = re.compile(r"^model\.layers\.(\d+)\.")
-    return {k for k in state if (m := pattern.match(k)) and int(m[1]) >= num_layers}
 
 
 def rename_from_hf(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
