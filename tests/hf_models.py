@@ -34,7 +34,27 @@ def tiny_hf_config(kind: str):
         return transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                            norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,
                                            router_aux_loss_coef=0.02, **{**llama_like, "num_hidden_layers": 3})
+    if kind in ("deepseek_v3", "deepseek_v3_moe"):
+        return tiny_deepseek_v3_config(moe=kind == "deepseek_v3_moe")
     raise ValueError(kind)
+
+
+def tiny_deepseek_v3_config(moe: bool = True, **overrides):
+    """DeepSeek-V3's shape in miniature: latent attention (a query latent of 24, a key/value latent of 16, heads of
+    8 + 4 rotary / 12 value dims, interleaved rotary pairs, YaRN with mscale in the softmax scale); with ``moe``, 4
+    layers, the first dense, then 8 routed experts of 16 in 4 groups (top-2 of the best 2 groups) beside a shared
+    one; without, 3 dense layers (every layer below first_k_dense_replace)."""
+    layers = 4 if moe else 3
+    fields = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                  q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+                  moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  first_k_dense_replace=1 if moe else layers, rope_interleave=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+                                   "beta_slow": 1})
+    return transformers.DeepseekV3Config(**{**fields, **overrides})
 
 
 def tiny_hf_model(kind: str, head: str = "causal_lm", **overrides):

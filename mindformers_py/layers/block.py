@@ -21,6 +21,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import Attention
 from .dropout import Dropout
+from .latent_attention import LatentAttention, latent_softmax_scale
 from .mlp import MLP
 from .moe.layer import MoE
 from .norms import build_norm
@@ -47,7 +48,10 @@ class TransformerBlock(GradientCheckpointingLayer):
     ``head_dim ** -0.5``), ``scale_attn_by_inverse_layer_idx`` (layer i's scale further divided by i + 1) and
     ``reorder_and_upcast_attn`` (scores and softmax in float32 under the eager implementation), GPT-2's options;
     ``qk_norm`` (per-head RMSNorms of queries and keys, Qwen3); ``sliding_window`` with ``attention_kinds()`` (the
-    window of each ``"sliding_attention"`` layer).
+    window of each ``"sliding_attention"`` layer); ``attention_type="mla"`` (multi-head latent attention,
+    :class:`~mindformers_py.layers.latent_attention.LatentAttention`, sized by ``q_lora_rank``, ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, with ``rope_interleave``; its softmax scale from
+    ``rope_parameters`` as transformers' DeepSeek-V3 sets it).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True, post_norm: bool = False,
@@ -73,7 +77,16 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.routed = isinstance(self.mlp, MoE)  # read at build time: recompute may wrap ``mlp`` later
 
     @staticmethod
-    def _attention(config, layer_idx: int, is_causal: bool, cross_attention: bool = False) -> Attention:
+    def _attention(config, layer_idx: int, is_causal: bool,
+                   cross_attention: bool = False) -> Attention | LatentAttention:
+        if getattr(config, "attention_type", "mha") == "mla" and not cross_attention:
+            qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            return LatentAttention(
+                config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+                config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, bias=config.attention_bias,
+                dropout=config.attention_dropout, layer_idx=layer_idx, config=config,
+                scale=latent_softmax_scale(qk_head_dim, getattr(config, "rope_parameters", None)),
+                rope_interleave=bool(getattr(config, "rope_interleave", True)))
         scale = getattr(config, "attention_scale", None)
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale = (config.head_dim ** -0.5 if scale is None else scale) / (layer_idx + 1)

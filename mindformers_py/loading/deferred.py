@@ -350,6 +350,12 @@ def _materialize(model: nn.Module, record: DeferredWeights,
             if buffer is not None and not buffer.is_meta:
                 name = f"{module.__dict__.get(NAME_ATTR, '')}.{attr}"
                 target = place(name) if not sharded else torch.device(mesh_device)
+                if name in record.sources and trace is not None:
+                    # a persistent buffer the checkpoint holds (DeepSeek-V3's e_score_correction_bias): its value,
+                    # in the dtype its module built it in (a float32 selection bias stays float32 in a bf16 model,
+                    # as transformers keeps it)
+                    module._buffers[attr] = trace.value(record.sources[name]).to(target, buffer.dtype).clone()
+                    continue
                 dtype = record.dtype_of(name, buffer.dtype) if buffer.is_floating_point() and record.dtype else buffer.dtype
                 if buffer.device != target or buffer.dtype != dtype:
                     module._buffers[attr] = buffer.to(target, dtype)

@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
 
 from ..layers import Attention, TransformerBlock
+from ..layers.latent_attention import LatentAttention
 from ..layers.moe.layer import Router
 from ..task_registry import TaskSpec, task_of_model
 from .cache_names import CACHE_NAMES
@@ -51,7 +52,7 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
     _no_split_modules = ["TransformerBlock"]
     _skip_keys_device_placement = [*CACHE_NAMES]
     _supports_sdpa = True
-    _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": Attention,
+    _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": [Attention, LatentAttention],
                            "router_logits": OutputRecorder(Router, index=0)}
     accepts_loss_kwargs = True
     _whole_sequence_modules: tuple[str, ...] = ()

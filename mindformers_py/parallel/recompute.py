@@ -23,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import Attention, attention_core
+from ..layers.latent_attention import LatentAttention
 from ..errors import ConfigError
 from .config import RecomputeConfig
 from .recompute_config import SELECT_RECOMPUTE_CHOICES
@@ -72,7 +73,7 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig, stage: int = 0
     for layer in chosen:
         for part in recompute.select_recompute:
             if part == "attention_core":
-                attentions = [m for m in layer.modules() if isinstance(m, Attention)]
+                attentions = [m for m in layer.modules() if isinstance(m, (Attention, LatentAttention))]
                 if not attentions:
                     raise ConfigError(
                         f"recompute.select_recompute='attention_core' is not valid for {type(layer).__name__}: it "

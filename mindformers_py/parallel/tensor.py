@@ -19,6 +19,12 @@ plan string                torch style
 ``allreduce``              ``k_norm``): its weight whole on every rank (a ``Replicate`` DTensor), its input the
                            rank's heads (B, T, heads, hs) marked sharded on the heads, so the weight's gradient,
                            a partial sum over this rank's heads, is summed over the ranks.
+``replicated``             nothing: the module stays whole on every rank, which computes the same result
+                           (multi-head latent attention's down-projections and their norms, whose inputs and
+                           output gradients are whole on every rank); sequence parallelism leaves its norms
+                           alone (their input is the whole sequence, gathered at the attention's input).
+``shared_by_heads``        an identity on a tensor every rank's heads read (latent attention's rotary key):
+                           its gradient, each rank's heads' part, is summed over the ranks.
 =========================  =================================================================================
 
 With ``vocab_emb_dp=True`` (MindFormers' default) the embedding and the LM head stay whole on every
@@ -46,7 +52,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -60,13 +66,35 @@ from ..errors import ConfigError, invalid_choice
 from ..layers import RMSNorm
 from .adapter_layers import adapter_styles
 
-PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "replicated_with_grad_allreduce")
+PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "replicated_with_grad_allreduce",
+               "replicated", "shared_by_heads")
 # Where a per-head norm's input keeps its heads: (B, T, heads, head_dim), as layers.attention applies them.
 _HEADS_DIM = 2
 # Where the residual stream is cut into sequence shards: the base model's embedding dropout, which runs after
 # token and position embeddings are summed (so positions see the whole sequence).
 SEQUENCE_SCATTER_MODULE = "drop"
 NORM_TYPES = (nn.LayerNorm, RMSNorm)
+
+
+class _Replicated(ParallelStyle):
+    """The plan's ``replicated``: the module whole on every rank, as it is."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class _GradientSummed(ParallelStyle):
+    """The plan's ``shared_by_heads``: the module's first input passes unchanged; its gradient, the part this rank's
+    heads gave it, is summed over the ranks (the input marked a ``Replicate`` DTensor whose local gradient is
+    ``Partial``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_gradient(_module: nn.Module, args: tuple) -> tuple:
+            shared = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            return (shared.to_local(grad_placements=[Partial()]), *args[1:])
+
+        module.register_forward_pre_hook(sum_gradient)
+        return module
 
 
 def tp_plan_of(model: nn.Module) -> dict[str, str]:
@@ -119,6 +147,10 @@ def _styles(
                 styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
             elif kind == "replicated_with_grad_allreduce":
                 styles[name] = SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True)
+            elif kind == "replicated":
+                styles[name] = _Replicated()
+            elif kind == "shared_by_heads":
+                styles[name] = _GradientSummed()
             elif kind == "embedding_rowwise":
                 if vocab_parallel:
                     styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())

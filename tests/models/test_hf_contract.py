@@ -225,7 +225,7 @@ def test_each_flavour_answers_its_transformers_names():
     assert llama.norm_eps == llama.rms_norm_eps == 1e-5 and not hasattr(llama, "n_layer")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
     import re
 
@@ -238,6 +238,7 @@ def test_tensor_parallel_plans_name_only_modules_that_exist(kind):
     assert set(plan) <= set(mf.GPTConfig.base_model_tp_plan)
     assert any("shared_expert" in p for p in plan) == (kind == "qwen2_moe")
     assert any(p.endswith("q_norm") for p in plan) == kind.startswith("qwen3")
+    assert any(p.endswith("kv_b_proj") for p in plan) == (kind == "deepseek_v3") != any(p.endswith("k_proj") for p in plan)
 
 
 # -- 5. configs transformers runs: Mixtral's router jitter, GPT-2's attention options ----------------------------------

@@ -1,6 +1,8 @@
 """Distributed layouts against stand-alone on CPU with gloo: per-step losses of several AdamW steps (fp32) through
 the distributed engine match stand-alone for dp2, ZeRO 1/2/3, tp2 (both flavours), sequence and vocabulary
 parallel, recompute, dp2×tp2 and HSDP; checkpoints resume across layouts and consolidate to ``from_pretrained``.
+Multi-head latent attention's gradients under tp2 (with and without sequence parallelism) equal stand-alone's (its
+replicated latent projections: a gradient summed once too often is a constant factor AdamW's losses would hide).
 
 Each spawned job runs several layouts one after the other, so the whole file starts only three process groups.
 """
@@ -33,6 +35,9 @@ def tiny_model(flavour: str) -> mf.GPTForCausalLM:
     extra = {"num_key_value_heads": 2} if flavour in ("llama", "qwen3") else {}
     if flavour == "qwen3":
         flavour, extra["qk_norm"] = "llama", True
+    if flavour == "mla":  # DeepSeek-V3's latent attention: a query latent, heads of 8 + 4 rotary / 8 value dims
+        flavour, extra = "llama", dict(attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                       qk_rope_head_dim=4, v_head_dim=8)
     config = mf.GPTConfig(flavour=flavour, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=SEQ, **extra)
     torch.manual_seed(0)
@@ -165,16 +170,45 @@ LAYOUTS_4 = {
 BF16_LAYOUTS_4 = {"dp2xtp2_bf16": ("llama", semi(data_parallel=2, model_parallel=2))}  # in the 4-process launch
 
 
-def _layouts_worker(rank, world_size, layouts, bf16_layouts=None):
+# name -> (flavour, layout) whose whole gradients of one step are compared with stand-alone's (2-process job)
+GRADIENT_LAYOUTS_2 = {
+    "tp2_mla": ("mla", semi(model_parallel=2)),
+    "tp2_seq_parallel_mla": ("mla", semi(model_parallel=2, use_seq_parallel=True)),
+}
+
+
+def layout_gradients(parallel: ParallelConfig, flavour: str) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient after one forward/backward of the first global batch under ``parallel``."""
+    from mindformers_py.engine import build_engine
+
+    engine = build_engine(parallel, training_args(parallel)) if parallel.parallel_mode != "stand_alone" else None
+    if engine is not None:
+        engine.setup()
+        model = engine.prepare_model(tiny_model(flavour))
+    else:
+        model = tiny_model(flavour)
+    batch = global_batches()[0]
+    rows = engine.shard_indices(range(GLOBAL_BATCH)) if engine is not None else list(range(GLOBAL_BATCH))
+    model(**{k: v[rows] for k, v in batch.items()}).loss.backward()
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for name, p in model.named_parameters()}
+    if engine is not None:
+        engine.teardown()
+    return grads
+
+
+def _layouts_worker(rank, world_size, layouts, bf16_layouts=None, gradient_layouts=None):
     out = {name: run_layout(layout, flavour) for name, (flavour, layout) in layouts.items()}
     for name, (flavour, layout) in (bf16_layouts or {}).items():
         out[name] = run_layout(layout, flavour, bf16=True)
+    for name, (flavour, layout) in (gradient_layouts or {}).items():
+        out[name] = layout_gradients(layout, flavour)
     return out
 
 
 @pytest.fixture(scope="module")
 def two_process_losses():
-    return run_workers(_layouts_worker, 2, LAYOUTS_2, BF16_LAYOUTS_2)
+    return run_workers(_layouts_worker, 2, LAYOUTS_2, BF16_LAYOUTS_2, GRADIENT_LAYOUTS_2)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +224,18 @@ def test_two_process_layout_matches_stand_alone(two_process_losses, name):
     for rank, results in enumerate(two_process_losses):
         assert results[name] == pytest.approx(expected, rel=RTOL), (name, rank, results[name], expected)
     assert abs(expected[0] - expected[-1]) > 1e-3  # the steps really changed the weights
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_LAYOUTS_2))
+def test_two_process_layout_gradients_match_stand_alone(two_process_losses, name):
+    flavour = GRADIENT_LAYOUTS_2[name][0]
+    expected = layout_gradients(ParallelConfig(), flavour)
+    for rank, results in enumerate(two_process_losses):
+        grads = results[name]
+        assert grads.keys() == expected.keys()
+        for key, ref in expected.items():
+            scale = ref.abs().max().item()
+            assert scale > 0 and (grads[key] - ref).abs().max().item() <= RTOL * scale, (name, rank, key)
 
 
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS_2))

@@ -20,12 +20,12 @@ __getattr__, __dir__ = _lazy_exports(__name__, dict.fromkeys(
     [*_MODELS.names.values(), *_EXTRA_MODELS.names.values(), "GPTPreTrainedModel"], ".modeling_gpt"), globals())
 
 _HF_NAMES = {"gpt2": "GPT2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
 _HF_CAUSAL_LM = {kind: f"{name}ForCausalLM" for kind, name in _HF_NAMES.items()} | {"gpt2": "GPT2LMHeadModel"}
 _HF_SEQ_CLS = {kind: f"{name}ForSequenceClassification" for kind, name in _HF_NAMES.items()}
 _HF_BASE = {kind: f"{name}Model" for kind, name in _HF_NAMES.items()}
 _HF_TOKEN_CLS = {kind: f"{name}ForTokenClassification" for kind, name in _HF_NAMES.items()}
-_HF_QA = {kind: f"{name}ForQuestionAnswering" for kind, name in _HF_NAMES.items()}
+_HF_QA = {kind: f"{name}ForQuestionAnswering" for kind, name in _HF_NAMES.items() if kind != "deepseek_v3"}
 
 _registry.register_family(_registry.Family(
     name="gpt",

@@ -27,6 +27,9 @@ FLAVOURS: dict[str, dict[str, Any]] = {
     ),
 }
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+ATTENTION_TYPES = ("mha", "mla")
+# Multi-head latent attention's sizes, each a positive integer (q_lora_rank may be None: one q_proj).
+_MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _MINDFORMERS_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -48,6 +51,15 @@ _TP_PLAN = {
     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.o_proj": "rowwise",
+    # Multi-head latent attention: the latent down-projections and their norms whole on every rank (the ranks then
+    # compute the same latents), the up-projections split by heads, the rotary key's gradient summed over the ranks.
+    "layers.*.self_attn.q_a_proj": "replicated",
+    "layers.*.self_attn.q_a_layernorm": "replicated",
+    "layers.*.self_attn.q_b_proj": "colwise",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "replicated",
+    "layers.*.self_attn.kv_a_layernorm": "replicated",
+    "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.shared_key": "shared_by_heads",
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
@@ -65,9 +77,19 @@ def _tp_plan_of(config: "GPTConfig") -> dict[str, str]:
     dense = moe is None or len(config.moe_layers()) < config.num_hidden_layers
     shared = moe is not None and moe.shared_expert_num > 0
 
+    mla = config.attention_type == "mla"
+
     def exists(name: str) -> bool:
         if name.endswith(("q_norm", "k_norm")):
             return bool(config.qk_norm)
+        if name.endswith(("q_a_proj", "q_a_layernorm", "q_b_proj")):
+            return mla and config.q_lora_rank is not None
+        if name.endswith(("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "shared_key")):
+            return mla
+        if name.endswith(("k_proj", "v_proj")):
+            return not mla
+        if name.endswith("self_attn.q_proj"):
+            return not mla or config.q_lora_rank is None
         if ".mlp.shared_expert." in name:
             return shared
         if ".mlp." in name:
@@ -167,6 +189,30 @@ class GPTConfig(PretrainedConfig):
     qk_norm: bool | None = None
     """An RMSNorm over ``head_dim`` (epsilon ``norm_eps``) on each query and key head before the rotary positions
     (Qwen3 and Qwen3-MoE); None takes the flavour's (off)."""
+    attention_type: str = "mha"
+    """``"mha"``: multi-head (grouped-query) attention with ``q_proj``/``k_proj``/``v_proj``/``o_proj``;
+    ``"mla"``: multi-head latent attention (DeepSeek-V2/V3, :class:`~mindformers_py.layers.latent_attention.
+    LatentAttention`), sized by the five fields below, whose decode cache keeps ``kv_lora_rank + qk_rope_head_dim``
+    values per token and layer. With ``"mla"``, ``head_dim`` is the rotary width ``qk_rope_head_dim`` (transformers'
+    rule) and the positions must be ``"rope"``."""
+    q_lora_rank: int | None = None
+    """MLA: width of the query latent (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``); None: one ``q_proj``."""
+    kv_lora_rank: int | None = None
+    """MLA: width of the key/value latent ``c_kv`` (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``)."""
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key width without rotary positions."""
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head rotary width (one rotary key shared by all heads)."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width."""
+    rope_interleave: bool = True
+    """MLA: rotary positions over interleaved pairs of the rotary dimensions (DeepSeek's checkpoints,
+    transformers' ``rope_interleave``); False: over halves, as Llama's."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers of a DeepSeek-V3 checkpoint (its ``num_nextn_predict_layers``, transformers'
+    ``num_mtp_layers``), stored after the decoder layers as ``model.layers.<num_hidden_layers + i>.*``. Carried to
+    and from HF configs; the model builds no multi-token-prediction module from it yet, so such tensors in a
+    checkpoint are reported as not used when it loads."""
     mlp_bias: bool | None = None
     """Biases in the MLP projections."""
     tie_word_embeddings: bool | None = None
@@ -243,6 +289,9 @@ class GPTConfig(PretrainedConfig):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
+        check_choice("attention_type", self.attention_type, ATTENTION_TYPES)
+        if self.attention_type == "mla":
+            self._check_latent_attention()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -275,6 +324,26 @@ class GPTConfig(PretrainedConfig):
                 raise ConfigError("mlp_bias=True is not valid with experts (moe_config.expert_num > 1): experts have no "
                                   "biases; set mlp_bias=false")
         super().__post_init__(**kwargs)
+
+    def _check_latent_attention(self) -> None:
+        """MLA's sizes are set (positive integers), its positions rotary, ``head_dim`` its rotary width."""
+        for name in _MLA_SIZES + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} is not valid with attention_type='mla'; expected a positive integer")
+        if self.position_embedding_type != "rope":
+            raise ConfigError(f"position_embedding_type={self.position_embedding_type!r} is not valid with "
+                              "attention_type='mla'; latent attention needs 'rope'")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} is not valid; rotary dimensions come in pairs, "
+                              "use an even width")
+        if self.head_dim is not None and self.head_dim != self.qk_rope_head_dim:
+            raise ConfigError(f"head_dim={self.head_dim} is not valid with attention_type='mla'; it is the rotary width, "
+                              f"qk_rope_head_dim={self.qk_rope_head_dim} (leave head_dim unset)")
+        if self.qk_norm:
+            raise ConfigError("qk_norm=True is not valid with attention_type='mla'; latent attention has no per-head "
+                              "q/k norms (its latents have kv_a_layernorm and q_a_layernorm)")
+        self.head_dim = self.qk_rope_head_dim
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:

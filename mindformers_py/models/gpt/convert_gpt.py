@@ -1,5 +1,5 @@
-"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and
-Qwen3-MoE checkpoints.
+"""HF <-> mindformers_py conversion for the GPT family: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+Qwen3-MoE and DeepSeek-V3 checkpoints (DeepSeek-V3's own fields and names: ``convert_deepseek``).
 
 Our module names follow Llama's, so Llama-like checkpoints map almost one to one; GPT-2's fused, transposed
 ``Conv1D`` q/k/v projection is split into ``q_proj``/``k_proj``/``v_proj`` (and fused back on export). MoE
@@ -19,9 +19,10 @@ import torch
 
 from ...errors import ConfigError, MindFormersError
 from ..hf_config import carry_general_fields
+from . import convert_deepseek as deepseek
 from .configuration_gpt import GPTConfig
 
-SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MOE_HF_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_HF_TYPES = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorms; attention_bias covers o_proj too
 # Config fields copied as-is between our config and Llama-like HF configs.
@@ -75,6 +76,12 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> GPTConfig:
         kwargs["attention_bias"] = kwargs["attention_out_bias"] = hf.get("attention_bias", False)
     if kind in MOE_HF_TYPES:
         return _moe_config_from_hf(hf, kind, kwargs)
+    if kind == "deepseek_v3":  # latent attention; experts (when some layer routes) behind DeepSeek-V3's router
+        kwargs.pop("head_dim", None)  # transformers' is the rotary width, which ours derives
+        kwargs.update(deepseek.latent_fields_from_hf(hf))
+        moe = deepseek.moe_from_hf(hf, kwargs.get("num_hidden_layers", 61))
+        return GPTConfig(flavour="llama", hf_architecture=kind, moe_config=moe,
+                         output_router_logits=bool(hf.get("output_router_logits", False)), **kwargs)
     if kind == "llama":
         kwargs["attention_bias"] = kwargs["attention_out_bias"] = hf.get("attention_bias", False)
         kwargs["mlp_bias"] = hf.get("mlp_bias", False)
@@ -135,6 +142,8 @@ def hf_type_for(config: GPTConfig) -> str:
     """The HF architecture a config exports to: where it came from, else the closest one by its features."""
     if config.hf_architecture:
         return config.hf_architecture
+    if config.attention_type == "mla":
+        return "deepseek_v3"
     if config.moe is not None:
         if config.qk_norm:
             return "qwen3_moe"
@@ -175,6 +184,9 @@ def _config_to_hf(config: GPTConfig, kind: str):
     if kind == "qwen2":
         kwargs.pop("head_dim")
         return transformers.Qwen2Config(**kwargs, **_hf_window(config))
+    if kind == "deepseek_v3":
+        kwargs.pop("head_dim")  # DeepseekV3Config sets it to the rotary width
+        return transformers.DeepseekV3Config(**kwargs, **deepseek.config_to_hf_kwargs(config))
     if kind == "qwen3":
         return transformers.Qwen3Config(attention_bias=config.attention_bias, **kwargs, **_hf_window(config))
     if kind in MOE_HF_TYPES:
@@ -216,6 +228,12 @@ def _hf_window(config: GPTConfig) -> dict[str, Any]:
 
 def _check_exportable(config: GPTConfig, kind: str) -> None:
     """Refuse exports the target HF class could not represent (rather than writing a silently different model)."""
+    if kind == "deepseek_v3":
+        deepseek.check_exportable(config)
+        return
+    if config.attention_type != "mha":
+        raise MindFormersError(f"cannot export to HF {kind}: it needs attention_type='mha', the model has "
+                               f"{config.attention_type!r}; export as deepseek_v3")
     wanted = {
         "gpt2": dict(position_embedding_type="learned", norm_type="layernorm", gated_mlp=False, attention_bias=True,
                      attention_out_bias=True, mlp_bias=True, norm_bias=True, sliding_window=None,
@@ -329,7 +347,8 @@ _EXPERT_KEY = re.compile(r"^(?P<prefix>.*layers\.(?P<i>\d+))\.(?:block_sparse_mo
 _EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _QWEN_EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _HF_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}, "qwen2_moe": _QWEN_EXPERT_NAMES,
-                    "qwen3_moe": _QWEN_EXPERT_NAMES}
+                    "qwen3_moe": _QWEN_EXPERT_NAMES, "deepseek_v3": _QWEN_EXPERT_NAMES}
+_EXPERT_HF_TYPES = (*MOE_HF_TYPES, "deepseek_v3")  # checkpoints with one tensor per expert
 
 
 def _stack_experts(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -374,8 +393,10 @@ def _split_experts(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Map an HF state dict of ``config.hf_architecture`` (any of its heads) to our parameter names (and layouts)."""
-    if hf_type_for(config) in MOE_HF_TYPES:
+    if hf_type_for(config) in _EXPERT_HF_TYPES:
         hf_state = _stack_experts(hf_state)
+    if hf_type_for(config) == "deepseek_v3":
+        hf_state = deepseek.rename_from_hf(hf_state)
     if hf_type_for(config) != "gpt2":
         out = {}
         for key, value in hf_state.items():
@@ -420,8 +441,10 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: st
     if kind == "gpt2" and task == "token_classification":
         heads = {"classifier." + k.split(".", 1)[1]: v for k, v in heads.items()}
     body = {k: v for k, v in state.items() if not k.startswith(_HEADS)}
-    if kind in MOE_HF_TYPES:
+    if kind in _EXPERT_HF_TYPES:
         body = _split_experts(body, kind)
+    if kind == "deepseek_v3":
+        body = deepseek.rename_to_hf(body)
     if kind != "gpt2":
         if task == "question_answering" and kind in _TRANSFORMER_PREFIX_QA:
             body = {"transformer." + k.split(".", 1)[1]: v for k, v in body.items()}

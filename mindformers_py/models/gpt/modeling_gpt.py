@@ -60,6 +60,8 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
             module.inv_freq.copy_(module.compute_inv_freq()[0])
         elif isinstance(module, Router):
             init.normal_(module.weight, 0.0, self.config.initializer_range)
+            for buffer in module.buffers(recurse=False):  # a router kind's state (a selection bias, load counts)
+                init.zeros_(buffer)
         elif isinstance(module, GroupedExperts):
             for name, param in module.named_parameters(recurse=False):
                 init.normal_(param, 0.0, self._residual_std() if name == "down_proj" else self.config.initializer_range)

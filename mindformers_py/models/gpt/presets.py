@@ -3,7 +3,9 @@
 Mixtral 8x7B and Qwen3-30B-A3B shapes; the GPT-MoE presets route each token to 2 of 8 experts of half the dense MLP's
 width, so they compute as many parameters per token as the dense preset of the same width (``gpt_moe_tiny`` beside
 ``llama_tiny``); ``qwen3_tiny`` and ``qwen3_moe_tiny`` are those two with Qwen3's per-head q/k norms (and Qwen3-MoE's
-renormalised top-k, no shared expert)."""
+renormalised top-k, no shared expert); ``deepseek_v3_tiny`` is DeepSeek-V3's architecture in miniature (multi-head latent
+attention, a dense first layer, then 16 routed experts in 4 groups behind the ``deepseek_v3`` router beside a shared
+expert)."""
 
 from __future__ import annotations
 
@@ -53,5 +55,15 @@ GPT_PRESETS.update({
                           moe_config=dict(expert_num=128, num_experts_chosen=8, moe_intermediate_size=768,
                                           routing_policy="dropless", norm_topk_prob=True, aux_loss_factor=0.001)),
 })
+# DeepSeek-V3 in miniature: its latent attention (the query and key/value latents, 2/3 and 1/4 of the width; heads of
+# 32 + 16 rotary / 32 value dims, interleaved rotary pairs) and its MoE (a dense first layer, then top-4 of 16 experts
+# of 128 from the best 2 of 4 groups, one shared expert, sigmoid scores scaled by 2.5, the sequence-wise balance loss).
+GPT_PRESETS["deepseek_v3_tiny"] = dict(
+    flavour="llama", vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    max_position_embeddings=256, intermediate_size=768, attention_type="mla", q_lora_rank=160, kv_lora_rank=64,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope_interleave=True, output_router_logits=True,
+    moe_config=dict(router_type="deepseek_v3", expert_num=16, num_experts_chosen=4, n_group=4, topk_group=2,
+                    moe_intermediate_size=128, shared_expert_num=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    mlp_only_layers=[0], routing_policy="dropless", aux_loss_scope="sequence", aux_loss_factor=0.0001))
 # No preset is called "gpt2": that name is GPT-2's repository on the Hugging Face Hub, whose weights it must load
 # (models/hub.py), never a random model of its shape. gpt_small is that shape.
