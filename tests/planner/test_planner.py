@@ -32,6 +32,10 @@ def tiny(flavour="gpt2", **kw):
     return mf.GPTConfig(**{**cfg, **kw})
 
 
+# Multi-head latent attention at a tiny width (query/key heads of 24, value heads of 12).
+MLA = dict(attention_type="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+
+
 def llama_7b():
     return mf.GPTConfig(flavour="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
                         num_attention_heads=32, intermediate_size=11008, max_position_embeddings=4096)
@@ -61,13 +65,29 @@ def saved_activation_bytes(model, ids):
 
 @pytest.mark.parametrize("kw", [dict(flavour="gpt2"), dict(flavour="llama", num_key_value_heads=2),
                                 dict(flavour="llama", tie_word_embeddings=True, attention_bias=True),
-                                dict(flavour="llama", qk_norm=True, attention_bias=True, attention_out_bias=True)])
+                                dict(flavour="llama", qk_norm=True, attention_bias=True, attention_out_bias=True),
+                                *[dict(flavour="llama", **MLA, q_lora_rank=q) for q in (32, None)]])
 def test_parameter_count_is_exact(kw):
     cfg = tiny(**kw)
     with torch.device("meta"):
         model = mf.GPTForCausalLM(cfg)
     assert ModelShape.from_config(cfg).total_params() == model.num_parameters()
     assert estimate_memory(cfg, layout(), 1, 8).parameters == 4 * model.num_parameters()
+
+
+@pytest.mark.parametrize("q_rank", [32, None])
+@pytest.mark.parametrize("recompute", [False, "full"])
+def test_latent_attention_activation_estimate_matches_saved_tensors(q_rank, recompute):
+    """The latents (the query's and the keys' and values', normed) and the shared rope key, whole on every rank,
+    beside q, k and v expanded per head; SDPA on the CPU runs its math path when the value heads are narrower than
+    the query/key heads, keeping the attention probabilities (``attention_scores``)."""
+    cfg = tiny("llama", **MLA, q_lora_rank=q_rank)
+    torch.manual_seed(0)
+    model = mf.GPTForCausalLM(cfg).train()
+    apply_recompute(model, RecomputeConfig(recompute=recompute))
+    measured = saved_activation_bytes(model, torch.randint(0, 256, (2, 64)))
+    estimated = estimate_memory(cfg, layout(recompute=recompute), 2, 64, attention_scores=True).activations
+    assert estimated == pytest.approx(measured, rel=0.02)
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "qwen3"])
