@@ -157,3 +157,17 @@ def test_modules_named_at_run_time_point_one_way_but_the_one_loading_hook():
 
     loader = registry.checkpoint_loader()
     assert f"{loader.__module__}.{loader.__qualname__}" == "mindformers_py.auto.load_model_class"
+
+
+MAX_FILES_PER_FOLDER = 16
+MAX_LINES_PER_FILE = 600
+
+
+def test_rooms_stay_small_enough_to_read():
+    """No package folder holds more than 16 Python files directly and no module passes 600 lines: a room that
+    grows past them is split into wings (``parallel/context/``, ``parallel/tensor/``, ``layers/loss/``)."""
+    crowded = {str(d.relative_to(PACKAGE.parent)): n for d in [PACKAGE, *PACKAGE.rglob("*/")]
+               if d.is_dir() and (n := len(list(d.glob("*.py")))) > MAX_FILES_PER_FOLDER}
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES_PER_FILE}
+    assert not crowded and not long, f"folders over {MAX_FILES_PER_FOLDER} files: {crowded}; files over {MAX_LINES_PER_FILE} lines: {long}"

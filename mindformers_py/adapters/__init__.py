@@ -5,7 +5,7 @@
 adapter's weights by the wrapped model's names; :mod:`.export` writes a saved adapter under transformers' module
 names (through the family's converter) or merges it into a whole checkpoint; :mod:`.counting` counts an adapter's
 trainable parameters for the planner. The parallel engines shard adapters with their base layers
-(:mod:`mindformers_py.parallel.adapter_layers`) and save only the adapter
+(:mod:`mindformers_py.parallel.tensor.adapters`) and save only the adapter
 (:mod:`mindformers_py.engine.adapter_checkpoint`).
 """
 

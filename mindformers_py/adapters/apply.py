@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from ..loading.deferred import has_meta_parameters
-from ..parallel.adapter_layers import adapted_model, is_peft_model
+from ..parallel.tensor.adapters import adapted_model, is_peft_model
 from .config import SECTION, as_peft_config
 from .experts import with_expert_parameters
 from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder

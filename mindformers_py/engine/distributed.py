@@ -52,7 +52,7 @@ from ..parallel.layout import FSDP, REPLICATE, Layout
 from ..parallel.context.apply import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
 from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
-from ..parallel.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
+from ..parallel.tensor.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
 from ..utils.disk_space import check_free_space
@@ -229,7 +229,7 @@ class DistributedEngine(Engine):
     def shard_batch(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's chunks of every sequence of ``batch`` under context parallelism (the batch itself
         otherwise); see :mod:`mindformers_py.parallel.context.data`. Under sequence parallelism the sequences are
-        first padded to a multiple of ``model_parallel`` (:mod:`mindformers_py.parallel.sequence_padding`)."""
+        first padded to a multiple of ``model_parallel`` (:mod:`mindformers_py.parallel.tensor.sequence_padding`)."""
         batch = self._pad_sequences(batch)[0]
         return self.context.shard_batch(batch) if self.context is not None else batch
 

@@ -54,7 +54,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..errors import CheckpointError
 from ..utils.streamed_safetensors import DEFAULT_MAX_SHARD_SIZE, tensor_bytes
 from ..utils.safetensors_io import atomic_folder
-from .adapter_layers import is_peft_model
+from .tensor.adapters import is_peft_model
 
 ModelFactory = Callable[[Path], nn.Module]
 """``factory(folder) -> model``: a fresh single-process model for the checkpoint ``folder`` (which holds the model's

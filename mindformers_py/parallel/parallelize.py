@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .adapter_layers import adapted_model
+from .tensor.adapters import adapted_model
 from .compile import compile_layers as compile_each_layer
 from .layout import FSDP, Layout
 from .context.apply import ContextParallel, apply_context_parallel

@@ -40,7 +40,7 @@ from ..adapters.apply import from_pretrained_with_adapter, is_peft_model
 from ..adapters.files import adapter_base, is_adapter_folder
 from ..errors import MindFormersError
 from ..loading.deferred import deferred_loading, materialize
-from ..parallel.adapter_layers import adapted_model
+from ..parallel.tensor.adapters import adapted_model
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.layout import Layout
 from ..launcher.launch import LaunchError, adopt_environment, launch, main_module_not_rerun, prepare_fork_server, \

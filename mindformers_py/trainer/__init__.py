@@ -7,7 +7,7 @@ _EXPORTS = {
     **dict.fromkeys(["JsonlLoggerCallback", "LossCurveCallback", "ProgressCallback", "TensorBoardCallback",
                      "default_callbacks", "plot_loss_curve"], ".callbacks"),
     "FusedCausalLMLoss": ".fused_loss",
-    "linear_cross_entropy": "mindformers_py.layers.linear_cross_entropy",
+    "linear_cross_entropy": "mindformers_py.layers.loss.linear_cross_entropy",
     "Seq2SeqTrainer": ".seq2seq",
     "Trainer": ".trainer",
 }

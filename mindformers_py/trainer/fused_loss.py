@@ -1,5 +1,5 @@
 """The fused causal-LM loss of a model: the linear cross-entropy kernel of
-:mod:`mindformers_py.layers.linear_cross_entropy` (the logits never materialised) applied from outside the model.
+:mod:`mindformers_py.layers.loss.linear_cross_entropy` (the logits never materialised) applied from outside the model.
 
 :class:`FusedCausalLMLoss` does it so: the model's body (``model.base_model``) gives the
 hidden states, its output embedding (an ``nn.Linear``) the weight. That is only valid when the model's logits are
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..layers.linear_cross_entropy import linear_cross_entropy
+from ..layers.loss.linear_cross_entropy import linear_cross_entropy
 
 # The probe runs on the first sample of a batch, cut to this many tokens.
 _PROBE_TOKENS = 64

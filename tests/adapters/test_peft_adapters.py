@@ -247,7 +247,7 @@ def test_planner_counts_optimizer_state_of_the_adapter_alone(tmp_path, capsys):
 def test_tensor_parallel_styles_follow_the_base_layer_or_refuse_naming_the_module():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from mindformers_py.parallel.adapter_layers import adapter_styles
+    from mindformers_py.parallel.tensor.adapters import adapter_styles
 
     q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
     lora = apply_peft(gpt("llama"), {"type": "lora", "r": 2, "target_modules": ["q_proj", "o_proj"]}).get_base_model()

@@ -58,7 +58,7 @@ from .layout import ContextLayout
 from ..mesh import ParallelMesh
 
 # The module before the layers where a model that embeds its own sequence (images) is cut: sequence parallelism's
-# cut point too (mindformers_py.parallel.tensor.SEQUENCE_SCATTER_MODULE).
+# cut point too (mindformers_py.parallel.tensor.plans.SEQUENCE_SCATTER_MODULE).
 EMBEDDING_CUT_MODULE = "drop"
 # Inputs a stack's forward may take, from which the local token count is read (the first present).
 _TOKEN_INPUTS = ("position_ids", "input_ids", "inputs_embeds", "hidden_states")

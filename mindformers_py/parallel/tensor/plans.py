@@ -62,9 +62,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..errors import ConfigError, invalid_choice
-from ..layers import RMSNorm
-from .adapter_layers import adapter_styles
+from ...errors import ConfigError, invalid_choice
+from ...layers import RMSNorm
+from .adapters import adapter_styles
 
 PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "replicated_with_grad_allreduce",
                "replicated", "shared_by_heads")

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["adapted_model", "adapter_styles", "is_peft_model"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .loss import IGNORE_INDEX, shift_labels
+from .cross_entropy import IGNORE_INDEX, shift_labels
 
 
 class LinearCrossEntropy(torch.autograd.Function):
