@@ -40,6 +40,15 @@ def build_models(args: argparse.Namespace, folder: str) -> tuple[torch.nn.Module
                 max_position_embeddings=args.context, intermediate_size=3 * args.hidden, **tokens)
     if args.arch == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**qwen)).eval()
+    elif args.arch == "deepseek_v3":  # latent attention (a 4x smaller latent), a dense first layer, 8 experts
+        heads, rope = args.heads, args.hidden // args.heads // 2
+        hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads,
+            num_key_value_heads=heads, vocab_size=args.vocab, max_position_embeddings=args.context,
+            intermediate_size=3 * args.hidden, moe_intermediate_size=3 * args.hidden // 2, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4, qk_nope_head_dim=args.hidden // heads,
+            qk_rope_head_dim=rope, v_head_dim=args.hidden // heads, **tokens)).eval()
     elif args.arch == "qwen3_moe":
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **qwen, moe_intermediate_size=3 * args.hidden // 2, num_experts=8, num_experts_per_tok=2,
@@ -141,7 +150,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=("gpt2", "qwen3", "qwen3_moe"), default="gpt2")
+    parser.add_argument("--arch", choices=("gpt2", "qwen3", "qwen3_moe", "deepseek_v3"), default="gpt2")
     parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled decode step")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -161,7 +170,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         hf, ours = build_models(args, folder)
-    contenders = contenders_of(hf, ours, compiled=not args.no_compiled and args.arch != "qwen3_moe")
+    contenders = contenders_of(hf, ours, compiled=not args.no_compiled and args.arch not in ("qwen3_moe", "deepseek_v3"))
     print(f"greedy decoding, fp32, CPU ({cpu_name()}), {args.threads} thread(s): {type(hf).__name__} {args.layers} layers x {args.hidden} wide, "
           f"{args.heads} heads, vocab {args.vocab}; prompt {args.prompt} tokens, {args.new} new tokens; "
           f"median of {args.repeats} runs (torch {torch.__version__}, transformers {transformers.__version__})")

@@ -129,6 +129,14 @@ FAMILIES: dict[str, Family] = {
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, vocab_size=4096, max_position_embeddings=256),
         _token_rows(4096, 256), batch=8, unit="tokens", items_per_example=256),
+    "deepseek_v3": Family(
+        "deepseek_v3", lambda: transformers.DeepseekV3ForCausalLM, lambda: mf.AutoModelForCausalLM,
+        lambda: transformers.DeepseekV3Config(
+            hidden_size=256, intermediate_size=768, moe_intermediate_size=384, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64,
+            qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, vocab_size=4096, max_position_embeddings=256),
+        _token_rows(4096, 256), batch=8, unit="tokens", items_per_example=256),
     "bert": Family(
         "bert", lambda: transformers.BertForMaskedLM, lambda: mf.AutoModelForMaskedLM,
         lambda: transformers.BertConfig(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
