@@ -104,3 +104,30 @@ def test_lora_recipe_from_a_qwen3_moe_folder_adapts_the_experts(files, qwen3_moe
     expected, got = _logs(tmp_path / "sa"), _logs(tmp_path / "ep2")
     assert [h["loss"] for h in got] == pytest.approx([h["loss"] for h in expected], rel=1e-4)
     assert expected[-1]["loss"] < expected[0]["loss"]
+
+
+DEEPSEEK = ROOT / "tasks" / "gpt_moe" / "pretrain_deepseek_v3_tiny.yaml"
+
+
+def test_deepseek_v3_pretraining_recipe_balances_its_experts_and_exports(files, tmp_path, monkeypatch):
+    """The tiny DeepSeek-V3 recipe at test size: its selection biases move from zero (auxiliary-loss-free balancing)
+    and are saved; the checkpoint exports as transformers' deepseek_v3, which reads the biases back."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "ds"
+    small = ["--model.num_hidden_layers", "2", "--model.max_position_embeddings", "64", "--tokenizer.vocab_size", "300",
+             "--data.source", "files", "--data.train_files", str(files / "train.txt"), "--data.validation_files",
+             str(files / "val.txt"), "--data.block_size", "32", "--max_steps", "3", "--logging_steps", "1",
+             "--learning_rate", "0.01", "--disable_tqdm", "true", "--save_strategy", "no", "--eval_strategy", "no",
+             "--generate.prompts", "[]", "--output_dir", str(out), "--report_to", "[]",
+             "--per_device_train_batch_size", "8", "--bf16", "false", "--model.moe_config.bias_update_rate", "0.01"]
+    assert main(["run", str(DEEPSEEK), *small]) == 0
+    logs = _logs(out)
+    assert len(logs) == 3 and all(h["load_imbalance/layer_1"] >= 1 for h in logs)
+    from safetensors.torch import load_file
+
+    bias = load_file(out / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0  # three steps of +-0.01 moves
+    assert main(["convert", str(out), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    assert torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
