@@ -91,3 +91,16 @@ def ours_and_theirs(saved) -> tuple:
     ours = mf.AutoModelForCausalLM.from_pretrained(path)
     assert isinstance(ours, mf.GPTForCausalLM) and ours.config.hf_architecture == kind
     return ours, hf
+
+
+def assert_same_hidden_states_and_attentions(ours, hf, ids: torch.Tensor, tol: float) -> None:
+    """Under eager attention, our model returns transformers' hidden states and attention weights (as many, each
+    within ``tol``) for ``output_hidden_states`` and ``output_attentions``."""
+    ours.set_attn_implementation("eager")
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        a = ours(ids, output_hidden_states=True, output_attentions=True)
+        b = hf(ids, output_hidden_states=True, output_attentions=True)
+    assert len(a.hidden_states) == len(b.hidden_states) and len(a.attentions) == len(b.attentions)
+    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
+        assert (x - y).abs().max().item() <= tol

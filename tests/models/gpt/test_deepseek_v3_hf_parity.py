@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, tiny_deepseek_v3_config
+from hf_models import VOCAB, assert_same_hidden_states_and_attentions, tiny_deepseek_v3_config
 from mindformers_py.layers.latent_attention import LatentAttention
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
 from tolerances import SAME_WEIGHTS_ANOTHER_PATH
@@ -206,15 +206,7 @@ def test_lora_on_the_latent_projections_decodes_through_the_adapter(saved):
 
 def test_hidden_states_and_attentions_as_transformers(saved):
     ours, hf = _pair(saved)
-    ours.set_attn_implementation("eager")
-    hf.set_attn_implementation("eager")
-    ids, _ = _batch()
-    with torch.no_grad():
-        a = ours(ids, output_hidden_states=True, output_attentions=True)
-        b = hf(ids, output_hidden_states=True, output_attentions=True)
-    assert len(a.hidden_states) == len(b.hidden_states) and len(a.attentions) == len(b.attentions)
-    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
-        assert (x - y).abs().max().item() <= TOL
+    assert_same_hidden_states_and_attentions(ours, hf, _batch()[0], TOL)
 
 
 def test_round_trip_is_exact(saved, tmp_path):

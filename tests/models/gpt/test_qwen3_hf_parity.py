@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, ours_and_theirs, saved_hf_model, tiny_hf_model
+from hf_models import VOCAB, assert_same_hidden_states_and_attentions, ours_and_theirs, saved_hf_model, tiny_hf_model
 from mindformers_py.errors import MindFormersError
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
 from tolerances import SAME_WEIGHTS_ANOTHER_PATH
@@ -108,15 +108,7 @@ def test_greedy_generation_token_identical_past_the_window(hf_dir):
 
 def test_hidden_states_and_attentions_as_transformers(hf_dir):
     ours, hf = _pair(hf_dir)
-    ours.set_attn_implementation("eager")
-    hf.set_attn_implementation("eager")
-    ids, _ = _batch()
-    with torch.no_grad():
-        a = ours(ids, output_hidden_states=True, output_attentions=True)
-        b = hf(ids, output_hidden_states=True, output_attentions=True)
-    assert len(a.hidden_states) == len(b.hidden_states) and len(a.attentions) == len(b.attentions)
-    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
-        assert (x - y).abs().max().item() <= TOL
+    assert_same_hidden_states_and_attentions(ours, hf, _batch()[0], TOL)
 
 
 def test_round_trip_is_exact(hf_dir, tmp_path):
