@@ -1,7 +1,8 @@
 """The Qwen3 recipes through the CLI at test size: the tiny Qwen3-MoE pretraining (tasks/gpt_moe/
 pretrain_qwen3_moe_tiny.yaml) with its per-layer expert loads in the logs and its checkpoint exported as transformers'
 qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by transformers (tasks/gpt/finetune_lora_qwen3.yaml),
-adapting the experts' projections by name, under ep2 too."""
+adapting the experts' projections by name, under ep2 too; and the tiny DeepSeek-V3 pretraining
+(tasks/gpt_moe/pretrain_deepseek_v3_tiny.yaml) with its balancing biases saved and exported."""
 
 from __future__ import annotations
 
