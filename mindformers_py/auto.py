@@ -243,6 +243,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         raise ConfigError(f"{caller}.from_pretrained takes no positional model arguments after the path "
                           f"(got {len(model_args)}); pass config fields as keywords")
     given = name_or_path
+    adapter = _transformers_internal_options(kwargs)
     hub = hub_options(kwargs)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in LOADING_KWARGS}
     subfolder = hub.pop("subfolder", "")
@@ -301,7 +302,19 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
     model.eval()
     info = plan.loading_info() if plan is not None else \
         {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    if adapter is not None:  # transformers' Auto classes found an adapter's folder and give us its base
+        model.load_adapter(adapter.pop("_adapter_model_path"), **adapter)
     return (model, info) if options.get("output_loading_info") else model
+
+
+def _transformers_internal_options(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Take out of ``kwargs`` the keywords transformers' own Auto classes add when they call a model class's
+    ``from_pretrained`` (:data:`TRANSFORMERS_INTERNAL_KWARGS`); return the adapter transformers found (its
+    ``adapter_kwargs``, with ``_adapter_model_path``), if any, to put on the loaded model."""
+    for key in TRANSFORMERS_INTERNAL_KWARGS:
+        kwargs.pop(key, None)
+    adapter = dict(kwargs.pop("adapter_kwargs", None) or {})
+    return adapter if adapter.get("_adapter_model_path") else None
 
 
 def _load_with_adapter(choose_class: Callable[[Family], type[PreTrainedModel]], folder: Path, caller: str,
@@ -377,6 +390,10 @@ which files of a Hub repository are read (:data:`~mindformers_py.models.hub.HUB_
 huggingface_hub for a hub id (:mod:`mindformers_py.models.hub`); for a local folder they change nothing, as in
 transformers. ``trust_remote_code`` has no remote code to trust: our classes are this package's. ``max_memory`` and
 ``offload_folder`` go with ``device_map="auto"`` (see :func:`~mindformers_py.loading.placement.place`)."""
+TRANSFORMERS_INTERNAL_KWARGS = ("_from_auto", "_from_pipeline", "_commit_hash", "code_revision")
+"""Keywords transformers' Auto classes and pipelines pass to a model class's ``from_pretrained`` for their own
+bookkeeping (besides ``adapter_kwargs``, which carries an adapter found in the folder): accepted and dropped, so a
+model loaded through transformers' ``AutoModel*`` takes our route too."""
 CONFIG_KWARGS = ("subfolder", "return_unused_kwargs", "trust_remote_code", *(k for k in HUB_KWARGS if k != "subfolder"))
 """transformers' ``AutoConfig.from_pretrained`` keywords that say how to load rather than what the config holds."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -116,3 +116,44 @@ def test_only_the_cli_the_recipe_runner_and_the_engine_registry_use_the_planner(
     users = {source for source, targets in _graph().items() if _group(source) not in ("planner", None)
              and any(_group(t) == "planner" for t in targets)}
     assert users <= PLANNER_USERS, f"these import the planner: {sorted(users - PLANNER_USERS)}"
+
+
+# Modules reached by name at run time instead of by import (``importlib.import_module``, a ``Deferred`` slot) are
+# dependencies too. The one hook allowed against the order: the model classes' ``from_pretrained`` loads through the
+# Auto classes' loader (one route for every class), which the package root puts in the models' slot. The launcher's
+# fork server also names the engines' and the Trainer's modules, to import them once before it forks workers (it
+# calls nothing in them).
+UPWARD_HOOKS = {("mindformers_py", "mindformers_py.auto"): "models.lazy_registration.CHECKPOINT_LOADER",
+                ("mindformers_py.launcher.launch", "mindformers_py.engine.registry"): "FORKSERVER_PRELOAD",
+                ("mindformers_py.launcher.launch", "mindformers_py.trainer.trainer"): "FORKSERVER_PRELOAD"}
+
+
+def _named_modules(path: Path) -> set[str]:
+    """The mindformers_py modules ``path`` names in string constants (``"mindformers_py.x.y"``, and
+    ``__name__ + ".x"`` in the package root)."""
+    tree = ast.parse(path.read_text())
+    names = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith("mindformers_py.")}
+    names |= {"mindformers_py" + node.right.value for node in ast.walk(tree)
+              if isinstance(node, ast.BinOp) and isinstance(node.left, ast.Name) and node.left.id == "__name__"
+              and isinstance(node.right, ast.Constant) and isinstance(node.right.value, str)
+              and path.name == "__init__.py" and path.parent == PACKAGE}
+    return names
+
+
+def test_modules_named_at_run_time_point_one_way_but_the_one_loading_hook():
+    wrong, hooks = [], set()
+    for path in PACKAGE.rglob("*.py"):
+        source = _module_name(path)
+        for target in _named_modules(path):
+            src, dst = _group(source), _group(target)
+            if (source, target) in UPWARD_HOOKS:
+                hooks.add((source, target))
+            elif src is not None and dst in ORDER and ORDER.index(dst) > ORDER.index(src):
+                wrong.append(f"{source} names {target}")
+    assert not wrong, "modules reached by name against the order:\n" + "\n".join(sorted(wrong))
+    assert hooks == set(UPWARD_HOOKS)
+    from mindformers_py.models import registry
+
+    loader = registry.checkpoint_loader()
+    assert f"{loader.__module__}.{loader.__qualname__}" == "mindformers_py.auto.load_model_class"

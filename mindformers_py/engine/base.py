@@ -233,6 +233,20 @@ class Engine:
         else:
             optimizer.step()
 
+    def balance_experts(self, model: nn.Module) -> None:
+        """Auxiliary-loss-free load balancing after an optimizer step (DeepSeek-V3; ``MoEConfig.bias_update_rate``):
+        the expert loads each balancing router on this rank counted in the step's forwards (``expert_load``), all
+        layers stacked and summed over the ranks that saw other tokens of the step (:meth:`all_reduce_sum`: data x
+        context parallel, which expert parallelism borrows its ranks from; tensor-parallel ranks see the same tokens
+        and each pipeline stage holds its own layers), then each router's ``update_bias(load)``: the same update on
+        every rank. One collective per step, none without such routers."""
+        routers = [m for m in model.modules() if getattr(m, "bias_update_rate", 0) > 0 and hasattr(m, "update_bias")]
+        if not routers:
+            return
+        loads = self.all_reduce_sum(torch.stack([router.expert_load for router in routers]))
+        for router, load in zip(routers, loads):
+            router.update_bias(load)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the gradients (set to None: no memset, and the next backward writes instead of adding)."""
         optimizer.zero_grad(set_to_none=True)

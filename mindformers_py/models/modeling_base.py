@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -15,7 +13,6 @@ from ..layers.moe.layer import Router
 from ..task_registry import TaskSpec, task_of_model
 from .cache_names import CACHE_NAMES
 from .hf_config import own_config
-from .packaged import PACKAGED_CHECKPOINTS
 from . import registry
 from .registry import register_with_peft
 
@@ -62,12 +59,14 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' ``from_pretrained`` for our own checkpoints; a preset name or an HF checkpoint of an
-        architecture the family converts (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``) loads through the
-        family's converter, as the Auto classes load it."""
+        """Load into this class as the Auto classes load (one route for every ``from_pretrained``, whichever class
+        is called, so ``dtype``, ``device_map`` and :func:`~mindformers_py.loading.deferred_loading` act the same):
+        our checkpoint folders, HF checkpoints of an architecture the family converts
+        (``GPTForCausalLM.from_pretrained("path/to/hf_llama")``), presets and hub ids. transformers' own loading
+        is left only the case it alone serves: no checkpoint at all (``from_pretrained(None, config=...,
+        state_dict=...)``)."""
         loader = registry.checkpoint_loader()
-        if loader is None or pretrained_model_name_or_path is None or \
-                _holds_our_checkpoint(pretrained_model_name_or_path, kwargs.get("subfolder"), cls):
+        if loader is None or pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return loader(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
@@ -101,18 +100,3 @@ class MindFormersPreTrainedModel(PreTrainedModel, metaclass=_TakesHFConfigs):
             roles = self.__dict__["_init_roles"] = {m: n.rsplit(".", 1)[-1] for n, m in self.named_modules()}
         return roles.get(module, "")
 
-
-def _holds_our_checkpoint(name_or_path, subfolder: str | None, cls) -> bool:
-    """Whether ``name_or_path`` is a folder saved by one of our models (its ``config.json`` has our model type)
-    or something transformers' own loading handles (not a folder we know: a hub name raises there)."""
-    if registry.is_preset(str(name_or_path)) or str(name_or_path) in PACKAGED_CHECKPOINTS:
-        return False
-    folder = Path(name_or_path) / subfolder if subfolder else Path(name_or_path)
-    config = folder / "config.json"
-    if not config.is_file():
-        return True
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError):
-        return True  # transformers' loading reports it
-    return model_type == cls.config_class.model_type

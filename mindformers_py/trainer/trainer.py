@@ -366,6 +366,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
                     self._grad_norm = engine.clip_grad_norm(self.model, self.optimizer, args.max_grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(args, state, self.control)
                 engine.optimizer_step(self.optimizer)
+                engine.balance_experts(self.model)  # MoE selection biases, from the step's expert loads
                 self.control = self.callback_handler.on_optimizer_step(args, state, self.control)
                 self._learning_rate = self.optimizer.param_groups[0]["lr"]
                 if not steps_on_metric(self.lr_scheduler):

@@ -126,12 +126,13 @@ def test_batch_aux_loss_is_transformers_load_balancing_loss():
 
 
 def test_sequence_aux_loss_is_per_layer_and_sequence_and_z_loss():
-    """DeepSeek-V3's sequence-wise balance: transformers' formula for one layer and one sequence, averaged."""
+    """DeepSeek-V3's sequence-wise balance: transformers' formula for one layer and one sequence over k (the paper's
+    f_i = E / (k T) count_i; transformers' share of choices has no 1/k), averaged."""
     moe = make_moe(routing_policy="dropless")
     x = torch.randn(4, 6, H)
     stats, logits = _layers_stats(moe, x, None)
     aux, z = router_losses(stats, E, "sequence")
-    per_row_layer = [load_balancing_loss_func((l.view(4, 6, E)[b],), E, 2).item() for b in range(4) for l in logits]
+    per_row_layer = [load_balancing_loss_func((l.view(4, 6, E)[b],), E, 2).item() / 2 for b in range(4) for l in logits]
     assert abs(aux.item() - sum(per_row_layer) / len(per_row_layer)) <= 1e-5
     lse = torch.stack([torch.logsumexp(l, -1) for l in logits])
     assert abs(z.item() - lse.square().mean().item()) <= 1e-5

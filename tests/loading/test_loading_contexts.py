@@ -149,3 +149,24 @@ def test_a_preset_and_from_config_in_inference_mode_and_under_float64():
 def test_from_pretrained_on_a_meta_default_device_is_one_line(folders):
     with default_device("meta"), pytest.raises(mf.MindFormersError, match="a meta device .* cannot hold"):
         mf.AutoModelForCausalLM.from_pretrained(folders["gpt"])
+
+
+ONE_ROUTE = [route for route in ROUTES if route != "pipeline"]
+
+
+def test_every_route_defers_and_takes_dtype_alike(folders):
+    """Model classes and Auto classes (ours and transformers') load a folder by one route: under
+    ``deferred_loading()`` each returns its parameters still on ``meta`` for a layout to fill, and ``dtype`` gives
+    the same tensors whichever class was called (our model class on our own folder went to transformers' loader,
+    which ignored ``deferred_loading()``)."""
+    from mindformers_py.loading import deferred_loading
+
+    for route in ONE_ROUTE:
+        with deferred_loading():
+            model = ROUTES[route](folders)
+        assert all(p.is_meta for p in model.parameters()), route
+    reference = mf.AutoModelForCausalLM.from_pretrained(folders["gpt_ours"], dtype=torch.bfloat16).state_dict()
+    for load in (mf.GPTForCausalLM, transformers.AutoModelForCausalLM):
+        state = load.from_pretrained(folders["gpt_ours"], dtype=torch.bfloat16).state_dict()
+        assert state.keys() == reference.keys()
+        assert all(state[k].dtype == reference[k].dtype and torch.equal(state[k], reference[k]) for k in state), load

@@ -4,7 +4,9 @@ gradient accumulation) when its experts are split over expert-parallel ranks bor
 tensor parallelism, ZeRO 1/2/3, recompute and pipeline stages (where the router statistics travel from stage to
 stage), and the same gradient norms (which AdamW's updates would not show a constant factor in); its checkpoints
 consolidate to whole weights; the router metrics are the stand-alone ones. The layouts named ``qwen3_moe_*`` run a
-Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert).
+Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert); those named
+``deepseek_v3_*`` DeepSeek-V3's router (sigmoid, group-limited) with auxiliary-loss-free balancing, whose selection
+biases after every step are bitwise stand-alone's on every rank (dp, ep, ZeRO-3, recompute, pp, cp, tp).
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ MOE = {"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless", "
 
 
 QWEN3_MOE = {**MOE, "shared_expert_num": 0, "use_shared_expert_gating": False, "norm_topk_prob": True}
+# DeepSeek-V3's router with auxiliary-loss-free balancing: 2 groups of 2 experts, one allowed per token, and a rate
+# large enough for the bias to move the choices within the few steps.
+DEEPSEEK_MOE = {**MOE, "use_shared_expert_gating": False, "router_type": "deepseek_v3", "n_group": 2, "topk_group": 1,
+                "routed_scaling_factor": 2.5, "bias_update_rate": 0.05}
 
 
-def tiny_moe(qwen3: bool = False, **moe) -> mf.GPTForCausalLM:
+def tiny_moe(qwen3: bool = False, deepseek: bool = False, **moe) -> mf.GPTForCausalLM:
     """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads); ``qwen3``:
-    Qwen3-MoE's shape."""
+    Qwen3-MoE's shape; ``deepseek``: DeepSeek-V3's router with its selection bias updated every step."""
+    base = QWEN3_MOE if qwen3 else DEEPSEEK_MOE if deepseek else MOE
     config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=SEQ, output_router_logits=True,
-                          qk_norm=qwen3, moe_config={**(QWEN3_MOE if qwen3 else MOE), **moe})
+                          qk_norm=qwen3, moe_config={**base, **moe})
     torch.manual_seed(0)
     return mf.GPTForCausalLM(config).train()
 
@@ -65,26 +72,30 @@ def _loss_fn(model, batch, num_items):
 
 
 def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None,
-                   qwen3: bool = False, bf16: bool = False) -> dict:
+                   qwen3: bool = False, bf16: bool = False, deepseek: bool = False) -> dict:
     """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
     hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine (under bf16
-    autocast with ``bf16``); the router metrics of the run reduced over the ranks; optionally a consolidated
-    checkpoint."""
+    autocast with ``bf16``); the router metrics of the run reduced over the ranks; the MoE layers' selection biases
+    (``deepseek``: moved after every step); optionally a consolidated checkpoint."""
     engine = build_engine(parallel, training_args(parallel, bf16))
     engine.setup()
-    model = tiny_moe(qwen3, **(moe or {}))
+    model = tiny_moe(qwen3, deepseek, **(moe or {}))
     wrapped = engine.prepare_model(model)
     optimizer = engine.build_optimizer(model)
     scheduler = create_scheduler(optimizer, engine.args, STEPS)
-    losses, norms = [], []
+    losses, norms, biases, loads = [], [], [], []
     for batch in global_batches():
         rows = engine.shard_indices(range(GLOBAL_BATCH))
         local = {k: v[rows] for k, v in batch.items()}
-        micro = [{k: v[i::MICRO_BATCHES] for k, v in local.items()} for i in range(MICRO_BATCHES)]
+        # each rank's chunks of every sequence under context parallelism (the Trainer's read_step)
+        micro = [engine.shard_batch({k: v[i::MICRO_BATCHES] for k, v in local.items()}) for i in range(MICRO_BATCHES)]
         items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(mb) for mb in micro)))
         loss = engine.forward_backward(wrapped, micro, items, _loss_fn)
         norms.append(float(engine.clip_grad_norm(model, optimizer, engine.args.max_grad_norm)))
         engine.optimizer_step(optimizer)
+        loads.append(_buffers(model, "expert_load"))  # this rank's counts of the step, before the update
+        engine.balance_experts(model)
+        biases.append(_buffers(model, "e_score_correction_bias"))
         scheduler.step()
         engine.zero_grad(optimizer)
         losses.append(engine.all_reduce_mean(loss).item())
@@ -93,18 +104,24 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     if save_to is not None:
         engine.save_pretrained(model, save_to)
     engine.teardown()
-    return {"losses": losses, "grad_norms": norms, "metrics": metrics}
+    return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads}
+
+
+def _buffers(model: torch.nn.Module, suffix: str) -> dict[str, torch.Tensor]:
+    """Copies of the model's buffers named ``*suffix`` by their names in the plain model."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): buffer.detach().cpu().clone()
+            for name, buffer in model.named_buffers() if name.endswith(suffix)}
 
 
 _REFERENCE: dict = {}
 
 
-def reference(qwen3: bool = False, bf16: bool = False) -> dict:
-    """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``), computed once
-    each."""
-    if (qwen3, bf16) not in _REFERENCE:
-        _REFERENCE[qwen3, bf16] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16)
-    return _REFERENCE[qwen3, bf16]
+def reference(qwen3: bool = False, bf16: bool = False, deepseek: bool = False) -> dict:
+    """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``, DeepSeek-V3's
+    router with ``deepseek``), computed once each."""
+    if (qwen3, bf16, deepseek) not in _REFERENCE:
+        _REFERENCE[qwen3, bf16, deepseek] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16, deepseek=deepseek)
+    return _REFERENCE[qwen3, bf16, deepseek]
 
 
 def semi(**fields) -> ParallelConfig:
@@ -120,6 +137,12 @@ LAYOUTS_2 = {
     "qwen3_moe_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3, recompute="full"),
     "qwen3_moe_tp2": semi(model_parallel=2),
     "qwen3_moe_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
+    "deepseek_v3_dp2": semi(data_parallel=2),
+    "deepseek_v3_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
+                                                recompute="full"),
+    "deepseek_v3_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
+    "deepseek_v3_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
+    "deepseek_v3_tp2": semi(model_parallel=2),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
@@ -135,7 +158,8 @@ BF16_LAYOUTS_4 = {"dp2_pp2_ep2_bf16": semi(data_parallel=2, pipeline_stage=2, mi
 
 
 def _worker(rank, world_size, layouts, bf16_layouts, folder=None):
-    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe")) for name, layout in layouts.items()}
+    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"))
+           for name, layout in layouts.items()}
     out.update({name: run_moe_layout(layout, bf16=True) for name, layout in bf16_layouts.items()})
     if folder is not None:
         out["saved"] = run_moe_layout(semi(data_parallel=4, expert_parallel=4, optimizer_shard=3), save_to=folder)
@@ -158,7 +182,7 @@ def four_process_results(tmp_path_factory):
 
 
 def _check(results, name):
-    expected = reference(name.startswith("qwen3_moe"))
+    expected = reference(name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"))
     for rank, result in enumerate(results):
         assert result[name]["losses"] == pytest.approx(expected["losses"], rel=RTOL), (name, rank, result[name], expected)
         assert result[name]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=RTOL), (name, rank, result[name])
@@ -166,6 +190,22 @@ def _check(results, name):
         for key, value in expected["metrics"].items():
             assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (name, key, metrics[key], value)
     assert abs(expected["losses"][0] - expected["losses"][-1]) > 1e-3  # the steps really changed the weights
+    # The selection biases after every step: bitwise stand-alone's on every rank (a pipeline rank has its stage's).
+    for step, expected_biases in enumerate(expected["biases"]):
+        for rank, result in enumerate(results):
+            for key, bias in result[name]["biases"][step].items():
+                assert torch.equal(bias, expected_biases[key]), (name, step, rank, key, bias, expected_biases[key])
+        assert {key for result in results for key in result[name]["biases"][step]} == set(expected_biases)
+    if name.startswith("deepseek_v3"):  # and they moved (stand-alone's first step has a sign for every expert)
+        assert all(bias.abs().min() == DEEPSEEK_MOE["bias_update_rate"] for bias in expected["biases"][0].values())
+        # The ranks' counts add up to stand-alone's: each token once (twice where recompute runs the forward again,
+        # which sign(mean - load) does not see), none from pipeline shape inference, none from padding.
+        factor = (2 if "recompute" in name else 1) * (2 if "tp2" in name else 1)  # tp ranks see the same tokens
+        for step, expected_loads in enumerate(expected["loads"]):
+            for key, load in expected_loads.items():
+                total = sum(result[name]["loads"][step][key] for result in results
+                            if key in result[name]["loads"][step])
+                assert torch.equal(total, factor * load), (name, step, key, total, load)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))

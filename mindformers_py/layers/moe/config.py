@@ -16,7 +16,7 @@ ROUTING_POLICIES = ("topk", "dropless")
 ROUTING_POLICY_ALIASES = {"topkrouterv1": "topk", "topkrouterv2": "topk"}
 AUX_LOSS_SCOPES = ("batch", "sequence")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16", "auto")
-ROUTER_TYPES = ("softmax_topk",)
+ROUTER_TYPES = ("softmax_topk", "deepseek_v3")
 """Router kinds (:data:`mindformers_py.layers.moe.layer.ROUTERS` builds each): how a token's expert scores are computed
 and its experts chosen."""
 
@@ -42,8 +42,26 @@ class MoEConfig(_Section):
     ``capacity_factor`` unused."""
     router_type: str = "softmax_topk"
     """How the router scores and chooses experts: ``"softmax_topk"``, a softmax over the experts' logits and the k
-    most probable (Switch Transformer, Mixtral, Qwen-MoE). Each kind is a router class of its own
-    (``mindformers_py.layers.moe.layer.ROUTERS``)."""
+    most probable (Switch Transformer, Mixtral, Qwen-MoE); ``"deepseek_v3"``, sigmoid scores, chosen with a
+    per-expert selection bias (``e_score_correction_bias``, see ``bias_update_rate``) among the ``topk_group`` best of
+    ``n_group`` expert groups, weighted by the unbiased scores (DeepSeek-V3, transformers' ``DeepseekV3TopkRouter``).
+    Each kind is a router class of its own (``mindformers_py.layers.moe.layer.ROUTERS``)."""
+    n_group: int = 1
+    """``router_type="deepseek_v3"``: the experts form this many equal groups (consecutive indices; it must divide
+    ``expert_num``), and each token picks its experts from its ``topk_group`` best groups only, a group scoring the
+    sum of its two best biased scores (DeepSeek-V3's node-limited routing: 8 groups of 32). 1: no group limit."""
+    topk_group: int = 1
+    """``router_type="deepseek_v3"``: how many of the ``n_group`` groups each token may choose experts from (at most
+    ``n_group``, and enough groups to hold ``num_experts_chosen`` experts; DeepSeek-V3: 4)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' mixing weights (after ``norm_topk_prob``) before they are added to the shared
+    experts' output (DeepSeek-V2/V3's ``routed_scaling_factor``: 2.5 in DeepSeek-V3)."""
+    bias_update_rate: float = 0.0
+    """``router_type="deepseek_v3"``: auxiliary-loss-free load balancing (DeepSeek-V3 paper, section 2.1.2). After
+    every optimizer step each MoE layer moves its selection bias by ``bias_update_rate * sign(mean load - load)``
+    per expert, the loads being the tokens that chose each expert in the step's whole global batch (all data,
+    context and expert-parallel ranks and accumulated micro-batches). The bias only picks experts, never weighs
+    them. 0 (the default) leaves the bias as the checkpoint has it; DeepSeek-V3 trained with 0.001."""
     norm_topk_prob: bool = True
     """Renormalise the chosen experts' router probabilities to sum to 1 per token (Mixtral, Qwen3-MoE); False keeps
     the raw softmax probabilities (Qwen1.5/2-MoE)."""
@@ -54,8 +72,10 @@ class MoEConfig(_Section):
     """Which tokens the load-balancing statistics are taken over: ``"batch"``, all tokens of one forward pass (one
     micro-batch on one rank) and all MoE layers together (transformers' ``load_balancing_loss_func``), or
     ``"sequence"``, each MoE layer and sequence on its own, averaged over the layers and the step's loss items
-    (DeepSeek-V3's sequence-wise balance loss). Only ``"sequence"`` is the same whatever the batch is split into
-    (data-parallel ranks, pipeline micro-batches, accumulation)."""
+    (DeepSeek-V3's sequence-wise balance loss, with its paper's ``1/k`` normalisation: 1 when balanced; with
+    ``router_type="deepseek_v3"`` its probabilities are the sigmoid scores normalised per token, as in the paper).
+    Only ``"sequence"`` is the same whatever the batch is split into (data-parallel ranks, pipeline micro-batches,
+    accumulation)."""
     z_loss_factor: float = 0.0
     """Weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of the router logits) added with the
     load-balancing loss; 0 disables it."""
@@ -99,6 +119,11 @@ class MoEConfig(_Section):
         self.use_shared_expert_gating = _to_bool("use_shared_expert_gating", self.use_shared_expert_gating)
         self.router_dense_type = _to_choice("router_dense_type", self.router_dense_type, ROUTER_DTYPES)
         self.router_type = _to_choice("router_type", self.router_type, ROUTER_TYPES)
+        self.n_group = _to_int("n_group", self.n_group)
+        self.topk_group = _to_int("topk_group", self.topk_group)
+        self.routed_scaling_factor = _to_float("routed_scaling_factor", self.routed_scaling_factor, 0.0,
+                                               inclusive=False)
+        self.bias_update_rate = _to_float("bias_update_rate", self.bias_update_rate, 0.0, inclusive=True)
         self.decoder_sparse_step = _to_int("decoder_sparse_step", self.decoder_sparse_step)
         layers = _split_list(self.mlp_only_layers)
         if isinstance(layers, (str, int)):
@@ -113,11 +138,14 @@ class MoEConfig(_Section):
         _require_int("num_experts_chosen", self.num_experts_chosen)
         _require_int("shared_expert_num", self.shared_expert_num, minimum=0)
         _require_int("decoder_sparse_step", self.decoder_sparse_step)
+        _require_int("n_group", self.n_group)
+        _require_int("topk_group", self.topk_group)
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name))
         for name, inclusive in (("capacity_factor", False), ("aux_loss_factor", True), ("z_loss_factor", True),
-                                ("router_jitter_noise", True)):
+                                ("router_jitter_noise", True), ("routed_scaling_factor", False),
+                                ("bias_update_rate", True)):
             value = getattr(self, name)
             if not isinstance(value, float):  # strings were converted at construction
                 raise ConfigError(f"{name}={value!r} is not valid; expected a number {'>=' if inclusive else '>'} 0")
@@ -138,6 +166,7 @@ class MoEConfig(_Section):
                 f"num_experts_chosen={self.num_experts_chosen} is not valid with expert_num={self.expert_num}; "
                 f"choose 1..{self.expert_num}"
             )
+        self._validate_groups()
         if self.routing_policy == "topk" and self.capacity_factor < 1:
             raise ConfigError(
                 f"capacity_factor={self.capacity_factor} is not valid with routing_policy='topk' (token dropping); "
@@ -149,6 +178,27 @@ class MoEConfig(_Section):
                 if getattr(self, name):
                     raise ConfigError(f"{name}={getattr(self, name)!r} is not valid with shared_expert_num=0; "
                                       "set shared_expert_num >= 1 to have a shared expert")
+
+    def _validate_groups(self) -> None:
+        """Group-limited routing and the selection bias: DeepSeek-V3's router only, groups that split the experts
+        evenly and hold the top-k."""
+        if self.router_type != "deepseek_v3":
+            for name, off in (("n_group", 1), ("topk_group", 1), ("bias_update_rate", 0.0)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"{name}={getattr(self, name)!r} is not valid with router_type="
+                                      f"{self.router_type!r}; it needs router_type='deepseek_v3' (or {name}={off})")
+            return
+        if self.expert_num % self.n_group:
+            raise ConfigError(f"n_group={self.n_group} is not valid with expert_num={self.expert_num}; expected a "
+                              "divisor of expert_num (the experts split into equal groups)")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} is not valid with n_group={self.n_group}; "
+                              f"choose 1..{self.n_group}")
+        room = self.topk_group * (self.expert_num // self.n_group)
+        if self.num_experts_chosen > room:
+            raise ConfigError(
+                f"num_experts_chosen={self.num_experts_chosen} is not valid with topk_group={self.topk_group} groups "
+                f"of {self.expert_num // self.n_group} experts; choose at most {room} (or raise topk_group)")
 
     @property
     def is_moe(self) -> bool:

@@ -36,6 +36,11 @@ from transformers.activations import ACT2FN
 from ...errors import check_choice
 from ..mlp import _TANH_GELU, MLP
 from .config import MoEConfig, moe_config_of
+from .router import Router
+from .sigmoid_router import GroupLimitedSigmoidRouter
+
+ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router, "deepseek_v3": GroupLimitedSigmoidRouter}
+"""``MoEConfig.router_type`` -> the router class an MoE layer builds (:attr:`~MoEConfig.router_type`'s choices)."""
 
 
 def stat_width(num_experts: int) -> int:
@@ -84,54 +89,6 @@ def _aligned(sizes: torch.Size, dtype: torch.dtype) -> bool:
 def _activation(act: str):
     check_choice("hidden_act", act, sorted(ACT2FN.keys()))
     return functools.partial(F.gelu, approximate="tanh") if act in _TANH_GELU else ACT2FN[act]
-
-
-class Router(nn.Module):
-    """Linear router with softmax top-k selection (``router_type="softmax_topk"``).
-
-    ``forward(x)``: ``logits = x · Wᵀ`` with ``W`` of shape (experts, hidden), in ``dense_type`` (see
-    :attr:`MoEConfig.router_dense_type`); returns the logits (tokens, experts), which transformers' output recording
-    collects as ``router_logits``. :meth:`select` turns them into each token's experts and mixing weights.
-
-    Other router kinds subclass it and override :meth:`select` (and may add parameters or buffers of their own, such
-    as a per-expert selection bias); :data:`ROUTERS` names them for ``MoEConfig.router_type``. What a router returns
-    from :meth:`select` is all the MoE block, its statistics and expert parallelism read.
-    """
-
-    def __init__(self, hidden_size: int, num_experts: int, dense_type: str = "float32", top_k: int = 1,
-                 norm_topk_prob: bool = True) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.dense_type = dense_type
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-
-    @classmethod
-    def from_config(cls, hidden_size: int, moe: MoEConfig) -> Router:
-        """The router an MoE layer of ``moe``'s settings uses."""
-        return cls(hidden_size, moe.expert_num, moe.router_dense_type, moe.num_experts_chosen, moe.norm_topk_prob)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.dense_type == "auto":
-            return F.linear(x, self.weight)
-        dtype = getattr(torch, self.dense_type)
-        with torch.autocast(x.device.type, enabled=False):  # also under bf16 autocast: the router is precise
-            return F.linear(x.to(dtype), self.weight.to(dtype))
-
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(probs, weights, chosen)`` from the logits (N, E): each expert's probability (N, E) in float32 (what
-        the load-balancing statistics average), and each token's k experts (N, k) with their mixing weights (N, k):
-        the top-k probabilities, renormalised to sum to 1 with ``norm_topk_prob``."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, weights, chosen
-
-
-ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router}
-"""``MoEConfig.router_type`` -> the router class an MoE layer builds (:attr:`~MoEConfig.router_type`'s choices)."""
 
 
 class _PaddedGroups:
@@ -267,13 +224,15 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, h)  # (N, H)
         logits = self.gate(x)  # (N, E)
         probs, weights, chosen = self.gate.select(logits)
+        if self.training:
+            self.gate.observe(chosen, token_mask)
         out, dropped = self._route(x, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        stats = router_statistics(logits, probs, chosen, dropped, token_mask, b)
+        stats = router_statistics(logits, probs, chosen, dropped, token_mask, b, self.gate.scores_are_softmax)
         return out.view(b, t, h), stats
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -304,11 +263,12 @@ class MoE(nn.Module):
 
 
 def router_statistics(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, dropped: torch.Tensor,
-                      token_mask: torch.Tensor | None, batch: int) -> torch.Tensor:
+                      token_mask: torch.Tensor | None, batch: int, softmax: bool = True) -> torch.Tensor:
     """Per-sequence statistics of one MoE layer, (B, :func:`stat_width`) in float32 (see :func:`stat_columns`):
     how many top-k choices went to each expert, the summed router probabilities of each expert (the only part
     with a gradient, with the log-sum-exp's), routed tokens, summed squared log-sum-exp of the logits and dropped
-    assignments, all over the tokens ``token_mask`` (B, T) keeps."""
+    assignments, all over the tokens ``token_mask`` (B, T) keeps. ``softmax``: ``probs`` are the logits' softmax
+    (else the log-sum-exp is computed from the logits)."""
     n, e = probs.shape
     t, k = n // batch, chosen.shape[-1]
     mask = torch.ones(batch, t, device=probs.device) if token_mask is None \
@@ -317,9 +277,11 @@ def router_statistics(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.T
     counts = torch.bincount(rows * e + chosen.reshape(-1), weights=mask.repeat_interleave(k, dim=1).reshape(-1),
                             minlength=batch * e).view(batch, e).float()
     prob_sums = (probs.view(batch, t, e) * mask.unsqueeze(-1)).sum(1)
-    # log-sum-exp from the softmax already taken: lse = top logit - log(top probability), which is at least 1/E.
-    top = chosen[:, :1]
-    lse = logits.float().gather(1, top).squeeze(1) - probs.gather(1, top).squeeze(1).log()
+    if softmax:  # log-sum-exp from the softmax already taken: lse = top logit - log(top probability), at least 1/E
+        top = chosen[:, :1]
+        lse = logits.float().gather(1, top).squeeze(1) - probs.gather(1, top).squeeze(1).log()
+    else:
+        lse = torch.logsumexp(logits.float(), dim=-1)
     z = (lse.view(batch, t).square() * mask).sum(1)
     drops = (dropped.view(batch, t) * mask).sum(1)
     return torch.cat([counts, prob_sums, mask.sum(1, keepdim=True), z.unsqueeze(1), drops.unsqueeze(1)], dim=1)
@@ -331,10 +293,12 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
 
     ``scope="batch"``: transformers' ``load_balancing_loss_func`` exactly, ``E · Σ_e f_e · P_e`` with ``f_e`` the
     share of top-k choices and ``P_e`` the mean probability of expert ``e`` over all tokens of all MoE layers at
-    once (so layers that favour different experts can look balanced together). ``"sequence"``: the same per MoE
-    layer and sequence (DeepSeek-V3's sequence-wise balance loss), averaged over the layers, then over the
-    sequences. The z-loss is the mean over routed tokens (and layers) of the squared log-sum-exp of the router
-    logits.
+    once (so layers that favour different experts can look balanced together). ``"sequence"``: DeepSeek-V3's
+    sequence-wise balance loss (its paper's eqs. 17-20, as DeepSeek-V2's), per MoE layer and sequence of ``T``
+    tokens ``Σ_e f_e · P_e`` with ``f_e = E / (k · T) · count_e`` and ``P_e`` the mean of ``probs`` (for the
+    sigmoid router the scores normalised per token, the paper's ``s'``), averaged over the layers, then over the
+    sequences; it is 1 for a balanced layer (the batch formula, without the ``1/k``, is ``k``). The z-loss is the mean
+    over routed tokens (and layers) of the squared log-sum-exp of the router logits.
 
     ``row_weights`` (B,) are the loss items of each sequence and ``num_items_in_batch`` those of the whole step:
     then each loss is this batch's share of the step's (a sequence-weighted mean, times the batch's share of the
@@ -353,7 +317,8 @@ def router_losses(stats: torch.Tensor, num_experts: int, scope: str = "batch", r
             aux, z = aux * share, z * share
         return aux, z
     routed = tokens.clamp(min=1.0).unsqueeze(-1)  # (B, layers, 1)
-    per_layer = num_experts * ((counts / routed) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
+    choices = counts.sum(-1, keepdim=True).clamp(min=1.0)  # k · T: f_e = E · count_e / (k · T)
+    per_layer = num_experts * ((counts / choices) * (probs / routed)).sum(-1)  # (B, layers); 0 for dense layers
     aux_rows = per_layer.sum(1) / (tokens > 0).sum(1).clamp(min=1)  # mean over the layers that routed the row
     z_rows = z_sums.sum(1) / tokens.sum(1).clamp(min=1.0)
     if row_weights is None:
@@ -430,3 +395,4 @@ class RouterMetrics:
             dropped = stats[:, cols["dropped"]] / assignments.clamp(min=1)
             logs.update({f"dropped_tokens/layer_{i}": float(v) for i, v in zip(self.moe_layers, dropped)})
         return logs
+

@@ -40,6 +40,35 @@ from ...errors import ConfigError, MindFormersError
 from ..config import ParallelConfig
 from .stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
 
+class _Stage(PipelineStage):
+    """torch's pipeline stage whose shape inference leaves the stage's buffers as they were.
+
+    When a schedule first steps, torch runs each stage once more (on the first micro-batch, or on empty tensors of
+    its shapes) to infer the shapes passed between stages, and under recompute its backward inference runs the
+    forward again. Buffers a model updates in training forwards (an MoE router's expert loads, which move its
+    selection bias: ``MoEConfig.bias_update_rate``) would count those extra, partly uninitialised, tokens; they are
+    put back after each inference."""
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with _buffers_kept(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with _buffers_kept(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    saved = [(buffer, buffer.clone()) for buffer in module.buffers() if not buffer.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 StageLoss = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
 """``loss(model, inputs)``: the loss one pipeline micro-batch back-propagates, computed on the last stage; ``inputs``
 are the micro-batch's rows of the batch and ``model`` the :class:`LastStageModel` holding their outputs."""
@@ -280,7 +309,7 @@ class PipelineParallel:
         if schedule is None:
             if len(self._schedules) >= MAX_CACHED_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
-            stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
+            stages = [_Stage(part, i, self.num_stages, self.device, group=self.pp_group)
                       for part, i in zip(self.model_parts, self.stage_ids)]
             # Each micro-batch loss is already divided by the whole batch's items: no scaling by the schedule.
             # Evaluation computes no loss in the schedule (the outputs come back and the loss is taken on them).
