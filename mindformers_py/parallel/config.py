@@ -364,6 +364,12 @@ class ParallelConfig(_Section):
                 f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
                 f"expected at most {num_layers} model chunks (each needs a layer)"
             )
+        if getattr(cfg, "builds_mtp", False):  # a GPTConfig with use_mtp: the MTP modules run stand-alone and under dp
+            for field, size in (("pipeline_stage", self.pp), ("context_parallel", self.cp), ("model_parallel", self.tp)):
+                if size > 1:
+                    raise ConfigError(f"{field}={size} is not supported with multi-token prediction (use_mtp=True, "
+                                      f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}); set use_mtp=False "
+                                      f"or {field}=1")
         experts, source = expert_count(cfg)
         if experts is None and self.ep > 1:
             raise ConfigError(f"expert_parallel={self.ep} is not valid for a model without experts (a dense model); "
