@@ -6,8 +6,9 @@ Weights: the attention's names are transformers' (``q_a_proj``, ``kv_a_proj_with
 ``mlp.shared_experts`` is our ``mlp.shared_expert`` (one MLP of ``n_shared_experts · moe_intermediate_size``),
 ``mlp.gate.weight`` and ``mlp.gate.e_score_correction_bias`` keep their names, per-expert tensors are stacked as for
 Qwen3-MoE (``convert_gpt``). A DeepSeek checkpoint's MTP layers sit after the decoder layers, as
-``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``); they are
-kept under those names both ways (see :func:`mtp_keys`).
+``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``): they load
+into ``GPTForCausalLM.mtp`` (built when the file holds them, see ``GPTConfig.use_mtp``) and export back under those
+names (:func:`mtp_from_hf`, :func:`mtp_to_hf`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ absorbed into the decode steps), and export back exactly: every tensor equal, th
 
 The tiny checkpoints (tests/hf_models.py) carry what sets the architecture apart: a query latent, interleaved rotary
 pairs, YaRN with its mscale in the softmax scale, head sizes that differ for q/k and v; the MoE one (4 layers, the
-first dense, 8 routed experts in 4 groups beside a shared expert, a non-zero ``e_score_correction_bias``) runs only
-with the ``deepseek_v3`` router in ``MoEConfig.router_type``."""
+first dense, 8 routed experts in 4 groups beside a shared expert, a non-zero ``e_score_correction_bias``) routes
+with the ``deepseek_v3`` router (``MoEConfig.router_type``)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,10 @@ import transformers
 import mindformers_py as mf
 from hf_models import VOCAB, tiny_deepseek_v3_config
 from mindformers_py.layers.latent_attention import LatentAttention
-from mindformers_py.layers.moe.config import ROUTER_TYPES
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
 from tolerances import SAME_WEIGHTS_ANOTHER_PATH
 
 TOL = 1e-5
-HAS_ROUTER = "deepseek_v3" in ROUTER_TYPES
 
 
 def _tiny_deepseek(moe: bool, **overrides):
@@ -43,8 +41,7 @@ def _tiny_deepseek(moe: bool, **overrides):
     return model
 
 
-@pytest.fixture(scope="module", params=[
-    "dense", pytest.param("moe", marks=pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router"))])
+@pytest.fixture(scope="module", params=["dense", "moe"])
 def saved(request, tmp_path_factory):
     hf = _tiny_deepseek(request.param == "moe")
     path = tmp_path_factory.mktemp(f"deepseek_v3_{request.param}")
@@ -281,7 +278,6 @@ def test_selective_recompute_of_the_latent_attention_core():
         assert torch.equal(a.grad, b.grad), name
 
 
-@pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router")
 def test_init_weights_resets_the_router_state():
     """What transformers' common tests ask of a model built on the meta device: ``_init_weights`` gives every
     buffer a value, the router's selection bias included (zeros, as transformers initialises it)."""
@@ -315,7 +311,6 @@ def test_bad_latent_sizes_are_refused():
                      v_head_dim=8, head_dim=16)
 
 
-@pytest.mark.skipif(not HAS_ROUTER, reason="needs the deepseek_v3 router")
 def test_tiny_preset_builds_and_exports_as_deepseek_v3():
     ours = mf.AutoModelForCausalLM.from_pretrained("deepseek_v3_tiny")
     assert isinstance(ours.model.layers[0].self_attn, LatentAttention) and ours.config.moe_layers() == [1, 2, 3]
