@@ -148,7 +148,8 @@ LAYOUTS_2 = {
     "deepseek_v3_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
     "deepseek_v3_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
     "deepseek_v3_tp2": semi(model_parallel=2),
-    "deepseek_v3_mtp_dp2": semi(data_parallel=2),
+    "deepseek_v3_mtp_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
+                                                    recompute="full"),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
