@@ -33,7 +33,8 @@ def build_multi_token_prediction(config: GPTConfig) -> MultiTokenPrediction:
     routed = last in set(config.moe_layers())
 
     def block(k: int) -> TransformerBlock:
-        return TransformerBlock(config, config.num_hidden_layers + k - 1, mlp=MoE.from_config(config) if routed else None)
+        mlp = MoE.from_config(config) if routed else None
+        return TransformerBlock(config, config.num_hidden_layers + k - 1, mlp=mlp)
 
     return MultiTokenPrediction(config.hidden_size, config.num_nextn_predict_layers, block, config.norm_eps)
 
