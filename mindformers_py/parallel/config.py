@@ -364,7 +364,7 @@ class ParallelConfig(_Section):
                 f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
                 f"expected at most {num_layers} model chunks (each needs a layer)"
             )
-        if getattr(cfg, "builds_mtp", False):  # a GPTConfig with use_mtp: the MTP modules run stand-alone and under dp
+        if getattr(cfg, "builds_mtp", False):  # GPTConfig.use_mtp: tested stand-alone and under dp x ep x ZeRO-3
             for field, size in (("pipeline_stage", self.pp), ("context_parallel", self.cp), ("model_parallel", self.tp)):
                 if size > 1:
                     raise ConfigError(f"{field}={size} is not supported with multi-token prediction (use_mtp=True, "
