@@ -255,6 +255,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         self.model = GPTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = build_multi_token_prediction(config) if config.builds_mtp else None
+        if config.use_mtp is None:  # settled now the model is built: a checkpoint read later cannot change it
+            config.use_mtp = False
         moe = config.moe
         # The Trainer's ``training_metrics`` hook: router loads and losses of the training steps, the MTP loss,
         # for the logs.
