@@ -218,8 +218,8 @@ class GPTConfig(PretrainedConfig):
     """Build the ``num_nextn_predict_layers`` multi-token-prediction modules on :class:`GPTForCausalLM` (Megatron's
     ``mtp_num_layers``, DeepSeek-V3's MTP) and add their loss to the training loss. None (the default): decided by
     the checkpoint, True when loading an HF ``deepseek_v3`` checkpoint whose file holds the MTP layers'
-    tensors (they then load and export back under their names), else False -- transformers' behaviour, whose
-    ``DeepseekV3ForCausalLM`` never builds them. True: build them (randomly initialised where the checkpoint lacks
+    tensors (they then load and export back under their names), else False once the model is built --
+    transformers' behaviour, whose ``DeepseekV3ForCausalLM`` never builds them. True: build them (randomly initialised where the checkpoint lacks
     them); False: never (a checkpoint's MTP tensors are then reported as not used). The main model's logits are the
     same either way; generation never runs the modules."""
     mtp_loss_weight: float = 0.1
