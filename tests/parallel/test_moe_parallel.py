@@ -6,7 +6,9 @@ stage), and the same gradient norms (which AdamW's updates would not show a cons
 consolidate to whole weights; the router metrics are the stand-alone ones. The layouts named ``qwen3_moe_*`` run a
 Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no shared expert); those named
 ``deepseek_v3_*`` DeepSeek-V3's router (sigmoid, group-limited) with auxiliary-loss-free balancing, whose selection
-biases after every step are bitwise stand-alone's on every rank (dp, ep, ZeRO-3, recompute, pp, cp, tp).
+biases after every step are bitwise stand-alone's on every rank (dp, ep, ZeRO-3, recompute, pp, cp, tp); the one
+named ``deepseek_v3_mtp_*`` adds a DeepSeek-V3 multi-token-prediction module (``use_mtp``, its loss weighted 0.3 and
+logged apart, its block's router balanced with the others).
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ DEEPSEEK_MOE = {**MOE, "use_shared_expert_gating": False, "router_type": "deepse
                 "routed_scaling_factor": 2.5, "bias_update_rate": 0.05}
 
 
-def tiny_moe(qwen3: bool = False, deepseek: bool = False, **moe) -> mf.GPTForCausalLM:
+def tiny_moe(qwen3: bool = False, deepseek: bool = False, mtp: bool = False, **moe) -> mf.GPTForCausalLM:
     """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads); ``qwen3``:
-    Qwen3-MoE's shape; ``deepseek``: DeepSeek-V3's router with its selection bias updated every step."""
+    Qwen3-MoE's shape; ``deepseek``: DeepSeek-V3's router with its selection bias updated every step; ``mtp``: a
+    multi-token-prediction module (an MoE block) whose loss is weighted 0.3."""
     base = QWEN3_MOE if qwen3 else DEEPSEEK_MOE if deepseek else MOE
     config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=SEQ, output_router_logits=True,
-                          qk_norm=qwen3, moe_config={**base, **moe})
+                          qk_norm=qwen3, moe_config={**base, **moe}, use_mtp=mtp, num_nextn_predict_layers=int(mtp),
+                          mtp_loss_weight=0.3)
     torch.manual_seed(0)
     return mf.GPTForCausalLM(config).train()
 
@@ -72,14 +76,14 @@ def _loss_fn(model, batch, num_items):
 
 
 def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None,
-                   qwen3: bool = False, bf16: bool = False, deepseek: bool = False) -> dict:
+                   qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False) -> dict:
     """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
     hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine (under bf16
     autocast with ``bf16``); the router metrics of the run reduced over the ranks; the MoE layers' selection biases
     (``deepseek``: moved after every step); optionally a consolidated checkpoint."""
     engine = build_engine(parallel, training_args(parallel, bf16))
     engine.setup()
-    model = tiny_moe(qwen3, deepseek, **(moe or {}))
+    model = tiny_moe(qwen3, deepseek, mtp, **(moe or {}))
     wrapped = engine.prepare_model(model)
     optimizer = engine.build_optimizer(model)
     scheduler = create_scheduler(optimizer, engine.args, STEPS)
@@ -116,12 +120,13 @@ def _buffers(model: torch.nn.Module, suffix: str) -> dict[str, torch.Tensor]:
 _REFERENCE: dict = {}
 
 
-def reference(qwen3: bool = False, bf16: bool = False, deepseek: bool = False) -> dict:
+def reference(qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False) -> dict:
     """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``, DeepSeek-V3's
-    router with ``deepseek``), computed once each."""
-    if (qwen3, bf16, deepseek) not in _REFERENCE:
-        _REFERENCE[qwen3, bf16, deepseek] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16, deepseek=deepseek)
-    return _REFERENCE[qwen3, bf16, deepseek]
+    router with ``deepseek``, a multi-token-prediction module with ``mtp``), computed once each."""
+    if (qwen3, bf16, deepseek, mtp) not in _REFERENCE:
+        _REFERENCE[qwen3, bf16, deepseek, mtp] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16,
+                                                                deepseek=deepseek, mtp=mtp)
+    return _REFERENCE[qwen3, bf16, deepseek, mtp]
 
 
 def semi(**fields) -> ParallelConfig:
@@ -143,6 +148,8 @@ LAYOUTS_2 = {
     "deepseek_v3_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
     "deepseek_v3_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
     "deepseek_v3_tp2": semi(model_parallel=2),
+    "deepseek_v3_mtp_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
+                                                    recompute="full"),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
@@ -158,7 +165,8 @@ BF16_LAYOUTS_4 = {"dp2_pp2_ep2_bf16": semi(data_parallel=2, pipeline_stage=2, mi
 
 
 def _worker(rank, world_size, layouts, bf16_layouts, folder=None):
-    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"))
+    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"),
+                                mtp="_mtp_" in name)
            for name, layout in layouts.items()}
     out.update({name: run_moe_layout(layout, bf16=True) for name, layout in bf16_layouts.items()})
     if folder is not None:
@@ -182,7 +190,10 @@ def four_process_results(tmp_path_factory):
 
 
 def _check(results, name):
-    expected = reference(name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"))
+    expected = reference(name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"), mtp="_mtp_" in name)
+    if "_mtp_" in name:  # the MTP loss is logged apart, and its block's router is balanced with the others
+        assert expected["metrics"]["mtp_loss"] > 0
+        assert any(key.startswith("mtp.") for key in expected["biases"][0])
     for rank, result in enumerate(results):
         assert result[name]["losses"] == pytest.approx(expected["losses"], rel=RTOL), (name, rank, result[name], expected)
         assert result[name]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=RTOL), (name, rank, result[name])

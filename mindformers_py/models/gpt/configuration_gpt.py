@@ -211,8 +211,21 @@ class GPTConfig(PretrainedConfig):
     num_nextn_predict_layers: int = 0
     """Multi-token-prediction layers of a DeepSeek-V3 checkpoint (its ``num_nextn_predict_layers``, transformers'
     ``num_mtp_layers``), stored after the decoder layers as ``model.layers.<num_hidden_layers + i>.*``. Carried to
-    and from HF configs; the model builds no multi-token-prediction module from it yet, so such tensors in a
-    checkpoint are reported as not used when it loads."""
+    and from HF configs (transformers writes 1 by default, whether or not the weights hold the layer); the causal-LM
+    model builds that many :class:`~mindformers_py.layers.multi_token_prediction.MultiTokenPrediction` modules only
+    when ``use_mtp`` says so."""
+    use_mtp: bool | None = None
+    """Build the ``num_nextn_predict_layers`` multi-token-prediction modules on :class:`GPTForCausalLM` (Megatron's
+    ``mtp_num_layers``, DeepSeek-V3's MTP) and add their loss to the training loss. None (the default): decided by
+    the checkpoint, True when loading an HF ``deepseek_v3`` checkpoint whose file holds the MTP layers'
+    tensors (they then load and export back under their names), else False once the model is built --
+    transformers' behaviour, whose ``DeepseekV3ForCausalLM`` never builds them. True: build them (randomly initialised where the checkpoint lacks
+    them); False: never (a checkpoint's MTP tensors are then reported as not used). The main model's logits are the
+    same either way; generation never runs the modules."""
+    mtp_loss_weight: float = 0.1
+    """Weight ``λ`` of the multi-token-prediction loss added to the main loss when the modules are built and
+    ``labels`` are given (DeepSeek-V3's report: 0.3 for its first 10T tokens, then 0.1; Megatron's
+    ``mtp_loss_scaling_factor``, 0.1 by default). 0 keeps transformers' loss while the modules still run."""
     mlp_bias: bool | None = None
     """Biases in the MLP projections."""
     tie_word_embeddings: bool | None = None
@@ -314,6 +327,11 @@ class GPTConfig(PretrainedConfig):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
         self._check_layer_types()
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be an integer >= 0")
+        if isinstance(self.mtp_loss_weight, bool) or not isinstance(self.mtp_loss_weight, (int, float)) \
+                or self.mtp_loss_weight < 0:
+            raise ConfigError(f"mtp_loss_weight={self.mtp_loss_weight!r} must be a number >= 0")
         moe = moe_config_of(self)
         if moe is not None:
             outside = [i for i in moe.mlp_only_layers if i >= self.num_hidden_layers]
@@ -396,6 +414,12 @@ class GPTConfig(PretrainedConfig):
     def moe(self) -> MoEConfig | None:
         """The mixture-of-experts settings, or None for a dense model."""
         return moe_config_of(self)
+
+    @property
+    def builds_mtp(self) -> bool:
+        """Whether the causal-LM model holds multi-token-prediction modules (``use_mtp`` and
+        ``num_nextn_predict_layers``)."""
+        return bool(self.use_mtp) and self.num_nextn_predict_layers > 0
 
     def moe_layers(self) -> list[int]:
         """Indices of the layers whose MLP is a mixture of experts (none for a dense model)."""

@@ -6,13 +6,14 @@ Weights: the attention's names are transformers' (``q_a_proj``, ``kv_a_proj_with
 ``mlp.shared_experts`` is our ``mlp.shared_expert`` (one MLP of ``n_shared_experts · moe_intermediate_size``),
 ``mlp.gate.weight`` and ``mlp.gate.e_score_correction_bias`` keep their names, per-expert tensors are stacked as for
 Qwen3-MoE (``convert_gpt``). A DeepSeek checkpoint's MTP layers sit after the decoder layers, as
-``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``); only their
-count (``num_nextn_predict_layers``) is converted so far: the GPT model holds no MTP module yet, and the loader
-reports such tensors as not used.
+``model.layers.<num_hidden_layers + i>.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head``): they load
+into ``GPTForCausalLM.mtp`` (built when the file holds them, see ``GPTConfig.use_mtp``) and export back under those
+names (:func:`mtp_from_hf`, :func:`mtp_to_hf`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -100,6 +101,61 @@ def check_exportable(config: GPTConfig) -> None:
 
 # --------------------------------------------------------------------------- weights
 _SHARED_HF, _SHARED_OURS = ".mlp.shared_experts.", ".mlp.shared_expert."
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_keys(state: dict[str, torch.Tensor], num_layers: int) -> set[str]:
+    """The keys of ``state`` that belong to multi-token-prediction layers: ``model.layers.<i>.*`` with ``i`` at or
+    past ``num_layers`` (the decoder layers' count), where DeepSeek's checkpoints put them."""
+    return {k for k in state if (m := _LAYER_KEY.match(k)) and int(m[1]) >= num_layers}
+
+
+def mtp_from_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's MTP layers (``model.layers.<L + k - 1>.*``, experts already stacked) under our
+    ``mtp.layers.<k - 1>.*`` names; their copies of the main model's embedding and head are dropped (the modules
+    share the main model's, and export writes them back from those). ``config.use_mtp`` left at None is settled
+    here: True when the checkpoint holds such layers, so the model builds the modules they load into."""
+    from ...layers.multi_token_prediction import module_name
+
+    keys = mtp_keys(state, config.num_hidden_layers)
+    if config.use_mtp is None:
+        config.use_mtp = bool(keys)
+    out = {}
+    for key, value in state.items():
+        if key not in keys:
+            out[key] = value
+            continue
+        m = _LAYER_KEY.match(key)
+        name = module_name(m[2])
+        if name is not None:
+            out[f"mtp.layers.{int(m[1]) - config.num_hidden_layers}.{name}"] = value
+    return out
+
+
+def mtp_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our ``mtp.layers.<j>.*`` under the checkpoint's ``model.layers.<L + j>.*`` names (the block's tensors directly
+    under the layer), with each layer's ``embed_tokens.weight`` and ``shared_head.head.weight``: the main model's
+    embedding and output head, as DeepSeek's checkpoints store them."""
+    from ...layers.multi_token_prediction import SHARED_TENSORS, checkpoint_name
+
+    out, layers = {}, set()
+    for key, value in state.items():
+        m = _MTP_KEY.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        layer = config.num_hidden_layers + int(m[1])
+        layers.add(layer)
+        out[f"model.layers.{layer}.{checkpoint_name(m[2])}"] = value
+    head = state.get("lm_head.weight", state.get("model.embed_tokens.weight"))
+    for layer in sorted(layers):
+        for name, tensor in zip(SHARED_TENSORS, (state.get("model.embed_tokens.weight"), head)):
+            if tensor is not None:  # a copy: safetensors refuses two names on one storage
+                out[f"model.layers.{layer}.{name}"] = tensor.clone()
+    return out
 
 
 def rename_from_hf(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -396,7 +396,7 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
     if hf_type_for(config) in _EXPERT_HF_TYPES:
         hf_state = _stack_experts(hf_state)
     if hf_type_for(config) == "deepseek_v3":
-        hf_state = deepseek.rename_from_hf(hf_state)
+        hf_state = deepseek.mtp_from_hf(deepseek.rename_from_hf(hf_state), config)
     if hf_type_for(config) != "gpt2":
         out = {}
         for key, value in hf_state.items():
@@ -405,6 +405,8 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
             head = _our_head_key(key)
             if head is not None:
                 out[head] = value
+            elif key.startswith("mtp."):  # DeepSeek-V3's multi-token prediction, beside the base model
+                out[key] = value
             else:  # the base model, under "model.", "transformer." (some QA classes) or no prefix (base classes)
                 out["model." + key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) else f"model.{key}"] = value
         return out
@@ -441,6 +443,9 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig, task: st
     if kind == "gpt2" and task == "token_classification":
         heads = {"classifier." + k.split(".", 1)[1]: v for k, v in heads.items()}
     body = {k: v for k, v in state.items() if not k.startswith(_HEADS)}
+    if kind == "deepseek_v3":  # the MTP layers after the decoder layers (the head's weight copied into them)
+        body = deepseek.mtp_to_hf({**body, **{k: v for k, v in state.items() if k == "lm_head.weight"}}, config)
+        body.pop("lm_head.weight", None)
     if kind in _EXPERT_HF_TYPES:
         body = _split_experts(body, kind)
     if kind == "deepseek_v3":

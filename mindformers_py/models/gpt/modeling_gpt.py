@@ -41,9 +41,10 @@ from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as n
 from ...layers.moe.layer import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
-from ..moe_outputs import MoECausalLMOutputWithPast, MoEModelOutputWithPast
+from ..moe_outputs import CausalLMOutputWithMTP, MoECausalLMOutputWithPast, MoEModelOutputWithPast
 from ..task_heads import QuestionAnswering, SequenceClassification, TokenClassification
 from .configuration_gpt import GPTConfig
+from .multi_token_head import MetricsGroup, MTPMetrics, build_multi_token_prediction, multi_token_prediction_loss
 
 
 class GPTPreTrainedModel(MindFormersPreTrainedModel):
@@ -133,6 +134,9 @@ class GPTModel(GPTPreTrainedModel):
         ``config.add_cross_attention`` (the decoder of an encoder-decoder) attends to ``encoder_hidden_states``
         (B, S, C), padded as ``encoder_attention_mask`` (B, S) says, and keeps an ``EncoderDecoderCache``.
 
+        ``mtp_inputs=True`` (the causal-LM head's, for multi-token prediction) puts the last layer's inputs to the
+        MTP modules on the output's ``mtp_inputs`` attribute.
+
         An MoE model also returns ``router_stats`` (B, layers, width), adding its layers' rows to the
         ``router_stats`` keyword argument (a previous pipeline stage's) or to zeros, and ``router_logits`` with
         ``output_router_logits``."""
@@ -182,6 +186,7 @@ class GPTModel(GPTPreTrainedModel):
                     hidden_states = hidden_states + self.embed_tokens(token_type_ids)
             hidden_states = self.drop(hidden_states)
         moe = self.config.moe
+        token_mask = None
         if moe is None:
             cross = dict(encoder_hidden_states=encoder_hidden_states,
                          encoder_attention_mask=key_padding_mask(encoder_attention_mask)) if self.config.cross_attends else {}
@@ -206,12 +211,21 @@ class GPTModel(GPTPreTrainedModel):
                     router_stats = router_stats.index_add(1, row, stats.unsqueeze(1))
                 else:
                     hidden_states = out
+        # what multi-token prediction reads (GPTForCausalLM with use_mtp): the hidden states before the final norm,
+        # the mask and rotary positions of the last layer's kind, the MoE token mask
+        mtp_inputs = dict(hidden_states=hidden_states, attention_mask=masks[kinds[-1]], position_embeddings=rotary,
+                          token_mask=token_mask) if kwargs.get("mtp_inputs") else None
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if moe is not None:
-            return MoEModelOutputWithPast(last_hidden_state=hidden_states, router_stats=router_stats,
-                                          **cache_output(past_key_values if use_cache else None))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_output(past_key_values if use_cache else None))
+            output = MoEModelOutputWithPast(last_hidden_state=hidden_states, router_stats=router_stats,
+                                            **cache_output(past_key_values if use_cache else None))
+        else:
+            output = BaseModelOutputWithPast(last_hidden_state=hidden_states,
+                                             **cache_output(past_key_values if use_cache else None))
+        if mtp_inputs is not None:
+            output.mtp_inputs = mtp_inputs  # an attribute, not a field: tuples and pipeline stages never see it
+        return output
 
     def _check_context(self, needed: int, what: str) -> None:
         """Learned positions end at their table (rotary ones have no end: transformers runs them at any length)."""
@@ -223,7 +237,13 @@ class GPTModel(GPTPreTrainedModel):
 
 class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
     """GPT with a language-modelling head; ``generate`` is transformers' ``GenerationMixin.generate`` with a lean
-    static-cache loop for greedy/sampling requests (:class:`~mindformers_py.generation.FastGenerationMixin`)."""
+    static-cache loop for greedy/sampling requests (:class:`~mindformers_py.generation.FastGenerationMixin`).
+
+    With ``config.use_mtp`` (see :attr:`GPTConfig.use_mtp`: by default, when a DeepSeek-V3 checkpoint holds its
+    multi-token-prediction layers) it also holds ``mtp``, ``num_nextn_predict_layers`` DeepSeek-V3 MTP modules
+    (:mod:`~mindformers_py.models.gpt.multi_token_head`), trained with the model: with ``labels`` the loss is the
+    main loss plus ``mtp_loss_weight`` x their loss, which the output's ``mtp_loss`` gives apart (and the Trainer
+    logs as ``mtp_loss``). Without labels (generation) they do not run."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -234,11 +254,18 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         super().__init__(config)
         self.model = GPTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = build_multi_token_prediction(config) if config.builds_mtp else None
+        if config.use_mtp is None:  # settled now the model is built: a checkpoint read later cannot change it
+            config.use_mtp = False
         moe = config.moe
-        # The Trainer's ``training_metrics`` hook: router loads and losses of the training steps, for the logs.
-        self.training_metrics = None if moe is None else RouterMetrics(
+        # The Trainer's ``training_metrics`` hook: router loads and losses of the training steps, the MTP loss,
+        # for the logs.
+        self.router_metrics = None if moe is None else RouterMetrics(
             config.num_hidden_layers, moe.expert_num, moe.num_experts_chosen, config.moe_layers(), moe.routing_policy == "topk",
             moe.z_loss_factor > 0)
+        self.mtp_metrics = MTPMetrics() if self.mtp is not None else None
+        trackers = [t for t in (self.router_metrics, self.mtp_metrics) if t is not None]
+        self.training_metrics = trackers[0] if len(trackers) == 1 else MetricsGroup(*trackers) if trackers else None
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -268,21 +295,32 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
         An MoE model with ``output_router_logits`` (argument or config) also returns the load-balancing ``aux_loss``
         and each MoE layer's ``router_logits``, and with ``labels`` its loss includes the router losses
-        (:meth:`router_loss`), as transformers' Mixtral does."""
+        (:meth:`router_loss`), as transformers' Mixtral does. With multi-token prediction built and ``labels``, the
+        loss includes the weighted MTP loss, also returned as ``mtp_loss`` (see the class docstring)."""
         shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
+        predicts_ahead = self.mtp is not None and labels is not None
+        if predicts_ahead and shifted is not None:
+            raise MindFormersError("multi-token prediction (use_mtp) needs labels aligned with the inputs, not "
+                                   "shift_labels (context parallelism); set use_mtp=False")
         # token_type_ids (GPT-2's segments) named here: transformers' generate passes only the inputs forward names
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                         token_type_ids=token_type_ids, **kwargs)
+                         token_type_ids=token_type_ids, **kwargs, **({"mtp_inputs": True} if predicts_ahead else {}))
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
         hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)  # (B, T, V)
-        loss = None
+        loss = mtp = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
+        if predicts_ahead:
+            mtp = multi_token_prediction_loss(self, out.mtp_inputs, input_ids, labels, num_items_in_batch)
+            loss = loss + mtp
         if self.config.moe is None:
-            return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
-                                          hidden_states=out.hidden_states, attentions=out.attentions)
+            output = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
+                                            hidden_states=out.hidden_states, attentions=out.attentions)
+            if self.mtp is not None:
+                output = CausalLMOutputWithMTP(**output, mtp_loss=mtp)
+            return output
         aux_loss = None
         requested = kwargs.get("output_router_logits")
         if self.config.output_router_logits if requested is None else requested:
@@ -295,7 +333,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             self.router_loss(out.router_stats.detach(), labels, num_items_in_batch, shift_labels=shifted)
         return MoECausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_output(output_cache(out)),
                                          hidden_states=out.hidden_states, attentions=out.attentions,
-                                         router_logits=out.router_logits, router_stats=out.router_stats)
+                                         router_logits=out.router_logits, router_stats=out.router_stats, mtp_loss=mtp)
 
     def router_loss(self, router_stats: torch.Tensor, labels: torch.Tensor | None = None,
                     num_items_in_batch: int | torch.Tensor | None = None,
@@ -314,8 +352,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         targets = next_token_targets(labels) if shift_labels is None else shift_labels
         items = (targets != IGNORE_INDEX).sum(-1).to(router_stats.device)
         aux_share, z_share = router_losses(router_stats, moe.expert_num, moe.aux_loss_scope, items, num_items_in_batch)
-        if counted and self.training and self.training_metrics is not None:
-            self.training_metrics.add(router_stats, aux_share, z_share)
+        if counted and self.training and self.router_metrics is not None:
+            self.router_metrics.add(router_stats, aux_share, z_share)
         return aux, moe.aux_loss_factor * aux_share + moe.z_loss_factor * z_share
 
     def carried_loss(self, carried: dict[str, torch.Tensor], labels: tuple[torch.Tensor, ...],
