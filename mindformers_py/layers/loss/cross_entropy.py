@@ -108,7 +108,7 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
     if problem == "multi_label_classification":
         summed = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
         return _normalise(summed, num_items_in_batch, labels.numel())
-    from ..errors import invalid_choice
+    from ...errors import invalid_choice
 
     raise invalid_choice("problem_type", problem, PROBLEM_TYPES)
 
@@ -145,7 +145,7 @@ def check_class_ids(labels: torch.Tensor, num_classes: int, field: str = "num_la
         return
     bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= num_classes))
     if bool(bad.any()):
-        from ..errors import MindFormersError
+        from ...errors import MindFormersError
 
         value = int(labels[bad][0])
         raise MindFormersError(f"label {value} is outside {field}={num_classes}: class ids must be in 0..{num_classes - 1} "
