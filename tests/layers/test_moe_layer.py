@@ -292,9 +292,26 @@ def test_grouped_kernel_and_per_expert_products_agree(monkeypatch):
         x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
         out, _ = moe(x)
         (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
-        results.append((out.detach(), x.grad, moe.experts.up_proj.grad, moe.experts.down_proj.grad))
+        results.append((out.detach(), x.grad, moe.experts.gate_proj.grad, moe.experts.up_proj.grad,
+                        moe.experts.down_proj.grad))
     for grouped, looped in zip(*results):
         assert (grouped - looped).abs().max().item() <= 1e-5
+
+
+def test_training_keeps_no_side_by_side_copy_of_the_gate_and_up_weights():
+    """The gate and up projections run as one grouped product over the two weights side by side; that copy (as
+    large as both weights: 0.75 GiB per layer of Qwen3-30B-A3B in bf16) is rebuilt in backward, never saved for it,
+    so a training step holds no extra weight-sized tensor per MoE layer."""
+    moe = make_moe(routing_policy="dropless")
+    x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, _ = moe(x)
+    weights = {p.data_ptr() for p in moe.experts.parameters()}
+    copies = [tuple(t.shape) for t in saved if t.numel() >= E * I * H and t.data_ptr() not in weights]
+    assert copies == []
+    out.sum().backward()  # and backward still runs on what was saved
+    assert moe.experts.gate_proj.grad is not None and x.grad is not None
 
 
 def test_half_precision_experts_whose_rows_are_not_16_byte_multiples_run():

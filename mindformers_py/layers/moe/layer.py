@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 from ...errors import check_choice
 from ..mlp import _TANH_GELU, MLP
 from .config import MoEConfig, moe_config_of
+from .gate_up_product import gate_up_product
 from .router import Router
 from .sigmoid_router import GroupLimitedSigmoidRouter
 
@@ -164,14 +165,12 @@ class GroupedExperts(nn.Module):
             if rows is not None:
                 tokens, counts = rows.pad(tokens), rows.padded_counts
             offsets = counts.cumsum(0).to(torch.int32)
-            # Gate and up in one product: copying the weights side by side costs far less than a second GEMM pass.
-            w_in = torch.cat([weights[2], weights[0]], dim=1) if self.gated else weights[0]  # (E, 2I or I, H)
-            h = F.grouped_mm(tokens.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offsets)
-            if self.gated:
+            if self.gated:  # gate and up in one product (see gate_up_product: its copy is not kept for backward)
+                h = gate_up_product(tokens, weights[2], weights[0], offsets, dtype)
                 gate, up = h.chunk(2, dim=-1)
                 h = self.act(gate) * up
             else:
-                h = self.act(h)
+                h = self.act(F.grouped_mm(tokens.to(dtype), weights[0].to(dtype).transpose(-2, -1), offs=offsets))
             out = F.grouped_mm(h, weights[1].to(dtype).transpose(-2, -1), offs=offsets)
             return out if rows is None else rows.unpad(out)
         # One product per expert; the stacked weights are split once, so backward stacks their gradients once.
