@@ -40,14 +40,14 @@ def build_models(args: argparse.Namespace, folder: str) -> tuple[torch.nn.Module
                 max_position_embeddings=args.context, intermediate_size=3 * args.hidden, **tokens)
     if args.arch == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**qwen)).eval()
-    elif args.arch == "deepseek_v3":  # latent attention (a 4x smaller latent), a dense first layer, 8 experts
+    elif args.arch == "deepseek_v3":  # latent attention (an 8x smaller latent), a dense first layer, 8 experts
         heads, rope = args.heads, args.hidden // args.heads // 2
         hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads,
             num_key_value_heads=heads, vocab_size=args.vocab, max_position_embeddings=args.context,
             intermediate_size=3 * args.hidden, moe_intermediate_size=3 * args.hidden // 2, n_routed_experts=8,
             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-            q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4, qk_nope_head_dim=args.hidden // heads,
+            q_lora_rank=args.hidden // 2, kv_lora_rank=args.kv_lora_rank or args.hidden // 8, qk_nope_head_dim=args.hidden // heads,
             qk_rope_head_dim=rope, v_head_dim=args.hidden // heads, **tokens)).eval()
     elif args.arch == "qwen3_moe":
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192, help="8192 is the gpt_tiny preset's; 50257 is GPT-2's")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--kv-lora-rank", type=int, default=None,
+                        help="deepseek_v3: the latent's width (default hidden/8; DeepSeek-V3 has 512 = hidden/14)")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])

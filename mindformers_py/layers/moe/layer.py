@@ -44,6 +44,12 @@ ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router, "deepseek_v3": Group
 """``MoEConfig.router_type`` -> the router class an MoE layer builds (:attr:`~MoEConfig.router_type`'s choices)."""
 
 
+FUSED_GATE_UP_ROWS = 32
+"""Rows per local expert (on average) from which the gate and up projections run as one grouped product over their
+weights side by side: the copy costs as much as moving both weights once, which a few rows per expert (a decode step:
+k rows in all) do not pay back, while hundreds per expert (a training batch) run faster fused."""
+
+
 def stat_width(num_experts: int) -> int:
     """Columns of one layer's router statistics: counts and probability sums per expert, then routed tokens,
     summed squared log-sum-exp and dropped assignments."""
@@ -159,18 +165,22 @@ class GroupedExperts(nn.Module):
         weights = [_local(self.up_proj), _local(self.down_proj)] + ([_local(self.gate_proj)] if self.gated else [])
         dtype = torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) \
             else weights[0].dtype  # grouped_mm is not autocast-aware: cast as autocast would
-        if tokens.shape[0] and _grouped_mm_runs(tokens, weights[0]) and _aligned(weights[0].shape[1:], dtype):
+        # Fewer rows than experts (decoding) loop over the experts that have rows: a grouped product visits all.
+        if tokens.shape[0] >= counts.shape[0] and _grouped_mm_runs(tokens, weights[0]) \
+                and _aligned(weights[0].shape[1:], dtype):
             rows = _PaddedGroups.of(counts, tokens.shape[0]) if tokens.device.type == "cpu" and dtype == torch.bfloat16 \
                 else None
             if rows is not None:
                 tokens, counts = rows.pad(tokens), rows.padded_counts
             offsets = counts.cumsum(0).to(torch.int32)
-            if self.gated:  # gate and up in one product (see gate_up_product: its copy is not kept for backward)
-                h = gate_up_product(tokens, weights[2], weights[0], offsets, dtype)
-                gate, up = h.chunk(2, dim=-1)
-                h = self.act(gate) * up
-            else:
-                h = self.act(F.grouped_mm(tokens.to(dtype), weights[0].to(dtype).transpose(-2, -1), offs=offsets))
+            if self.gated and tokens.shape[0] >= FUSED_GATE_UP_ROWS * counts.shape[0]:
+                # gate and up in one product (see gate_up_product: its weight copy is not kept for backward)
+                gate, up = gate_up_product(tokens, weights[2], weights[0], offsets, dtype).chunk(2, dim=-1)
+            else:  # few rows per expert (decoding, many small experts): copying the weights would cost more
+                x = tokens.to(dtype)
+                up = F.grouped_mm(x, weights[0].to(dtype).transpose(-2, -1), offs=offsets)
+                gate = F.grouped_mm(x, weights[2].to(dtype).transpose(-2, -1), offs=offsets) if self.gated else None
+            h = self.act(gate) * up if self.gated else self.act(up)
             out = F.grouped_mm(h, weights[1].to(dtype).transpose(-2, -1), offs=offsets)
             return out if rows is None else rows.unpad(out)
         # One product per expert; the stacked weights are split once, so backward stacks their gradients once.
@@ -178,6 +188,8 @@ class GroupedExperts(nn.Module):
         gates = weights[2].unbind(0) if self.gated else ups
         out = []
         for rows, up_w, gate_w, down_w in zip(tokens.split(counts.tolist()), ups, gates, downs):
+            if not rows.shape[0] and tokens.shape[0]:  # nothing to add (unbind's backward fills its gradient with 0)
+                continue
             up = rows @ up_w.t()
             h = self.act(rows @ gate_w.t()) * up if self.gated else self.act(up)
             out.append(h @ down_w.t())
