@@ -19,8 +19,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..launcher.launch import launched_by_torchrun as under_torchrun
 from ..models.hub import TOKENIZER_FILES, resolve_source
+from ..parallel.layout import Layout
 from ..parallel.layout_checks import check_run
-from ..pipelines.samples import predict_in_pool, run_samples, samples_on_every_rank
 from ..task_registry import TaskSpec
 from ..utils.damaged_files import loading_from
 from .layout_handover import sending_layout
@@ -89,6 +89,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
         # classifier's labels from there when the run is evaluated or predicted again.
         recipe["model"] = {**(recipe.get("model") or {}), **datasets.config_updates}
     if run_mode == "predict" and world > 1:  # generation in a pool of workers holding the sharded model
+        from ..pipelines.samples import predict_in_pool
+
         return {"samples": predict_in_pool(task, adapter_dir or name_or_path, model_s, tokenizer, spec.generate,
                                            args.output_dir, spec.parallel, args.seed)}
     if world > 1 and not under_torchrun():
@@ -112,9 +114,13 @@ def run(spec: RunSpec) -> dict[str, Any]:
     if run_mode != "predict":
         results.update(_train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task, spec.peft_config))
     gen_s = spec.generate
-    if gen_s.prompts and world == 1:
+    if not gen_s.prompts:
+        return results
+    from ..pipelines.samples import run_samples, samples_on_every_rank  # transformers' pipelines: a run that generates
+
+    if world == 1:
         results["samples"] = run_samples(task, model, tokenizer, gen_s, args.output_dir, args.seed, run_mode)
-    elif gen_s.prompts and under_torchrun() and run_mode != "predict":
+    elif under_torchrun() and run_mode != "predict":
         del model  # the training shards go before the saved model is loaded again, sharded for generation
         _return_freed_memory()
         # what was trained was saved in output_dir; an evaluated model is where it came from
