@@ -61,8 +61,11 @@ class RunSpec:
     """The model config as the recipe gives it (before the tokenizer sizes a preset's vocabulary and the data sets a
     classifier's labels)."""
     tokenizer: TokenizerSection
+    """The recipe's tokenizer section."""
     data: DataSection
+    """The recipe's data section."""
     generate: GenerateSection
+    """The recipe's generate section (its pipeline name checked)."""
     args: Any
     """The ``TrainingArguments`` (``Seq2SeqTrainingArguments`` for ``seq2seq_lm``), holding the layout that runs."""
     peft_config: Any
@@ -82,7 +85,11 @@ class RunSpec:
     @property
     def seq_length(self) -> int:
         """Tokens per sample: an image model's fixed count (class token + patches), else ``data.block_size``."""
-        return getattr(self.model_config, "fixed_sequence_length", None) or self.data.block_size
+        return _seq_length(self.model_config, self.data)
+
+
+def _seq_length(config: Any, data: DataSection) -> int:
+    return getattr(config, "fixed_sequence_length", None) or data.block_size
 
 
 def recipe_task(recipe: dict[str, Any]) -> TaskSpec:
@@ -158,7 +165,7 @@ def resolve_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -
     # A preset's vocabulary is the tokenizer's unless the model section sets it: unknown until the tokenizer loads.
     vocab_from_tokenizer = (not Path(name_or_path).is_dir() and task.processor == "tokenizer"
                             and "vocab_size" not in model_s)
-    seq_length = getattr(config, "fixed_sequence_length", None) or data_s.block_size
+    seq_length = _seq_length(config, data_s)
     # The layout, resolved once in this process: sent by the process that launched this one, else checked here
     # against the world, the model and the batch.
     layout = received_layout(world)
