@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m mindformers_py run recipes/gpt/pretrain_tiny.yaml --output_dir runs/demo --overwrite_output_dir true
+	$(PY) -m mindformers_py run tasks/gpt/pretrain_tiny.yaml --output_dir runs/demo --overwrite_output_dir true
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

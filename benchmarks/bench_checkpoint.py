@@ -1,7 +1,7 @@
 """How long a checkpoint save stalls training: our Trainer saving synchronously and asynchronously (``save_async``),
 and transformers' Trainer (synchronous; it has no asynchronous save) on the same model and data.
 
-The model is the default GPT of ``recipes/gpt/pretrain_tiny.yaml`` (4 layers, 256 wide, 4 heads, a 4096-token
+The model is the default GPT of ``tasks/gpt/pretrain_tiny.yaml`` (4 layers, 256 wide, 4 heads, a 4096-token
 vocabulary, 128-token blocks, batch 16: 4.3M parameters, a ~52 MB checkpoint with its AdamW state), trained fp32 on
 the CPU for ``--steps`` steps with a full checkpoint every ``--save-every`` steps into a temporary folder.
 

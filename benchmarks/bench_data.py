@@ -13,7 +13,7 @@ speed, each compared in the same run.
 * ``preprocess``: ``mindformers-py preprocess`` (tokenise + write ``.bin``/``.idx``) against ``datasets.map``
   tokenisation saved as Arrow (``save_to_disk``), on the same JSONL of standard-library files, same tokenizer and
   processes.
-* ``demo``: ``recipes/gpt/pretrain_tiny.yaml`` for ``--steps`` steps (no evaluation, no checkpoints) with this tree and
+* ``demo``: ``tasks/gpt/pretrain_tiny.yaml`` for ``--steps`` steps (no evaluation, no checkpoints) with this tree and
   with ``--baseline`` (another checkout, e.g. the commit before), alternating, each in a fresh process: the training
   tokens per second of each.
 
@@ -219,7 +219,7 @@ def bench_preprocess(args: argparse.Namespace) -> None:
 
 def _demo_run(tree: Path, steps: int, folder: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    command = [sys.executable, "-m", "mindformers_py", "run", str(ROOT / "recipes/gpt/pretrain_tiny.yaml"),
+    command = [sys.executable, "-m", "mindformers_py", "run", str(ROOT / "tasks/gpt/pretrain_tiny.yaml"),
                "--max_steps", str(steps), "--output_dir", folder, "--overwrite_output_dir", "true",
                "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--generate.prompts", "[]",
                "--disable_tqdm", "true"]

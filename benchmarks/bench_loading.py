@@ -11,7 +11,7 @@ transformers' ``save_pretrained`` in 4 shards (3.0 GB). It is made once into ``-
    over ``--rounds``: wall time from importing the library (``import transformers`` costs 0.7 s of it, which our
    package's lazy import pays on first use instead) and peak RSS (``VmHWM``) after loading and after the forward;
    ratios ours / transformers from the best round of each.
-2. ``recipes/gpt/finetune_lora.yaml --model.name_or_path <folder> --max_steps 1 --per_device_train_batch_size 1
+2. ``tasks/gpt/finetune_lora.yaml --model.name_or_path <folder> --max_steps 1 --per_device_train_batch_size 1
    --data.block_size 32 --data.max_eval_samples 4 --per_device_eval_batch_size 4`` stand-alone and under dp2 + ZeRO-3, tp2 (vocabulary
    sharded too) and pp2 (two micro-batches of one sequence) (``--layouts``): the peak RSS of every process over the
    whole run (loading, training, the final evaluation, saving, the samples), sampled from ``/proc`` every 50 ms, and
@@ -26,7 +26,7 @@ real widths (hidden 2048, 32 heads, 4 key/value heads of 128, 128 experts of 768
 untied) with 4 layers instead of 48: 3.00 B parameters, 2.42 B of them in experts, random bf16 values written by
 transformers' ``save_pretrained`` (one tensor per expert and projection, as transformers writes Qwen3-MoE) in 1 GB
 shards (6.0 GB), made once into ``runs/bench_loading/qwen3_moe_slice``. Its recipe is
-``recipes/gpt/finetune_lora_qwen3.yaml`` with the same flags and its LoRA on the attention only
+``tasks/gpt/finetune_lora_qwen3.yaml`` with the same flags and its LoRA on the attention only
 (``--peft.target_modules [q_proj,k_proj,v_proj,o_proj]``: LoRA on the experts, peft's ``ParamWrapper``, makes every
 expert's updated weight anew in each forward and its gradient in backward, 0.4 GB per projection and layer here in
 bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16; with the
@@ -84,10 +84,10 @@ QWEN3_MOE_SLICE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=61
 # target modules (None: the recipe's), the recipe's other flags)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CHECKPOINTS = {
-    "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "recipes/gpt/finetune_lora.yaml", LAYOUTS,
+    "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "tasks/gpt/finetune_lora.yaml", LAYOUTS,
                  None, []),
     "qwen3_moe_slice": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE_SLICE, "1GB",
-                        "recipes/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, ATTENTION,
+                        "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, ATTENTION,
                         ["--generate.max_new_tokens", "8"]),
 }
 

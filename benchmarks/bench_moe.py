@@ -9,7 +9,7 @@ width a CPU runs in seconds.
 
 ``pretrain``: ``llama_tiny`` (dense SwiGLU MLP of 768) against ``gpt_moe_tiny`` (8 SwiGLU experts of 384, top-2:
 the same matrix work per token, five times the MLP parameters) trained with the same recipe
-(``recipes/gpt_moe/pretrain_tiny.yaml``: data, tokenizer, optimizer, schedule, seed) on the default corpus (the
+(``tasks/gpt_moe/pretrain_tiny.yaml``: data, tokenizer, optimizer, schedule, seed) on the default corpus (the
 Python standard library's source). Every ``--eval-every`` steps both models are scored on the same validation
 blocks with the cross-entropy alone (``output_router_logits=False``: the router loss is a training device, not
 part of the language model's quality); training time is this process's CPU time (steadier than wall time when
@@ -189,7 +189,7 @@ def bench_pretrain(args: argparse.Namespace) -> None:
     from mindformers_py.recipes import load_recipe
 
     torch.set_num_threads(args.threads)
-    recipe = load_recipe(ROOT / "recipes" / "gpt_moe" / "pretrain_tiny.yaml")
+    recipe = load_recipe(ROOT / "tasks" / "gpt_moe" / "pretrain_tiny.yaml")
     runs = {name: pretrain(name, recipe, args) for name in ("dense", "moe")}
     dense, moe = runs["dense"].points, runs["moe"].points
     print(f"{'step':>6}{'dense CPU s':>13}{'dense loss':>12}{'MoE CPU s':>11}{'MoE loss':>11}")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = str(ROOT / "recipes" / "gpt" / "pretrain_tiny.yaml")
+RECIPE = str(ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml")
 BASELINE = "import torch, transformers"
 
 CASES: dict[str, list[str]] = {

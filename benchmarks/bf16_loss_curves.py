@@ -31,12 +31,12 @@ from mindformers_py.recipes.runner import run_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
-    "gpt": "recipes/gpt/pretrain_tiny.yaml",
-    "moe": "recipes/gpt_moe/pretrain_tiny.yaml",
-    "bert": "recipes/bert/pretrain_mlm_tiny.yaml",
-    "t5": "recipes/t5/pretrain_span_tiny.yaml",
-    "t5_summarization": "recipes/t5/finetune_summarization.yaml",
-    "vit": "recipes/vit/finetune_digits.yaml",
+    "gpt": "tasks/gpt/pretrain_tiny.yaml",
+    "moe": "tasks/gpt_moe/pretrain_tiny.yaml",
+    "bert": "tasks/bert/pretrain_mlm_tiny.yaml",
+    "t5": "tasks/t5/pretrain_span_tiny.yaml",
+    "t5_summarization": "tasks/t5/finetune_summarization.yaml",
+    "vit": "tasks/vit/finetune_digits.yaml",
 }
 
 

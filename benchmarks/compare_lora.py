@@ -1,9 +1,9 @@
 """LoRA against full fine-tuning at the same number of steps, from the same pretrained model and data: held-out loss
 (and accuracy for classification), trainable parameters, AdamW state and time per optimizer step.
 
-``gpt`` runs ``recipes/gpt/finetune_lora.yaml`` (docstring -> function pairs from the standard library, on the
-pretraining recipe's model: run ``recipes/gpt/pretrain_tiny.yaml`` first, or pass ``--base`` any GPT-2 / Llama
-folder); ``bert`` runs ``recipes/bert/finetune_classification_lora.yaml`` (the packaged all-MiniLM-L6-v2 on the
+``gpt`` runs ``tasks/gpt/finetune_lora.yaml`` (docstring -> function pairs from the standard library, on the
+pretraining recipe's model: run ``tasks/gpt/pretrain_tiny.yaml`` first, or pass ``--base`` any GPT-2 / Llama
+folder); ``bert`` runs ``tasks/bert/finetune_classification_lora.yaml`` (the packaged all-MiniLM-L6-v2 on the
 docstring package-classification task). Full fine-tuning is the same recipe with ``--peft null`` and its own
 learning rate (``--full-lr``). The AdamW state is read from each run's final checkpoint (the tensors of
 ``optimizer.pt``); the step time is ``train_runtime / steps`` (data loading and the final checkpoint included, no
@@ -31,8 +31,8 @@ from safetensors import safe_open
 from mindformers_py.recipes import load_recipe, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"gpt": ROOT / "recipes" / "gpt" / "finetune_lora.yaml",
-           "bert": ROOT / "recipes" / "bert" / "finetune_classification_lora.yaml"}
+RECIPES = {"gpt": ROOT / "tasks" / "gpt" / "finetune_lora.yaml",
+           "bert": ROOT / "tasks" / "bert" / "finetune_classification_lora.yaml"}
 FULL_LR = {"gpt": 3e-4, "bert": 1e-4}  # full fine-tuning's own rates (the BERT one is finetune_classification.yaml's)
 
 

@@ -1,7 +1,7 @@
 """Does our T5 learn as transformers' does? Fine-tune both on the code-summarisation data from the same weights.
 
 A fresh ``t5_tiny`` (seeded) is saved, converted to a transformers checkpoint, and both models are fine-tuned on the
-summarisation recipe's data (``recipes/t5/finetune_summarization.yaml``: function source -> first docstring line,
+summarisation recipe's data (``tasks/t5/finetune_summarization.yaml``: function source -> first docstring line,
 split by file) with the same hyperparameters: ours with our ``Seq2SeqTrainer``, transformers'
 ``T5ForConditionalGeneration`` with transformers' ``Seq2SeqTrainer`` and ``DataCollatorForSeq2Seq``. Printed: the
 held-out loss, ROUGE-L and BLEU of greedy generations, and training time, side by side with their ratios. The data

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel_mode semi_auto_parallel, --data_parallel 2), --run_mode train|finetune|eval|predict, or a dotted "
         "path --<section>.<field> VALUE (e.g. --model.num_layers 4, --data.block_size 128).",
     )
-    run.add_argument("config", help="recipe file, e.g. recipes/gpt/pretrain_tiny.yaml")
+    run.add_argument("config", help="recipe file, e.g. tasks/gpt/pretrain_tiny.yaml")
     run.set_defaults(func=_cmd_run)
     conv = sub.add_parser("convert", help="convert a checkpoint between our format and HF's")
     conv.add_argument("src", help="source checkpoint folder (ours or HF)")
@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="estimate the parallel layouts of a model on N accelerators (starts nothing)",
                           description="Estimate memory per rank, step time and throughput of every data/context/"
                           "tensor/pipeline/expert-parallel layout of a model on N accelerators, and choose one.")
-    plan.add_argument("source", help="a recipe (recipes/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF "
-                      "config.json or a checkpoint folder")
+    plan.add_argument("source", help="a recipe (tasks/gpt/pretrain_tiny.yaml), a preset (llama_1b), an HF config.json "
+                      "or a checkpoint folder")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
     plan.add_argument("--device", default="h100_80gb", help="accelerator from the catalog shipped in "
                       "mindformers_py/planner/devices.yaml (default h100_80gb; a wrong name lists them)")

@@ -1,8 +1,8 @@
 """The task registry: one entry per training task, the single source of truth for what a task means.
 
-(A recipe in ``recipes/`` runs one task: its ``task`` field names an entry here.) Each :class:`TaskSpec` says which
-Auto class loads the task's model and which transformers class names belong to it, which batch keys hold its labels
-and whether they are shifted, what counts as one item of the loss (tokens, sequences, images) and how to count them,
+(Not to be confused with ``tasks/``, the runnable YAML recipes.) Each :class:`TaskSpec` says which Auto class
+loads the task's model and which transformers class names belong to it, which batch keys hold its labels and
+whether they are shifted, what counts as one item of the loss (tokens, sequences, images) and how to count them,
 the loss itself, the model outputs it is computed from, the default collator and metrics, the pipeline that serves
 the task and how a recipe prepares its data. The Trainer (which hands the task to its engine: pipeline stages
 read their inputs, outputs and labels from it), the recipe runner, checkpoint conversion, the Auto classes and

@@ -12,7 +12,7 @@ group that many times, recording each cause for the restarted workers (:func:`re
 Several nodes: run one torchrun agent per node with the same rendezvous endpoint (see :func:`multinode_command`)::
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 --rdzv_id job1 \\
-        -m mindformers_py run recipes/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel
+        -m mindformers_py run tasks/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel
 
 where HOST is the address of one of the nodes (reachable from all of them); every node runs the same command.
 

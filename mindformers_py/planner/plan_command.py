@@ -1,7 +1,7 @@
 """``mindformers-py plan``: the layouts a model can train with on N accelerators, estimated without starting any
 process.
 
-The model comes from a preset (``llama_1b``), a recipe (``recipes/gpt/pretrain_tiny.yaml``: its model, batch,
+The model comes from a preset (``llama_1b``), a recipe (``tasks/gpt/pretrain_tiny.yaml``: its model, batch,
 sequence length and parallel settings), an HF ``config.json`` or a checkpoint folder holding one. The device
 comes from the catalog shipped in ``devices.yaml`` (:func:`~.device_spec.load_device`), any field overridable.
 The search is :func:`~.planner.plan` with ``full_search``: every data x tensor x pipeline (x expert) layout with

@@ -24,15 +24,15 @@ from mindformers_py.recipes import apply_overrides, load_recipe, parse_overrides
 FIRST_DAY = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
 _QUIET = ["--report_to", "none", "--disable_tqdm", "true"]
 SHORT = {
-    "recipes/gpt/pretrain_tiny.yaml": [
+    "tasks/gpt/pretrain_tiny.yaml": [
         "--model.num_hidden_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
         "--tokenizer.vocab_size", "300", "--data.max_files", "4", "--data.max_eval_samples", "4",
         "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4", "--max_steps", "2",
         "--eval_steps", "2", "--save_steps", "2", "--generate.max_new_tokens", "2", *_QUIET],
-    "recipes/gpt/finetune_lora.yaml": [
+    "tasks/gpt/finetune_lora.yaml": [
         "--data.max_files", "20", "--data.max_eval_samples", "4", "--per_device_train_batch_size", "2",
         "--max_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--generate.max_new_tokens", "2", *_QUIET],
-    "recipes/vit/finetune_digits.yaml": [
+    "tasks/vit/finetune_digits.yaml": [
         "--model.num_hidden_layers", "1", "--model.hidden_size", "32", "--model.num_attention_heads", "2",
         "--model.intermediate_size", "32", "--per_device_train_batch_size", "4", "--max_steps", "2",
         "--data.max_eval_samples", "8", "--per_device_eval_batch_size", "8", "--eval_steps", "2", "--save_steps", "2",
@@ -53,7 +53,7 @@ def _shortened(args: list[str]) -> list[str]:
     recipe = args[1]
     key = "run_config.yaml" if recipe.endswith("run_config.yaml") else recipe
     assert key in SHORT, f"no short flags for {recipe}: add them to SHORT"
-    source = str(ROOT / recipe) if recipe.startswith("recipes/") else recipe
+    source = str(ROOT / recipe) if recipe.startswith("tasks/") else recipe
     return [args[0], source, *args[2:], *SHORT[key]]
 
 
@@ -119,7 +119,7 @@ def _sequences():
 
 @pytest.mark.parametrize("name, commands", _sequences(), ids=[s[0] for s in _sequences()])
 def test_no_documented_run_trains_into_a_folder_that_holds_another_run(name, commands):
-    demo = yaml.safe_load((ROOT / "recipes/gpt/pretrain_tiny.yaml").read_text())["training"]["output_dir"]
+    demo = yaml.safe_load((ROOT / "tasks/gpt/pretrain_tiny.yaml").read_text())["training"]["output_dir"]
     trained = {demo: "train"}  # make demo's
     for command, args in commands:
         if not args or args[0] != "run":

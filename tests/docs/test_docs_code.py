@@ -141,7 +141,7 @@ def _output_folders() -> set[str]:
     """Folders the recipes and the documented commands write: a saved ``runs/X/run_config.yaml`` exists after one
     of them ran."""
     folders = {yaml.safe_load(p.read_text()).get("training", {}).get("output_dir")
-               for p in (ROOT / "recipes").glob("*/*.yaml")}
+               for p in (ROOT / "tasks").glob("*/*.yaml")}
     for page in PAGES:
         folders |= set(re.findall(r"--output_dir (\S+)", page.read_text()))
         folders |= set(re.findall(r"output_dir: (\S+)", page.read_text()))
@@ -200,7 +200,7 @@ def test_shell_commands_are_valid(page, tmp_path, monkeypatch):
                 except Exception as err:
                     raise AssertionError(f"{where}: {err}") from err
             elif args[0] == "plan":
-                plan = [str(ROOT / a) if a.startswith("recipes/") else a for a in args]
+                plan = [str(ROOT / a) if a.startswith("tasks/") else a for a in args]
                 printed = io.StringIO()
                 with contextlib.redirect_stdout(printed):
                     assert main(plan) == 0, where

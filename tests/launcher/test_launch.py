@@ -45,10 +45,10 @@ def test_launch_decision_and_world_size_check(monkeypatch):
 
 
 def test_multinode_command_is_a_torchrun_rendezvous():
-    cmd = multinode_command(2, 8, "10.0.0.1:29400", ["run", "recipes/gpt/pretrain_tiny.yaml", "--parallel_mode",
+    cmd = multinode_command(2, 8, "10.0.0.1:29400", ["run", "tasks/gpt/pretrain_tiny.yaml", "--parallel_mode",
                                                      "semi_auto_parallel"])
     assert cmd.startswith("torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29400")
-    assert cmd.endswith("-m mindformers_py run recipes/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel")
+    assert cmd.endswith("-m mindformers_py run tasks/gpt/pretrain_tiny.yaml --parallel_mode semi_auto_parallel")
 
 
 def test_launch_rejects_bad_arguments():

@@ -5,7 +5,7 @@ micro-batches) under dp2, ZeRO-1, ZeRO-3, tp2 with sequence parallelism, pp2 and
 compared with stand-alone's (fp32; the LoRA matrices start random so both A and B get gradients); the same for a
 Qwen3-MoE whose experts' projections ``target_modules`` names (peft's LoRA on the stacked expert weights) under dp2,
 ZeRO-3, ep2, ep2 with ZeRO-3, tp2 and pp2 (dp2 x tp2 x ep2 runs in test_moe_parallel.py's 4-process job); then the LoRA
-recipe (``recipes/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
+recipe (``tasks/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
 tp2 and pp2 (GPT-2 flavour, biases and a tied head), whose per-step losses must be stand-alone's (run through the CLI); and a ZeRO-3 run's adapter and
 checkpoint, which a stand-alone run loads and resumes.
 """
@@ -28,7 +28,7 @@ from mindformers_py.trainer.arguments import TrainingArguments
 from tolerances import BF16_LAYOUT_GRAD_NORM
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "gpt" / "finetune_lora.yaml"
+RECIPE = ROOT / "tasks" / "gpt" / "finetune_lora.yaml"
 VOCAB, SEQ, BATCH = 64, 16, 4
 # Every projection: q/k/v/gate/up are column-parallel, o/down row-parallel under tensor parallelism.
 LORA = {"type": "lora", "r": 4, "lora_alpha": 8, "init_lora_weights": False,

@@ -76,7 +76,7 @@ def test_plan_from_a_preset_prints_the_layouts_that_fit_with_the_choice_marked(c
 
 
 def test_plan_from_a_recipe_takes_its_batch_block_size_and_model(capsys):
-    recipe = ROOT / "recipes" / "gpt" / "pretrain_tiny.yaml"
+    recipe = ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml"
     report = plan_json(recipe, "--devices", 4, "--device", "a100_80gb", capsys=capsys)
     # every layout plans the recipe's global batch (16 per rank x its 1 data-parallel rank), so throughputs compare
     assert report["global_batch"] == 16 and report["seq_length"] == 128
@@ -208,7 +208,7 @@ def test_plan_is_in_the_cli_help(capsys):
 def test_the_planner_does_not_split_a_fixed_token_count_sequence_parallelism_cannot(capsys):
     """The ViT recipe's 50 tokens (49 patches and the class token): tp4 layouts are planned without sequence
     parallelism (it cannot split 50 tokens over 4 ranks; they were dropped whole), tp2 ones with it."""
-    report = plan_json(ROOT / "recipes" / "vit" / "finetune_digits.yaml", "--devices", "8", "--top", "0", capsys=capsys)
+    report = plan_json(ROOT / "tasks" / "vit" / "finetune_digits.yaml", "--devices", "8", "--top", "0", capsys=capsys)
     layouts = [c["parallel_config"] for c in report["candidates"]]
     tp4 = [c for c in layouts if c.get("model_parallel") == 4]
     tp2 = [c for c in layouts if c.get("model_parallel") == 2]

@@ -52,7 +52,7 @@ def test_masks_depend_on_the_sample_not_on_the_batch():
 
 
 def test_minilm_finetuning_recipe_trains_evaluates_and_predicts(tmp_path, capsys, monkeypatch):
-    recipe = ROOT / "recipes" / "bert" / "finetune_classification.yaml"
+    recipe = ROOT / "tasks" / "bert" / "finetune_classification.yaml"
     code, out = run_cli(recipe, *SMALL_FINETUNE, "--output_dir", tmp_path / "out", capsys=capsys)
     assert code == 0, out.err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -76,7 +76,7 @@ def test_minilm_lora_recipe_trains_the_adapter_and_predicts_from_its_folder(tmp_
 
     from safetensors import safe_open
 
-    recipe = ROOT / "recipes" / "bert" / "finetune_classification_lora.yaml"
+    recipe = ROOT / "tasks" / "bert" / "finetune_classification_lora.yaml"
     code, out = run_cli(recipe, *SMALL_FINETUNE, "--output_dir", tmp_path / "out", capsys=capsys)
     assert code == 0, out.err
     saved = json.loads((tmp_path / "out" / "adapter_config.json").read_text())

@@ -33,7 +33,7 @@ def test_a_layout_the_world_cannot_hold_is_reported_once_with_the_fix(tmp_path, 
         program = ["-m", "mindformers_py"]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *program,
-         "run", str(ROOT / "recipes" / "gpt" / "pretrain_tiny.yaml"), "--parallel_mode", "semi_auto_parallel",
+         "run", str(ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml"), "--parallel_mode", "semi_auto_parallel",
          "--data_parallel", "2", "--model_parallel", "2", "--output_dir", str(tmp_path / "out")],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode != 0

@@ -1,6 +1,6 @@
 """The data recipes through the CLI, as the guide runs them: `mindformers-py preprocess` a JSONL, then
-recipes/gpt/pretrain_megatron.yaml on its files (documents masked, the data position in the checkpoint, a resumed run
-going on from it), and recipes/gpt/finetune_packed.yaml's packed instruction rows; tiny models, two steps each."""
+tasks/gpt/pretrain_megatron.yaml on its files (documents masked, the data position in the checkpoint, a resumed run
+going on from it), and tasks/gpt/finetune_packed.yaml's packed instruction rows; tiny models, two steps each."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
 
 def test_pretraining_from_a_megatron_corpus_saves_and_resumes_its_data_position(corpus, capsys):
     out = corpus / "run"
-    common = ["run", str(ROOT / "recipes/gpt/pretrain_megatron.yaml"), *TINY, "--tokenizer.name_or_path",
+    common = ["run", str(ROOT / "tasks/gpt/pretrain_megatron.yaml"), *TINY, "--tokenizer.name_or_path",
               str(corpus / "tokenizer"), "--data.data_path", f"[{corpus / 'corpus_text_document'}]",
               "--data.block_size", "64", "--model.max_position_embeddings", "64", "--per_device_train_batch_size", "2",
               "--eval_strategy", "no", "--save_steps", "2", "--output_dir", str(out)]
@@ -46,7 +46,7 @@ def test_pretraining_from_a_megatron_corpus_saves_and_resumes_its_data_position(
 
 
 def test_packed_fine_tuning_recipe_trains_on_packed_rows(corpus, capsys):
-    code = main(["run", str(ROOT / "recipes/gpt/finetune_packed.yaml"), *TINY, "--run_mode", "train",
+    code = main(["run", str(ROOT / "tasks/gpt/finetune_packed.yaml"), *TINY, "--run_mode", "train",
                  "--model.name_or_path", "gpt_tiny", "--tokenizer.name_or_path", str(corpus / "tokenizer"),
                  "--data.max_files", "10", "--data.block_size", "128", "--model.max_position_embeddings", "128",
                  "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no",

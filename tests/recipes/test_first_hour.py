@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = "runs/demo"
 
 
-_LORA_LINE = ["run", str(ROOT / "recipes/gpt/finetune_lora.yaml"), "--max_steps", "2", "--data.max_files", "20",
+_LORA_LINE = ["run", str(ROOT / "tasks/gpt/finetune_lora.yaml"), "--max_steps", "2", "--data.max_files", "20",
               "--data.max_eval_samples", "4", "--per_device_train_batch_size", "2", "--eval_strategy", "no",
               "--save_strategy", "no", "--report_to", "none", "--generate.max_new_tokens", "2"]
 
@@ -36,11 +36,11 @@ def _demo_stand_in() -> None:
 
 
 def test_the_demo_folder_is_one_place_for_every_reader():
-    pretrain = yaml.safe_load((ROOT / "recipes/gpt/pretrain_tiny.yaml").read_text())
-    lora = yaml.safe_load((ROOT / "recipes/gpt/finetune_lora.yaml").read_text())
+    pretrain = yaml.safe_load((ROOT / "tasks/gpt/pretrain_tiny.yaml").read_text())
+    lora = yaml.safe_load((ROOT / "tasks/gpt/finetune_lora.yaml").read_text())
     assert pretrain["training"]["output_dir"] == DEMO == lora["model"]["name_or_path"]
     demo_target = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
-    assert "recipes/gpt/pretrain_tiny.yaml" in demo_target
+    assert "tasks/gpt/pretrain_tiny.yaml" in demo_target
     assert "--output_dir" not in demo_target or f"--output_dir {DEMO}" in demo_target
     notebook = json.loads((ROOT / "notebooks/finetune_gpt.ipynb").read_text())
     assert any(f'Path("../{DEMO}")' in "".join(cell["source"]) for cell in notebook["cells"])

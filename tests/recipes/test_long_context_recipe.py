@@ -1,4 +1,4 @@
-"""The long-context recipe (recipes/gpt/pretrain_long.yaml), shrunk: a length the ring cannot split, and torch_compile,
+"""The long-context recipe (tasks/gpt/pretrain_long.yaml), shrunk: a length the ring cannot split, and torch_compile,
 are refused before any process starts (its context-parallel layout is compared with stand-alone in
 test_recipe_layouts.py)."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from mindformers_py.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "gpt" / "pretrain_long.yaml"
+RECIPE = ROOT / "tasks" / "gpt" / "pretrain_long.yaml"
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
 
 

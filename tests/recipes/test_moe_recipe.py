@@ -1,4 +1,4 @@
-"""The GPT-MoE recipe (recipes/gpt_moe/pretrain_tiny.yaml, shrunk by flags) through the CLI: stand-alone's per-step
+"""The GPT-MoE recipe (tasks/gpt_moe/pretrain_tiny.yaml, shrunk by flags) through the CLI: stand-alone's per-step
 losses and router logs under expert parallelism borrowed from data parallelism, with tensor and pipeline
 parallelism (processes launched by the CLI, gloo); router losses, expert loads and dropped tokens in log.jsonl,
 TensorBoard and the progress bar."""
@@ -11,7 +11,7 @@ import pytest
 from mindformers_py.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "gpt_moe" / "pretrain_tiny.yaml"
+RECIPE = ROOT / "tasks" / "gpt_moe" / "pretrain_tiny.yaml"
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
 GLOBAL_BATCH = 8
 

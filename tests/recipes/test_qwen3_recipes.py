@@ -1,8 +1,8 @@
-"""The Qwen3 recipes through the CLI at test size: the tiny Qwen3-MoE pretraining (recipes/gpt_moe/
+"""The Qwen3 recipes through the CLI at test size: the tiny Qwen3-MoE pretraining (tasks/gpt_moe/
 pretrain_qwen3_moe_tiny.yaml) with its per-layer expert loads in the logs and its checkpoint exported as transformers'
-qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by transformers (recipes/gpt/finetune_lora_qwen3.yaml),
+qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by transformers (tasks/gpt/finetune_lora_qwen3.yaml),
 adapting the experts' projections by name, under ep2 too; and the tiny DeepSeek-V3 pretraining
-(recipes/gpt_moe/pretrain_deepseek_v3_tiny.yaml) with its balancing biases saved and exported."""
+(tasks/gpt_moe/pretrain_deepseek_v3_tiny.yaml) with its balancing biases saved and exported."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import transformers
 from mindformers_py.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-PRETRAIN = ROOT / "recipes" / "gpt_moe" / "pretrain_qwen3_moe_tiny.yaml"
-LORA = ROOT / "recipes" / "gpt" / "finetune_lora_qwen3.yaml"
+PRETRAIN = ROOT / "tasks" / "gpt_moe" / "pretrain_qwen3_moe_tiny.yaml"
+LORA = ROOT / "tasks" / "gpt" / "finetune_lora_qwen3.yaml"
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
 EP2 = ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2"]
 
@@ -107,7 +107,7 @@ def test_lora_recipe_from_a_qwen3_moe_folder_adapts_the_experts(files, qwen3_moe
     assert expected[-1]["loss"] < expected[0]["loss"]
 
 
-DEEPSEEK = ROOT / "recipes" / "gpt_moe" / "pretrain_deepseek_v3_tiny.yaml"
+DEEPSEEK = ROOT / "tasks" / "gpt_moe" / "pretrain_deepseek_v3_tiny.yaml"
 
 
 def test_deepseek_v3_pretraining_recipe_balances_its_experts_and_exports(files, tmp_path, monkeypatch):

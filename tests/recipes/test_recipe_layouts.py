@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ under layouts against its stand-alone run: the matrix that closes the gap issue 38 found
+"""Every recipe in tasks/ under layouts against its stand-alone run: the matrix that closes the gap issue 38 found
 (fine-tuning recipes that trained garbage or died under layouts while the pretraining ones passed).
 
 Each recipe runs shrunk by flags (tiny widths, fp32, no dropout; the fine-tuning recipes from tiny pretrained
@@ -34,7 +34,7 @@ import torch
 from dist_utils import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE_DIR = ROOT / "recipes"
+TASKS = ROOT / "tasks"
 TRAIN, EVAL, BATCH = 13, 7, 4  # samples: an epoch of 4 steps, the last of one sample; evaluation batches of 4 and 3
 COMMON = ["--max_steps", "-1", "--num_train_epochs", "1", "--data.max_train_samples", str(TRAIN),
           "--data.max_eval_samples", str(EVAL), "--gradient_accumulation_steps", "1", "--logging_steps", "1",
@@ -129,7 +129,7 @@ def flags(name: str, layout: str, out: Path, inputs: Path) -> list[str]:
     baseline = LAYOUTS["stand_alone"] if layout == "stand_alone" else []
     if layout == "stand_alone" and name == AUTO_PARALLEL_RECIPE:  # what --parallel_mode auto_parallel runs on a CPU
         baseline = ["--parallel_mode", "auto_parallel"]
-    return [str(RECIPE_DIR / recipe.path), *COMMON, "--per_device_train_batch_size", str(BATCH),
+    return [str(TASKS / recipe.path), *COMMON, "--per_device_train_batch_size", str(BATCH),
             "--per_device_eval_batch_size", str(BATCH), *recipe.flags, *extra, "--generate.prompts",
             json.dumps(prompts), *baseline, *LAYOUTS[layout], "--output_dir", str(out)]
 

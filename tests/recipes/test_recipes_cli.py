@@ -132,7 +132,7 @@ def test_python_dash_m_entry_point(tmp_path):
 
 
 def test_shipped_recipes_parse():
-    for path in (ROOT / "recipes").rglob("*.yaml"):
+    for path in (ROOT / "tasks").rglob("*.yaml"):
         load_recipe(path)
 
 

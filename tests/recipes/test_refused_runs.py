@@ -72,7 +72,7 @@ def test_the_cli_refuses_a_folder_holding_another_run_and_changes_nothing(earlie
                                                                         layout):
     monkeypatch.chdir(tmp_path)
     before = snapshot(earlier_run)
-    code = main(["run", str(ROOT / "recipes/gpt/pretrain_tiny.yaml"), *_recipe_flags(tmp_path), *layout])
+    code = main(["run", str(ROOT / "tasks/gpt/pretrain_tiny.yaml"), *_recipe_flags(tmp_path), *layout])
     err = capsys.readouterr().err
     assert code == 2
     assert err.splitlines() == [f"error: output_dir='runs/demo' {_HOLDS_ANOTHER_RUN}"]
@@ -83,7 +83,7 @@ def test_a_refused_run_under_torchrun_changes_nothing(earlier_run, tmp_path):
     before = snapshot(earlier_run)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mindformers_py",
-         "run", str(ROOT / "recipes/gpt/pretrain_tiny.yaml"), *_recipe_flags(tmp_path), "--parallel_mode",
+         "run", str(ROOT / "tasks/gpt/pretrain_tiny.yaml"), *_recipe_flags(tmp_path), "--parallel_mode",
          "data_parallel", "--data_parallel", "2"],
         capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert out.returncode != 0

@@ -19,7 +19,7 @@ from mindformers_py.parallel import ParallelConfig
 from mindformers_py.trainer.arguments import TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "gpt" / "pretrain_tiny.yaml"
+RECIPE = ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml"
 TEXT = "\n".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
 
 

@@ -20,7 +20,7 @@ from mindformers_py.recipes.loader import load_recipe
 from mindformers_py.recipes.run_spec import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "gpt" / "pretrain_tiny.yaml"
+RECIPE = ROOT / "tasks" / "gpt" / "pretrain_tiny.yaml"
 
 
 def _overrides(tmp_path: Path, *extra: str) -> list[str]:

@@ -16,7 +16,7 @@ SMALL_DATA = ["--data.max_files", "12", "--tokenizer.vocab_size", "600", "--data
 
 
 def run(recipe: str, *args, capsys) -> None:
-    code = main(["run", str(ROOT / "recipes" / "t5" / recipe), *map(str, args)])
+    code = main(["run", str(ROOT / "tasks" / "t5" / recipe), *map(str, args)])
     out = capsys.readouterr()
     assert code == 0, out.err[-3000:]
 

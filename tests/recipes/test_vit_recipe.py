@@ -1,4 +1,4 @@
-"""recipes/vit/finetune_digits.yaml: trains (small settings here), saves the image processor with the model, reports
+"""tasks/vit/finetune_digits.yaml: trains (small settings here), saves the image processor with the model, reports
 held-out accuracy, evaluates and predicts on its output; its layouts (augmentation on: every layout must see the same
 images) are compared with stand-alone in test_recipe_layouts.py."""
 
@@ -12,7 +12,7 @@ import pytest
 from mindformers_py.cli import main
 from mindformers_py.data.images import digits_dataset
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "vit" / "finetune_digits.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "tasks" / "vit" / "finetune_digits.yaml"
 SMALL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.intermediate_size", "64",
          "--report_to", "[]", "--disable_tqdm", "true", "--logging_steps", "1"]
 
