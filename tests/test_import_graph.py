@@ -26,7 +26,7 @@ ORDER = [
 # Groups below ``parallel`` in ORDER that it still may not import: what a task is, the Auto classes, conversion.
 NOT_FOR_PARALLEL = {"task_registry", "auto", "convert"}
 # The only modules outside the planner that import it.
-PLANNER_USERS = {"mindformers_py.cli", "mindformers_py.recipes.runner", "mindformers_py.engine.registry"}
+PLANNER_USERS = {"mindformers_py.cli", "mindformers_py.recipes.run_spec", "mindformers_py.engine.registry"}
 
 
 def _module_name(path: Path) -> str:

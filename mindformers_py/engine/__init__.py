@@ -15,7 +15,7 @@ _EXPORTS = {
     "Engine": ".base",
     **dict.fromkeys(["LossFn", "StepLoss", "TrainingLoss"], ".step_loss"),
     "DistributedEngine": ".distributed",
-    "PipelineEngine": ".pipeline_engine",
+    "PipeliningEngine": ".pipelining_engine",
     **dict.fromkeys(["build_engine", "current_world_size", "plan_layout", "register_engine", "resolve_layout"], ".registry"),
 }
 

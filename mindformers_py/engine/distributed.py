@@ -81,8 +81,8 @@ class DistributedEngine(Engine):
 
     supports_fused_loss = False  # FSDP/replicate hooks live on the root module: the model must be called whole
     portable_checkpoints: bool = True
-    runs_pipelines: bool = False
-    """Whether this engine runs layouts with pipeline stages (:class:`~.pipeline.PipelineEngine` does)."""
+    runs_pipeline_stages: bool = False
+    """Whether this engine runs layouts with pipeline stages (:class:`~.pipelining_engine.PipeliningEngine` does)."""
 
     def __init__(self, layout: Layout, args: EngineArguments) -> None:
         super().__init__(layout, args)
@@ -113,7 +113,7 @@ class DistributedEngine(Engine):
         self._owns_process_group = not dist.is_initialized()
         init_distributed(backend=None if use_cuda else "gloo", timeout_s=collective_timeout(self.args.ddp_timeout))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.layout.pp > 1 and not self.runs_pipelines:
+        if self.layout.pp > 1 and not self.runs_pipeline_stages:
             raise ConfigError(f"pipeline_stage={self.layout.pp} needs the pipeline engine; "
                               f"{type(self).__name__} runs layouts without pipeline stages")
         self._pick_device()

@@ -5,7 +5,7 @@
 =====================  ====================================================================================
 ``stand_alone``        :class:`~.base.Engine` (one process)
 ``data_parallel``      :class:`~.distributed.DistributedEngine` (replicas, ZeRO per ``optimizer_shard``)
-``semi_auto_parallel`` :class:`~.pipeline_engine.PipelineEngine` with pipeline stages, else ``DistributedEngine``
+``semi_auto_parallel`` :class:`~.pipelining_engine.PipeliningEngine` with pipeline stages, else ``DistributedEngine``
 ``auto_parallel``      the planner turns the hints into a fixed layout for this run's processes
                        (:func:`plan_layout`), resolved like the others (:func:`resolve_layout`)
 =====================  ====================================================================================
@@ -29,7 +29,7 @@ from ..parallel.layout import Layout
 from .args import EngineArguments
 from .base import Engine
 from .distributed import DistributedEngine
-from .pipeline_engine import PipelineEngine
+from .pipelining_engine import PipeliningEngine
 
 EngineFactory = Callable[..., Engine]
 """``factory(layout, args) -> Engine``: ``layout`` is the run's resolved :class:`~mindformers_py.parallel.layout.Layout`
@@ -38,7 +38,7 @@ EngineFactory = Callable[..., Engine]
 
 def _semi_auto_engine(layout: Layout, args: EngineArguments) -> Engine:
     """The pipeline engine for layouts with pipeline stages, the distributed engine for the others."""
-    return (PipelineEngine if layout.pp > 1 else DistributedEngine)(layout, args)
+    return (PipeliningEngine if layout.pp > 1 else DistributedEngine)(layout, args)
 
 
 def _data_parallel_engine(layout: Layout, args: EngineArguments) -> Engine:

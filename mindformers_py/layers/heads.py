@@ -1,5 +1,6 @@
 """Heads on top of an encoder or decoder: the first-token pooler (BERT, ViT), the masked-language-modelling head
-(BERT, RoBERTa) and the sequence summary of GPT-2's multiple-choice head.
+(BERT, RoBERTa) and the sequence summary of GPT-2's multiple-choice head. The models that put a head on a base
+model for a task (``<Family>For<Task>``) are :mod:`mindformers_py.models.task_models`.
 
 Both are plain single-device modules; how tensor parallelism shards them is declared in the models' plans (the MLM
 decoder is ``colwise_gather_output``: the vocabulary is split across ranks).

@@ -146,7 +146,7 @@ def cut_for_generation(model: nn.Module, pp_rank: int, pp_size: int, group: Any)
     """Cut a causal LM in place to pipeline stage ``pp_rank`` of ``pp_size`` for generation: its contiguous range of
     layers, renumbered from 0 with a config of that many layers (so ``generate`` sizes this stage's KV cache for them
     and positions and masks read it), the embeddings on the first stage and the final norm and head on the last
-    (:func:`~.pipeline_stages.stage_plan`). Its forward becomes :class:`PipelinedGenerationMixin`'s."""
+    (:func:`~.pipelining.stages.stage_plan`). Its forward becomes :class:`PipelinedGenerationMixin`'s."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError("pipeline stages for generation serve decoder-only models; split an encoder-decoder with "
                           "model_parallel")

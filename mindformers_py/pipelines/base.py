@@ -94,14 +94,14 @@ TRANSLATION_PAIR = re.compile(r"translation_[^_]+_to_[^_]+")
 """transformers' parametrized translation task names (``translation_en_to_de``): the ``translation`` entry."""
 
 
-def get_pipeline(name: str) -> PipelineTask:
-    """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` listing every task name, each
-    followed by its aliases."""
+def get_pipeline(name: str, field: str = "task") -> PipelineTask:
+    """The entry for a task name or alias; an unknown one raises a :class:`ConfigError` naming ``field`` and listing
+    every task name, each followed by its aliases."""
     if TRANSLATION_PAIR.fullmatch(name) and "translation" in PIPELINES:
         return PIPELINES["translation"]
     if name not in PIPELINES:
         names = [n for key, entry in PIPELINES.items() if key == entry.name for n in (entry.name, *entry.aliases)]
-        raise invalid_choice("task", name, names)
+        raise invalid_choice(field, name, names)
     return PIPELINES[name]
 
 

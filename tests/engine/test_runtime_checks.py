@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import mindformers_py as mf
-from mindformers_py.engine import PipelineEngine
+from mindformers_py.engine import PipeliningEngine
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import RecomputeConfig
 from mindformers_py.parallel.recompute import apply_recompute
@@ -56,7 +56,7 @@ def test_pipeline_stages_are_compiled_with_the_requested_mode(monkeypatch):
     calls = []
     monkeypatch.setattr("mindformers_py.engine.distributed.parallelize", lambda *a, **k: calls.append(k))
     args = mf.TrainingArguments(output_dir="unused", torch_compile=True, torch_compile_mode="max-autotune-no-cudagraphs")
-    engine = PipelineEngine(mf.ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2,
+    engine = PipeliningEngine(mf.ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2,
                                               micro_batch_num=2).resolve(2), args)
     engine.parallelize(nn.Linear(2, 2), stage=1)
     assert calls[0]["compile_layers"] and calls[0]["compile_mode"] == "max-autotune-no-cudagraphs" and calls[0]["stage"] == 1

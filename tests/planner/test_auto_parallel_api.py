@@ -57,7 +57,7 @@ def _two_ranks(rank: int, world: int, folder: str):
 def test_two_processes_plan_a_two_rank_layout_with_stand_alone_losses(tmp_path):
     expected, _, _ = _train(str(tmp_path / "ref"), mf.ParallelConfig())
     for losses, engine, mode in run_workers(_two_ranks, 2, str(tmp_path / "auto")):
-        assert mode == "semi_auto_parallel" and engine in (DistributedEngine.__name__, "PipelineEngine")
+        assert mode == "semi_auto_parallel" and engine in (DistributedEngine.__name__, "PipeliningEngine")
         assert losses == pytest.approx(expected, rel=1e-4)
     [line] = _layout(tmp_path / "auto")
     assert line.startswith("2 processes (semi_auto_parallel): ") and "; auto_parallel chose " in line

@@ -10,8 +10,8 @@ With ``config.is_decoder`` the same stack is causal and keeps a key/value cache 
 a left-to-right language model with ``generate``); with ``config.add_cross_attention`` too, each layer attends to an
 encoder's output after its self-attention (the decoder of transformers' ``EncoderDecoderModel``, BERT-to-BERT).
 
-The task heads are the shared ones (:mod:`mindformers_py.models.task_heads`) on this base model, with transformers'
-names (``classifier``, ``qa_outputs``, ``nsp_head`` for ``cls.seq_relationship``).
+The task models are the shared ones (:mod:`mindformers_py.models.task_models`: this base model with a head), with
+transformers' names (``classifier``, ``qa_outputs``, ``nsp_head`` for ``cls.seq_relationship``).
 
 Every model is also its own pipeline stage: without ``embed_tokens`` the base model takes the previous stage's
 hidden states as ``inputs_embeds`` and skips the embedding phase; without ``pooler`` it returns no pooled output; a
@@ -54,7 +54,7 @@ from ...layers.loss import token_cross_entropy
 from ...layers.masks import key_padding_mask
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
-from ..task_heads import MultipleChoice, NextSentencePrediction, QuestionAnswering, SequenceClassification, TaskHead, \
+from ..task_models import MultipleChoice, NextSentencePrediction, QuestionAnswering, SequenceClassification, TaskModel, \
     TokenClassification
 from .configuration_bert import BertConfig
 
@@ -233,7 +233,7 @@ class _VocabularyHead:
         self.lm_head.decoder = value
 
 
-class BertForMaskedLM(_VocabularyHead, TaskHead, BertPreTrainedModel):
+class BertForMaskedLM(_VocabularyHead, TaskModel, BertPreTrainedModel):
     """BERT with the masked-language-modelling head: scores over the vocabulary for every position (the decoder
     shares the token embedding's weight and has its own bias); with ``labels`` (the original ids at masked
     positions, -100 elsewhere), the cross-entropy over the labelled positions."""
@@ -361,7 +361,7 @@ class BertForPreTrainingOutput(ModelOutput):
     """Every layer's attention weights, with ``output_attentions``."""
 
 
-class BertForPreTraining(_VocabularyHead, TaskHead, BertPreTrainedModel):
+class BertForPreTraining(_VocabularyHead, TaskModel, BertPreTrainedModel):
     """BERT's pretraining objective: the masked-LM head on every position and a next-sentence head
     (``nsp_head``, 2 classes) on the pooled first token; the loss is the sum of both cross-entropies, each a mean
     over its items, as transformers' ``BertForPreTraining``."""

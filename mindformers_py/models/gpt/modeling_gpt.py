@@ -42,7 +42,7 @@ from ...layers.moe.layer import MoE, GroupedExperts, Router, RouterMetrics, rout
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
 from ..moe_outputs import CausalLMOutputWithMTP, MoECausalLMOutputWithPast, MoEModelOutputWithPast
-from ..task_heads import QuestionAnswering, SequenceClassification, TokenClassification
+from ..task_models import QuestionAnswering, SequenceClassification, TokenClassification
 from .configuration_gpt import GPTConfig
 from .multi_token_head import MetricsGroup, MTPMetrics, build_multi_token_prediction, multi_token_prediction_loss
 

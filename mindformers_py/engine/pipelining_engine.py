@@ -17,7 +17,7 @@ What the Trainer sees:
   last stage for each pipeline micro-batch from the outputs the stages computed, through the same loss path as
   every engine (:mod:`.step_loss`: global item count, share, data-parallel rescale), so loss curves match
   ``stand_alone`` for every task head. A user's loss that cannot run there is refused before training
-  (:meth:`PipelineEngine.check_loss`).
+  (:meth:`PipeliningEngine.check_loss`).
 * Checkpoints hold the sharded state (``dcp/``), which resumes under any layout, stand-alone included, and the
   whole weights. A tied embedding the first and last stage both hold is one weight to the other layouts: a
   checkpoint written without pipeline stages gives the last stage's copy (and its optimizer state) the embedding's.
@@ -43,14 +43,14 @@ from .optim import parameter_group_names
 from .step_loss import LossFn, TrainingLoss
 
 
-class PipelineEngine(DistributedEngine):
+class PipeliningEngine(DistributedEngine):
     """Pipeline parallelism (with any data/tensor parallelism, ZeRO and recompute) on torch.distributed.
 
     Attributes (beyond :class:`DistributedEngine`'s):
         pipeline: this rank's :class:`~mindformers_py.parallel.pipelining.schedule.PipelineParallel` (after :meth:`prepare_model`).
     """
 
-    runs_pipelines = True
+    runs_pipeline_stages = True
 
     def __init__(self, layout: Layout, args: EngineArguments) -> None:
         super().__init__(layout, args)
@@ -102,7 +102,7 @@ class PipelineEngine(DistributedEngine):
         the micro-batches do not divide (an epoch's last) is padded, and padding rows (``real_rows``) add nothing
         (:meth:`PipelineParallel.step`)."""
         if not isinstance(model, PipelineParallel):
-            raise TypeError("PipelineEngine.forward_backward runs the PipelineParallel returned by prepare_model")
+            raise TypeError("PipeliningEngine.forward_backward runs the PipelineParallel returned by prepare_model")
         step = self.step_loss(loss_fn, num_items_in_batch, len(micro_batches) * model.micro_batches)
         batches = [self.to_device(batch) for batch in micro_batches]
         with self.autocast(), self.context_sharded():

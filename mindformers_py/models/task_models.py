@@ -1,20 +1,22 @@
-"""Task heads written once and put on any family's base model, as transformers 5 does with its generic heads
-(``GenericForSequenceClassification``, ...): sequence classification (pooled first token, or the last real
-token), token classification, extractive question answering, multiple choice and next-sentence prediction.
+"""Task models written once: any family's base model with a task head on top (``<Family>For<Task>``), as
+transformers 5 does with its generic models (``GenericForSequenceClassification``, ...): sequence classification
+(pooled first token, or the last real token), token classification, extractive question answering, multiple choice
+and next-sentence prediction. The head modules themselves (pooler, MLM head, sequence summary) are layers
+(:mod:`mindformers_py.layers.heads`).
 
-A family declares a head in a few lines::
+A family declares a task model in a few lines::
 
     class GPTForSequenceClassification(SequenceClassification, GPTPreTrainedModel):
         base_model_class = GPTModel
         head_name, pooling, head_bias = "score", "last", False
 
-and gets transformers' module names (``score``/``classifier``, ``qa_outputs``, ...), outputs and losses. The head's
-``forward`` takes its base model's own inputs, in the base model's order (``token_type_ids`` for BERT,
+and gets transformers' module names (``score``/``classifier``, ``qa_outputs``, ...), outputs and losses. The task
+model's ``forward`` takes its base model's own inputs, in the base model's order (``token_type_ids`` for BERT,
 ``position_ids`` and the cache for GPT), then its labels and ``num_items_in_batch``: its signature is the base
 model's, extended (``inspect.signature`` shows it, so transformers' Trainer keeps the right dataset columns and
 ``generate`` checks the right arguments).
 
-Every head is also a pipeline stage (torchtitan's way): with its head module set to None it returns the base
+Every task model is also a pipeline stage (torchtitan's way): with its head module set to None it returns the base
 model's output unchanged.
 """
 
@@ -51,7 +53,7 @@ def classifier_dropout(config: Any) -> float:
     return value if value is not None else getattr(config, "hidden_dropout", 0.0)
 
 
-class TaskHead:
+class TaskModel:
     """Mixin putting one task head on a family's base model (``self.model``); put it before the family's
     pretrained-model class in the bases.
 
@@ -113,7 +115,7 @@ class TaskHead:
 
 def _forward_taking(base_forward: Any, excluded: tuple[str, ...], head_inputs: tuple[str, ...]):
     """A ``forward(self, <the base model's named inputs but excluded>, <head inputs>, num_items_in_batch=None,
-    **kwargs)`` running :meth:`TaskHead._head_forward`. The extra keywords (``output_hidden_states``,
+    **kwargs)`` running :meth:`TaskModel._head_forward`. The extra keywords (``output_hidden_states``,
     ``return_dict``, ...) go to the base model, as transformers' heads pass them; a base model that can keep a
     key/value cache is asked not to (no head output has one)."""
     keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -141,7 +143,7 @@ def _forward_taking(base_forward: Any, excluded: tuple[str, ...], head_inputs: t
     return forward
 
 
-class SequenceClassification(TaskHead):
+class SequenceClassification(TaskModel):
     """One label (or score) per sequence: a linear ``head_name`` layer on the pooled sequence (``pooling``: the
     base model's pooled first token after dropout, or the last real token's scores, found from ``input_ids`` and
     ``config.pad_token_id`` for left and right padding alike); the loss of ``config.problem_type`` (single-label,
@@ -236,7 +238,7 @@ class NextSentencePrediction(SequenceClassification):
                                            attentions=out.attentions)
 
 
-class TokenClassification(TaskHead):
+class TokenClassification(TaskModel):
     """One label per token: a linear ``head_name`` layer on every token after dropout (``classifier_dropout``, else
     ``hidden_dropout``); the token cross-entropy, -100 ignored, with one-line errors for labels outside
     ``num_labels``."""
@@ -256,7 +258,7 @@ class TokenClassification(TaskHead):
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class QuestionAnswering(TaskHead):
+class QuestionAnswering(TaskModel):
     """Extractive question answering: ``qa_outputs`` gives each token a start and an end logit; with
     ``start_positions`` and ``end_positions``, the mean of the two cross-entropies."""
 
