@@ -15,6 +15,7 @@ import transformers
 
 import mindformers_py as mf
 from dist_utils import run_workers
+from hf_models import tiny_deepseek_v3_config
 from layout_loading_workers import load_sources_under_layouts, load_under_layouts
 
 TWO_RANKS = {
@@ -44,10 +45,15 @@ def _checkpoint(tmp_path, kind: str):
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, num_local_experts=4, num_experts_per_tok=2))
-    else:  # qwen3_moe: one tensor per expert and projection in the file, as transformers saves it
+    elif kind == "qwen3_moe":  # one tensor per expert and projection in the file, as transformers saves it
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2))
+    else:  # deepseek_v3: latent attention, a dense first layer, 8 experts and a shared one, a non-zero expert bias
+        model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_v3_config())
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_()
     folder = tmp_path / kind
     model.save_pretrained(folder, max_shard_size="60KB")  # several shards: each rank reads across them
     return str(folder)
@@ -78,19 +84,27 @@ def test_each_rank_reads_its_shards_of_an_hf_checkpoint_and_holds_the_stand_alon
 
 def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path):
     """Each expert-parallel rank holds, and reads from the file, only its own experts' tensors (the file keeps one
-    tensor per expert; our model stacks them): Mixtral's and Qwen3-MoE's checkpoints, in one launch."""
-    folders = {kind: _checkpoint(tmp_path, kind) for kind in ("mixtral", "qwen3_moe")}
+    tensor per expert; our model stacks them): Mixtral's, Qwen3-MoE's and DeepSeek-V3's checkpoints (the last with
+    its dense first layer, shared expert and expert bias, read by both ranks), in one launch."""
+    kinds = {"mixtral": 4, "qwen3_moe": 4, "deepseek_v3": 8}  # -> experts per layer
+    folders = {kind: _checkpoint(tmp_path, kind) for kind in kinds}
     layouts = {"ep2": dict(data_parallel=2, expert_parallel=2),
                "ep2_zero3": dict(data_parallel=2, expert_parallel=2, optimizer_shard=3)}
     per_kind = run_workers(load_sources_under_layouts, 2, folders, "causal_lm", layouts)
     for kind, folder in folders.items():
         results = [ranks[kind] for ranks in per_kind]
-        _check(results, folder, "causal_lm", layouts, sharded={"ep2": 0.7, "ep2_zero3": 0.55})
+        # ep2 holds every dense value and half the experts' (DeepSeek's tiny dense layer and latents weigh more)
+        _check(results, folder, "causal_lm", layouts, sharded={"ep2": 0.8 if kind == "deepseek_v3" else 0.7,
+                                                              "ep2_zero3": 0.55})
         for name in layouts:
             for rank, per_rank in enumerate(results):
                 experts = {int(key.split(".experts.")[1].split(".")[0]) for key in per_rank[name][3]
                            if ".experts." in key}
-                assert experts == {2 * rank, 2 * rank + 1}, (kind, name, rank, sorted(per_rank[name][3]))
+                local = kinds[kind] // 2
+                assert experts == set(range(local * rank, local * (rank + 1))), (kind, name, rank, experts)
+                if kind == "deepseek_v3":
+                    assert {k for k in per_rank[name][3] if k.endswith("e_score_correction_bias")} == {
+                        f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)}
 
 
 def test_random_inits_are_the_same_under_every_layout(tmp_path):
