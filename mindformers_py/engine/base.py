@@ -29,9 +29,9 @@ from ..parallel.compile import compile_layers
 from ..parallel.layout import FSDP, Layout
 from ..parallel.recompute import apply_recompute
 from ..utils.batch_rows import batch_rows, first_rows
-from ..utils.disk_space import check_free_space
-from ..utils.manifest import manifest_problem
-from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
+from ..checkpoint.disk_space import check_free_space
+from ..checkpoint.manifest import manifest_problem
+from ..checkpoint.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
 from .checkpoint_writer import CheckpointWriter, snapshot
 from .cpu_memory import keep_freed_cpu_memory
@@ -393,7 +393,7 @@ class Engine:
         is read from its sharded part (``dcp/``, any layout, pipeline stages included)."""
         folder = Path(folder)
         if (folder / DCP_DIR).is_dir():
-            from ..parallel import checkpoint as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
+            from ..checkpoint import sharded as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
 
             dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer, no_dist=True)
         else:

@@ -47,7 +47,7 @@ from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_
 from ..errors import CheckpointError, ConfigError
 from ..layers.loss import IGNORE_INDEX
 from ..loading.deferred import has_meta_parameters, materialize
-from ..parallel import checkpoint as dcp_checkpoint
+from ..checkpoint import sharded as dcp_checkpoint
 from ..parallel.layout import FSDP, REPLICATE, Layout
 from ..parallel.context.apply import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
@@ -55,9 +55,9 @@ from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.tensor.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
-from ..utils.disk_space import check_free_space
-from ..utils.manifest import first_problem, manifest_problem
-from ..utils.safetensors_io import load_state_dict
+from ..checkpoint.disk_space import check_free_space
+from ..checkpoint.manifest import first_problem, manifest_problem
+from ..checkpoint.safetensors_io import load_state_dict
 from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
 from .optim import parameter_group_names
@@ -422,7 +422,7 @@ class DistributedEngine(Engine):
             raise CheckpointError(verdict[0])
 
     def checkpoint_problem(self, folder: str | Path) -> str | None:
-        """:func:`~mindformers_py.utils.manifest.manifest_problem` with the checksums split over the ranks (each
+        """:func:`~mindformers_py.checkpoint.manifest.manifest_problem` with the checksums split over the ranks (each
         reads every world-size-th file); every rank gets the first problem any rank found."""
         mine = manifest_problem(folder, share=(self.rank, self.world_size))
         found: list[str | None] = [None] * self.world_size

@@ -70,7 +70,7 @@ from ..parallel.layout import Layout
 from ..parallel.context.checks import check_compile
 from ..launcher.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
-from ..utils.safetensors_io import load_state_dict
+from ..checkpoint.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
 
 ERRORS_DIR = "worker_errors"
