@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from mindformers_py.engine.checkpoint_writer import CheckpointWriter
+from mindformers_py.checkpoint.background_writer import CheckpointWriter
 from mindformers_py.errors import CheckpointError
 from mindformers_py.trainer import Trainer
 from mindformers_py.checkpoint.manifest import MANIFEST_NAME, file_sha256, read_manifest
