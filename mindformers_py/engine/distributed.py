@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
+from ..adapters.distributed import gathered_adapter, load_adapter, save_adapter
 from ..checkpoint import sharded as dcp_checkpoint
 from ..checkpoint.disk_space import check_free_space
 from ..checkpoint.manifest import first_problem, manifest_problem
@@ -60,7 +61,6 @@ from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.tensor.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
-from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
 from .optim import parameter_group_names
 from .base import Engine, _quiet_progress_bars, padded_share
