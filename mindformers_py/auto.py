@@ -270,7 +270,7 @@ def load_pretrained(choose_class: Callable[[Family], type[PreTrainedModel]], nam
         config._attn_implementation = attn
     model_class = choose_class(family)  # a head the family lacks is refused before any weight is read
     from .loading import deferred, load_plan
-    from .loading.checkpoint_reader import CheckpointReader
+    from .checkpoint.reader import CheckpointReader
     from .loading.conversion_trace import ConversionTrace
     from .loading.placement import kept_in_fp32, place
 

@@ -12,7 +12,7 @@ from .auto import EXTRA_AUTO_CLASSES, _read_config_json, auto_class_for, load_mo
 from .errors import CheckpointError, check_choice
 from .models.registry import BASE, Family
 from .task_registry import task_for_architectures
-from .utils.safetensors_io import INDEX_NAME, WEIGHTS_NAME, atomic_folder, save_state_dict
+from .checkpoint.safetensors_io import INDEX_NAME, WEIGHTS_NAME, atomic_folder, save_state_dict
 
 DIRECTIONS = ("hf", "mindformers")
 # Everything else in a checkpoint folder (tokenizer files, README, ...) is copied along unchanged.

@@ -21,7 +21,8 @@ PACKAGE = Path(mindformers_py.__file__).parent
 # Lowest first; a module may import its own group and the groups before it, never one after it.
 ORDER = [
     "errors", "utils", "launcher", "layers", "generation", "data", "metrics", "task_registry", "models", "parallel",
-    "loading", "auto", "adapters", "convert", "planner", "pipelines", "engine", "trainer", "recipes", "cli", "__main__",
+    "checkpoint", "loading", "auto", "adapters", "convert", "planner", "pipelines", "engine", "trainer", "recipes",
+    "cli", "__main__",
 ]
 # Groups below ``parallel`` in ORDER that it still may not import: what a task is, the Auto classes, conversion.
 NOT_FOR_PARALLEL = {"task_registry", "auto", "convert"}

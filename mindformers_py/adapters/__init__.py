@@ -4,9 +4,9 @@
 :mod:`.apply` checks it against the model and wraps the model with ``peft.get_peft_model``, and reads and writes the
 adapter's weights by the wrapped model's names; :mod:`.export` writes a saved adapter under transformers' module
 names (through the family's converter) or merges it into a whole checkpoint; :mod:`.counting` counts an adapter's
-trainable parameters for the planner. The parallel engines shard adapters with their base layers
-(:mod:`mindformers_py.parallel.tensor.adapters`) and save only the adapter
-(:mod:`mindformers_py.engine.adapter_checkpoint`).
+trainable parameters for the planner; :mod:`.distributed` gathers the adapter of a model trained under any layout
+into peft's files on rank 0 and loads such files back into every rank's shards. The parallel engines shard adapters
+with their base layers (:mod:`mindformers_py.parallel.tensor.adapters`) and save only the adapter.
 """
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports

@@ -183,7 +183,7 @@ def export_adapter(src: str | Path, dst: str | Path, task: str, base: str | Path
     from safetensors.torch import save_file
 
     from ..auto import resolve_config
-    from ..utils.safetensors_io import atomic_folder
+    from ..checkpoint.safetensors_io import atomic_folder
 
     src, dst = Path(src), Path(dst)
     adapter_config, state = _read_adapter(src)

@@ -3,9 +3,10 @@
 An engine owns what a parallel layout changes in training (device placement and wrapping of the model, the
 optimizer, mixed precision, one step's forward and backward, gradient clipping, the data shard of a rank, metric
 reduction, checkpoint files and RNG states) and the one path that normalises the loss for every layout
-(:mod:`.step_loss`); the mechanisms it applies (mesh, tensor / data / pipeline parallelism, recompute, resharding
-checkpoints) live in :mod:`mindformers_py.parallel`, the ``auto_parallel`` planner in :mod:`mindformers_py.planner`.
-Which engine serves which ``parallel_mode`` is one table in :mod:`.registry`.
+(:mod:`.step_loss`); the mechanisms it applies (mesh, tensor / data / pipeline parallelism, recompute) live in
+:mod:`mindformers_py.parallel`, the checkpoint files it writes and reads in :mod:`mindformers_py.checkpoint`, the
+``auto_parallel`` planner in :mod:`mindformers_py.planner`. Which engine serves which ``parallel_mode`` is one table
+in :mod:`.registry`.
 """
 
 from ..utils.lazy_exports import lazy_exports as _lazy_exports

@@ -44,4 +44,4 @@ class EngineArguments(Protocol):
     """Seconds without progress (or in one collective) after which a distributed job ends, naming the rank it waits
     for (:mod:`~mindformers_py.launcher.watchdog`)."""
     save_async: bool
-    """Write checkpoints in a background thread (:mod:`.checkpoint_writer`)."""
+    """Write checkpoints in a background thread (:mod:`~mindformers_py.checkpoint.background_writer`)."""

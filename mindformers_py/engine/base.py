@@ -23,23 +23,23 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.apply import adapter_state, check_adapter_source, is_peft_model, load_adapter_weights, write_adapter
+from ..checkpoint.background_writer import CheckpointWriter, snapshot
+from ..checkpoint.disk_space import check_free_space
+from ..checkpoint.manifest import manifest_problem
+from ..checkpoint.rng_state import capture_rng_state, restore_rng_state
+from ..checkpoint.safetensors_io import atomic_folder, load_state_dict, save_state_dict
+from ..checkpoint.state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, \
+    load_state_into, torch_load
 from ..errors import ConfigError
 from ..loading.deferred import materialize
 from ..parallel.compile import compile_layers
 from ..parallel.layout import FSDP, Layout
 from ..parallel.recompute import apply_recompute
 from ..utils.batch_rows import batch_rows, first_rows
-from ..utils.disk_space import check_free_space
-from ..utils.manifest import manifest_problem
-from ..utils.safetensors_io import atomic_folder, load_state_dict, save_state_dict
 from .args import EngineArguments
-from .checkpoint_writer import CheckpointWriter, snapshot
 from .cpu_memory import keep_freed_cpu_memory
 from .step_loss import LossFn, StepLoss, TrainingLoss, count_step_items
 from .optim import create_optimizer, parameter_groups
-from .rng_state import capture_rng_state, restore_rng_state
-from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCALER_NAME, SCHEDULER_NAME, copy_weights, \
-    load_state_into, torch_load
 
 class Engine:
     """Stand-alone engine: one process on one device (CUDA when visible and not ``use_cpu``, else CPU).
@@ -322,8 +322,9 @@ class Engine:
         room for it is refused before anything is written, in one line naming the folder and the space it needs.
 
         ``asynchronous``: the state is copied to host memory (all the step waits for) and written by a background
-        thread (:mod:`.checkpoint_writer`); a save still in flight is waited for first, and :meth:`wait_for_checkpoint`
-        waits for this one. ``on_saved`` runs once the folder is in place (in the thread that wrote it)."""
+        thread (:mod:`~mindformers_py.checkpoint.background_writer`); a save still in flight is waited for first,
+        and :meth:`wait_for_checkpoint` waits for this one. ``on_saved`` runs once the folder is in place (in the
+        thread that wrote it)."""
         self.wait_for_checkpoint()
         folder = Path(folder)
         needed = self.checkpoint_bytes(model, optimizer)
@@ -393,7 +394,7 @@ class Engine:
         is read from its sharded part (``dcp/``, any layout, pipeline stages included)."""
         folder = Path(folder)
         if (folder / DCP_DIR).is_dir():
-            from ..parallel import checkpoint as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
+            from ..checkpoint import sharded as dcp_checkpoint  # torch.distributed.checkpoint, only when needed
 
             dcp_checkpoint.load_checkpoint(folder / DCP_DIR, model, optimizer, no_dist=True)
         else:

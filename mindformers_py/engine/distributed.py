@@ -23,7 +23,7 @@ what a layout changes in a step:
   whole weights (``save_pretrained`` files, consolidated from the shards), so ``from_pretrained`` loads it.
   Resuming prefers ``dcp/`` and falls back to the whole files, so a stand-alone checkpoint resumes under a
   distributed layout too. With ``save_async`` the shards are written by a background thread on a gloo process
-  group of its own (:mod:`.checkpoint_writer`).
+  group of its own (:mod:`~mindformers_py.checkpoint.background_writer`).
 
 Pipeline parallelism (``pipeline_stage > 1``) is served by the pipeline engine, which builds on this one.
 """
@@ -44,10 +44,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..adapters.apply import check_adapter_source, is_peft_model, refuse_prompt_learning, write_adapter
+from ..adapters.distributed import gathered_adapter, load_adapter, save_adapter
+from ..checkpoint import sharded as dcp_checkpoint
+from ..checkpoint.disk_space import check_free_space
+from ..checkpoint.manifest import first_problem, manifest_problem
+from ..checkpoint.rng_state import capture_rng_state, restore_rng_state
+from ..checkpoint.safetensors_io import load_state_dict
+from ..checkpoint.state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 from ..errors import CheckpointError, ConfigError
 from ..layers.loss import IGNORE_INDEX
 from ..loading.deferred import has_meta_parameters, materialize
-from ..parallel import checkpoint as dcp_checkpoint
 from ..parallel.layout import FSDP, REPLICATE, Layout
 from ..parallel.context.apply import ContextParallel
 from ..parallel.data import set_gradient_sync, shard_optimizer
@@ -55,16 +61,10 @@ from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.tensor.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
-from ..utils.disk_space import check_free_space
-from ..utils.manifest import first_problem, manifest_problem
-from ..utils.safetensors_io import load_state_dict
-from .adapter_checkpoint import gathered_adapter, load_adapter, save_adapter
 from .args import EngineArguments
 from .optim import parameter_group_names
 from .base import Engine, _quiet_progress_bars, padded_share
 from .step_loss import LossFn, TrainingLoss
-from .rng_state import capture_rng_state, restore_rng_state
-from .state_files import DCP_DIR, OPTIMIZER_NAME, RNG_NAME, SCHEDULER_NAME, load_state_into, torch_load
 
 RANK_RNG_NAME = "rng_state_{rank}.pth"
 
@@ -422,7 +422,7 @@ class DistributedEngine(Engine):
             raise CheckpointError(verdict[0])
 
     def checkpoint_problem(self, folder: str | Path) -> str | None:
-        """:func:`~mindformers_py.utils.manifest.manifest_problem` with the checksums split over the ranks (each
+        """:func:`~mindformers_py.checkpoint.manifest.manifest_problem` with the checksums split over the ranks (each
         reads every world-size-th file); every rank gets the first problem any rank found."""
         mine = manifest_problem(folder, share=(self.rank, self.world_size))
         found: list[str | None] = [None] * self.world_size

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..parallel.layout import DDP_ZERO1, Layout
 from ..parallel.pipelining.schedule import PipelineParallel, build_pipeline
 from ..parallel.pipelining.stages import carried_names
-from ..utils.safetensors_io import load_state_dict
+from ..checkpoint.safetensors_io import load_state_dict
 from .args import EngineArguments
 from .distributed import DistributedEngine, global_grad_norm
 from .optim import parameter_group_names

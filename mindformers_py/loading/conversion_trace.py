@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .checkpoint_reader import CheckpointReader
+from ..checkpoint.reader import CheckpointReader
 
 # Calls whose result depends on the values, not only the shapes: run on the real tensors while tracing.
 _VALUE_CALLS = {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.Tensor.item,

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import MindFormersError
-from .checkpoint_reader import CheckpointReader
+from ..checkpoint.reader import CheckpointReader
 from .conversion_trace import ConversionTrace
 
 NAME_ATTR = "_mf_module_name"

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..parallel.tensor.adapters import adapted_model
-from ..utils.streamed_safetensors import write_shards
+from ..checkpoint.streamed_safetensors import write_shards
 from .deferred import NAME_ATTR, RECORD_ATTR, _holders, DeferredWeights, _param_names, meta_parameter, tag_module_names, \
     unchanged_record
 

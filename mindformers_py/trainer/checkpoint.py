@@ -22,8 +22,8 @@ from transformers import TrainerState
 
 from ..adapters.files import is_adapter_folder
 from ..errors import CheckpointError, MindFormersError
-from ..utils.manifest import manifest_problem
-from ..utils.safetensors_io import has_weights
+from ..checkpoint.manifest import manifest_problem
+from ..checkpoint.safetensors_io import has_weights
 
 CHECKPOINT_PREFIX = "checkpoint"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -84,7 +84,7 @@ def resolve_resume(resume: str | bool | None, output_dir: str | Path, check: Cal
     ``resume``: None/False (a fresh run), True (the latest checkpoint in ``output_dir`` that passes ``check``) or a
     folder (which must pass). ``restarted`` (the launcher restarted this run): the latest passing checkpoint in
     ``output_dir``, else ``resume``. ``check(folder)`` says in one line what is wrong with a folder (default: its
-    manifest, :func:`~mindformers_py.utils.manifest.manifest_problem`), or None. Damaged checkpoints are reported,
+    manifest, :func:`~mindformers_py.checkpoint.manifest.manifest_problem`), or None. Damaged checkpoints are reported,
     never deleted; a damaged or missing folder that was asked for by name is refused in one line."""
     check = check or manifest_problem
     skipped: list[str] = []
@@ -220,7 +220,7 @@ def pretrained_state(model: Any, folder: str | Path) -> dict[str, Any]:
     """The weights of a ``save_pretrained`` folder keyed for ``model``. For our model families an HF checkpoint
     of a covered architecture (e.g. GPT-2) is converted on the fly, as ``AutoModelForCausalLM`` does."""
     from ..models import registry
-    from ..utils.safetensors_io import load_state_dict
+    from ..checkpoint.safetensors_io import load_state_dict
 
     folder = Path(folder)
     if not folder.is_dir():

@@ -62,7 +62,7 @@ from transformers.utils import logging as hf_logging
 from ..adapters.apply import is_peft_model, load_adapter_weights
 from ..engine import Engine
 from ..engine.registry import local_world_size, plan_layout
-from ..engine.state_files import copy_weights
+from ..checkpoint.state_files import copy_weights
 from ..errors import ConfigError, MindFormersError
 from ..loading.handover import dumps, weights_by_reference
 from ..parallel.config import ParallelConfig
@@ -70,7 +70,7 @@ from ..parallel.layout import Layout
 from ..parallel.context.checks import check_compile
 from ..launcher.launch import LaunchError, adopt_environment, launch_from_python, launched_by_torchrun, lost_a_peer, \
     threads_per_worker
-from ..utils.safetensors_io import load_state_dict
+from ..checkpoint.safetensors_io import load_state_dict
 from .callbacks import ProgressCallback
 
 ERRORS_DIR = "worker_errors"

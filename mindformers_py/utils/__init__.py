@@ -1,1 +1,2 @@
-"""Small shared utilities (checkpoint file I/O, atomic folder writes)."""
+"""Small shared utilities: lazy re-exports, typed config sections and values, batch rows, one-line errors for
+damaged JSON files (checkpoint files are :mod:`mindformers_py.checkpoint`'s)."""

@@ -52,7 +52,7 @@ def _quotes(page: Path, marker: str) -> list[str]:
 
 
 def _damaged_checkpoint(tmp: Path) -> str:
-    from mindformers_py.utils.manifest import manifest_problem, write_manifest
+    from mindformers_py.checkpoint.manifest import manifest_problem, write_manifest
 
     folder = Path("out/checkpoint-800")
     (tmp / folder).mkdir(parents=True)
@@ -90,7 +90,7 @@ def _bad_json(folder: Path) -> None:
 
 
 def _no_space(tmp: Path) -> str:
-    from mindformers_py.utils.disk_space import out_of_space_error
+    from mindformers_py.checkpoint.disk_space import out_of_space_error
 
     return str(out_of_space_error(Path("out/checkpoint-800"), 49 * 2**20))
 

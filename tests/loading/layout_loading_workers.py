@@ -36,7 +36,7 @@ def load_under_layouts(rank: int, world_size: int, source: str, task: str, layou
     """For each named layout: load ``source`` (a checkpoint folder or a preset, seed 0) deferred, let the layout's
     engine fill its shards; returns (whole weights this rank holds, values it holds itself, whether the model was
     still all on meta before the engine filled it, the checkpoint tensors whose values this rank read)."""
-    from mindformers_py.loading.checkpoint_reader import CheckpointReader
+    from mindformers_py.checkpoint.reader import CheckpointReader
 
     read: set[str] = set()
     view, rows = CheckpointReader.tensor, CheckpointReader.read_rows

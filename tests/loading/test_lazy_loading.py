@@ -16,7 +16,7 @@ import transformers
 
 import mindformers_py as mf
 from mindformers_py.loading.conversion_trace import ConversionTrace, Derived, Renamed
-from mindformers_py.loading.checkpoint_reader import CheckpointReader
+from mindformers_py.checkpoint.reader import CheckpointReader
 from mindformers_py.models.gpt import convert_gpt
 from mindformers_py.models.gpt.modeling_gpt import GPTPreTrainedModel
 
@@ -127,7 +127,7 @@ def test_a_missing_or_damaged_shard_is_one_line_naming_the_file(tmp_path):
 def test_consolidation_streams_into_bounded_shards_that_transformers_loads(tmp_path):
     """A sharded (DCP) checkpoint consolidated into shards of at most max_shard_size, with transformers' index; the
     folder loads in transformers (its own loader, our class through the registration) and exports to HF Llama."""
-    from mindformers_py.parallel.checkpoint import consolidate_checkpoint, save_checkpoint
+    from mindformers_py.checkpoint.sharded import consolidate_checkpoint, save_checkpoint
 
     folder, hf = _llama(tmp_path)
     ours = mf.AutoModelForCausalLM.from_pretrained(folder)

@@ -380,7 +380,7 @@ def test_stand_alone_checkpoint_resumes_under_zero3(checkpoint_results):
 
 def test_distributed_checkpoint_resumes_stand_alone(checkpoint_results):
     """The plain stand-alone engine resumes a checkpoint written by dp2, and the sharded part loads alone too."""
-    from mindformers_py.parallel.checkpoint import load_checkpoint
+    from mindformers_py.checkpoint.sharded import load_checkpoint
 
     folder, _ = checkpoint_results
     ckpt = str(folder / "zero3-to-tp2_llama")
@@ -396,7 +396,7 @@ def test_distributed_checkpoint_resumes_stand_alone(checkpoint_results):
 
 
 def test_consolidated_checkpoint_gives_the_same_logits(checkpoint_results, tmp_path):
-    from mindformers_py.parallel.checkpoint import consolidate_checkpoint
+    from mindformers_py.checkpoint.sharded import consolidate_checkpoint
 
     folder, results = checkpoint_results
     ids = global_batches()[0]["input_ids"]
@@ -541,7 +541,7 @@ def test_trainer_zero3_matches_stand_alone_and_its_checkpoint_resumes_stand_alon
 
 def test_checkpoint_errors_name_the_folder(tmp_path):
     from mindformers_py.errors import CheckpointError
-    from mindformers_py.parallel.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
+    from mindformers_py.checkpoint.sharded import consolidate_checkpoint, load_checkpoint, save_checkpoint
 
     model = tiny_model("llama")
     with pytest.raises(CheckpointError, match="missing.*does not exist"):

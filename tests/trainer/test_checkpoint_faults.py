@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from mindformers_py.engine.checkpoint_writer import CheckpointWriter
+from mindformers_py.checkpoint.background_writer import CheckpointWriter
 from mindformers_py.errors import CheckpointError
 from mindformers_py.trainer import Trainer
-from mindformers_py.utils.manifest import MANIFEST_NAME, file_sha256, read_manifest
-from mindformers_py.utils.safetensors_io import atomic_folder
+from mindformers_py.checkpoint.manifest import MANIFEST_NAME, file_sha256, read_manifest
+from mindformers_py.checkpoint.safetensors_io import atomic_folder
 from test_trainer import args, tiny_gpt, token_data, train_losses
 
 RUN = dict(max_steps=4, save_strategy="steps", save_steps=2)

@@ -10,7 +10,7 @@ import transformers
 import mindformers_py as mf
 from bert_models import VOCAB, padded_batch, tiny_bert_config, tiny_bert_model
 from mindformers_py.models.bert import BertPreTrainedModel, convert_bert
-from mindformers_py.utils.safetensors_io import load_state_dict
+from mindformers_py.checkpoint.safetensors_io import load_state_dict
 
 TOL = 1e-4
 AUTO = {"base": mf.AutoModel, "masked_lm": mf.AutoModelForMaskedLM,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from ..adapters.apply import adapter_state, read_adapter_state, write_adapter
+from .apply import adapter_state, read_adapter_state, write_adapter
 
 _TRAINABLE_ONLY = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
 

@@ -1,7 +1,8 @@
 """Reading and writing state dicts as safetensors folders (single file or HF-style sharded with an index).
 
-Only safetensors are read: no pickle of untrusted files. Folders are written under a temporary name and
-renamed when complete, so an interrupted write never leaves a half checkpoint behind.
+Only safetensors are read: no pickle of untrusted files; a file that cannot be read is named in one line saying why
+(:func:`unreadable_safetensors`). Folders are written under a temporary name and renamed when complete, so an
+interrupted write never leaves a half checkpoint behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
-from .damaged_files import unreadable_safetensors
 from .disk_space import is_out_of_space, out_of_space_error
 from .manifest import write_manifest
 
@@ -29,6 +29,34 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 """The dtype names of a safetensors header -> torch dtypes (read by the lazy reader, written by the streamed writer)."""
+
+
+def unreadable_safetensors(path: Path, err: BaseException) -> str:
+    """One line saying why ``path`` could not be read as safetensors: a pickle or torch zip file under that name, a
+    file cut short (its header promises more bytes than it has), or the reader's own words."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+                return (f"{path} is a pickle (torch.save) file, not safetensors; pickles are never loaded (unpickling can "
+                        "run code): convert it to safetensors where it came from")
+            if size == 0:
+                return f"{path} is empty (0 bytes): re-save or re-copy the checkpoint"
+            if len(head) == 8:
+                header_len = int.from_bytes(head, "little")
+                if size - 8 < header_len < 2**27 and header_len % 8 == 0:  # a plausible header the file cuts into
+                    return f"{path} is cut short ({size} bytes, less than its own header): re-save or re-copy the checkpoint"
+                if 0 < header_len <= size - 8:
+                    header = json.loads(f.read(header_len))
+                    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                    expected = 8 + header_len + max(ends, default=0)
+                    if size < expected:
+                        return f"{path} is cut short ({size} of {expected} bytes): re-save or re-copy the checkpoint"
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        pass  # not even a safetensors header: the reader's message below says what it saw
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"{path} is not a readable safetensors file ({first}); re-save or re-copy the checkpoint"
 
 
 def has_weights(folder: str | os.PathLike) -> bool:

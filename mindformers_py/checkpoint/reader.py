@@ -21,8 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from ..utils.damaged_files import unreadable_safetensors
-from ..utils.safetensors_io import SAFETENSORS_DTYPES, weight_files
+from .safetensors_io import SAFETENSORS_DTYPES, unreadable_safetensors, weight_files
 
 class CheckpointReader:
     """The tensors of a safetensors checkpoint folder by name, read lazily (see the module docstring).

@@ -1,9 +1,8 @@
 """Free space for checkpoints: refuse a save that cannot fit, and turn a disk that fills up during one into one line.
 
-Checkpoints are written under a temporary name (:func:`~mindformers_py.utils.safetensors_io.atomic_folder`), so a save
-that runs out of space leaves no partial folder under a final name and earlier checkpoints are untouched; what this
-module adds is the message: the folder, the space the checkpoint needs and what is free, instead of a traceback from
-deep inside a writer.
+Checkpoints are written under a temporary name (:func:`~.safetensors_io.atomic_folder`), so a save that runs out of
+space leaves no partial folder under a final name and earlier checkpoints are untouched; what this module adds is the
+message: the folder, the space the checkpoint needs and what is free, instead of a traceback from deep inside a writer.
 """
 
 from __future__ import annotations

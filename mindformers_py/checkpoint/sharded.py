@@ -52,9 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
-from ..utils.streamed_safetensors import DEFAULT_MAX_SHARD_SIZE, tensor_bytes
-from ..utils.safetensors_io import atomic_folder
-from .tensor.adapters import is_peft_model
+from ..parallel.tensor.adapters import is_peft_model
+from .safetensors_io import atomic_folder
+from .streamed_safetensors import DEFAULT_MAX_SHARD_SIZE, tensor_bytes
 
 ModelFactory = Callable[[Path], nn.Module]
 """``factory(folder) -> model``: a fresh single-process model for the checkpoint ``folder`` (which holds the model's
@@ -160,7 +160,7 @@ def _write_config(model: nn.Module, folder: Path) -> None:
 def shared_atomic_folder(final: Path, group: dist.ProcessGroup | None = None, manifest: bool = False,
                          needed_bytes: int | None = None) -> Iterator[Path]:
     """A temporary folder shared by all ranks of ``group`` (made by rank 0) that becomes ``final`` once every rank is
-    done (:func:`~mindformers_py.utils.safetensors_io.atomic_folder`: ``manifest`` written last by rank 0, a full
+    done (:func:`~mindformers_py.checkpoint.safetensors_io.atomic_folder`: ``manifest`` written last by rank 0, a full
     disk reported naming ``final`` and ``needed_bytes``). A rank that fails while writing does not reach the last
     barrier, so the folder is never renamed: the others fail in that barrier (or its timeout)."""
     with contextlib.ExitStack() as stack:
@@ -340,7 +340,7 @@ def write_consolidated(checkpoint_dir: str | os.PathLike, folder: str | os.PathL
     written one tensor at a time, so the process never holds the whole model. ``model_factory`` as for
     :func:`consolidated_model` (built on ``meta``, for the config and the tensors' names only)."""
     from ..models.tied_weights import tied_keys
-    from ..utils.streamed_safetensors import write_shards
+    from .streamed_safetensors import write_shards
 
     src = _model_folder(checkpoint_dir)
     with torch.device("meta"):
