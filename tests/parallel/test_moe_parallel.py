@@ -11,7 +11,8 @@ named ``deepseek_v3_mtp_*`` adds a DeepSeek-V3 multi-token-prediction module (``
 logged apart, its block's router balanced with the others). Those named ``deepseek_v3_model_*`` run the whole
 DeepSeek-V3 shape (latent attention with a query latent, a dense first layer, then the router above with a shared
 expert; multi-token prediction where the name says ``mtp``) and compare every parameter's whole gradient of the first
-and the last step with stand-alone's (<= 1e-4 relative) under dp, ZeRO-1/2/3, recompute, ep, pp, cp and tp x ep.
+and the last step with stand-alone's under dp, ZeRO-1/2/3, recompute, ep, pp (with multi-token prediction: its module
+and a copy of the embedding on the last stage), cp and tp x ep.
 """
 
 from __future__ import annotations
@@ -133,10 +134,17 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     metrics = tracker.summarize(engine.reduce_metrics(tracker.pop(engine.device)), STEPS)
     if save_to is not None:
         engine.save_pretrained(model, save_to)
-    held = [name for name, _ in model.named_modules() if name.startswith("model.layers.") and name.count(".") == 2]
+    eval_loss = None
+    if whole:  # the trained model's evaluation loss (the MTP loss included, on every pipeline rank)
+        wrapped.eval()
+        with torch.no_grad():
+            eval_loss = float(engine.forward(wrapped, global_batches()[0]).loss)
+    modules = [name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_modules()]
+    held = [name for name in modules if name.startswith("model.layers.") and name.count(".") == 2]
+    held += [name for name in ("model.embed_tokens", "mtp") if name in modules]
     engine.teardown()
     return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads,
-            "gradients": gradients, "layers": held}
+            "gradients": gradients, "layers": held, "eval_loss": eval_loss}
 
 
 def _whole_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -200,7 +208,7 @@ LAYOUTS_2 = {
     "deepseek_v3_model_mtp_zero1": semi(data_parallel=2, optimizer_shard=1),
     "deepseek_v3_model_mtp_dp2_ep2_zero2": semi(data_parallel=2, expert_parallel=2, optimizer_shard=2),
     "deepseek_v3_model_mtp_zero3_recompute": semi(data_parallel=2, optimizer_shard=3, recompute="full"),
-    "deepseek_v3_model_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
+    "deepseek_v3_model_mtp_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
     "deepseek_v3_model_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
@@ -322,8 +330,10 @@ LAST_STEP_GRAD_RTOL = 2e-3
 
 def _check_gradients(results, name, expected):
     """Every parameter's whole gradient of the first step (the initial selection biases choosing) and of the last
-    (after the biases moved) is stand-alone's, each held by some rank; a pipeline's first stage holds the dense first
-    layer (no selection bias), the last the routed one."""
+    (after the biases moved) is stand-alone's, each held by some rank, and so is the trained model's evaluation loss;
+    a pipeline's first stage holds the dense first layer (no selection bias), the last the routed one."""
+    for rank, result in enumerate(results):
+        assert result[name]["eval_loss"] == pytest.approx(expected["eval_loss"], rel=RTOL), (name, rank)
     for step, expected_grads in zip((0, STEPS - 1), expected["gradients"]):
         tolerance = RTOL if step == 0 else LAST_STEP_GRAD_RTOL
         for rank, result in enumerate(results):
@@ -332,6 +342,8 @@ def _check_gradients(results, name, expected):
                 diff = (grad - expected_grads[key]).abs().max().item()
                 assert scale > 0 and diff <= tolerance * scale, (name, step, rank, key, diff, scale)
         assert {key for result in results for key in result[name]["gradients"][step > 0]} == set(expected_grads)
-    if "pp2" in name:
-        assert [result[name]["layers"] for result in results] == [["model.layers.0"], ["model.layers.1"]]
+    if "pp2" in name:  # the MTP module and a copy of the embedding (its gradient summed with the first's) on the last
+        mtp = ["model.embed_tokens", "mtp"] if model_of(name)["mtp"] else []
+        assert [result[name]["layers"] for result in results] == [["model.layers.0", "model.embed_tokens"],
+                                                                  ["model.layers.1", *mtp]]
         assert not results[0][name]["biases"][0] and set(results[1][name]["biases"][0]) == set(expected["biases"][0])
