@@ -106,6 +106,12 @@ class LatentAttention(nn.Module):
             halves (Llama's ``rotate_half``).
     """
 
+    # What parallel code reads from an Attention to split a sequence (context parallelism): causal self-attention
+    # over the whole sequence.
+    is_causal = True
+    cross_attention = False
+    sliding_window = None
+
     def __init__(
         self,
         hidden_size: int,

@@ -105,8 +105,8 @@ def check_model(layout: Layout, cfg: Any, task: str | None = None, sequence_leng
             f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
             f"expected at most {num_layers} model chunks (each needs a layer)"
         )
-    if getattr(cfg, "builds_mtp", False):  # GPTConfig.use_mtp: tested stand-alone and under dp x ep x ZeRO-3
-        for field, size in (("pipeline_stage", layout.pp), ("context_parallel", layout.cp), ("model_parallel", layout.tp)):
+    if getattr(cfg, "builds_mtp", False):  # GPTConfig.use_mtp: tested stand-alone, under dp x ep x ZeRO and pp
+        for field, size in (("context_parallel", layout.cp), ("model_parallel", layout.tp)):
             if size > 1:
                 raise ConfigError(f"{field}={size} is not supported with multi-token prediction (use_mtp=True, "
                                   f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}); set use_mtp=False "

@@ -8,7 +8,11 @@ Qwen3-MoE-shaped model instead (per-head q/k norms, renormalised top-2, no share
 ``deepseek_v3_*`` DeepSeek-V3's router (sigmoid, group-limited) with auxiliary-loss-free balancing, whose selection
 biases after every step are bitwise stand-alone's on every rank (dp, ep, ZeRO-3, recompute, pp, cp, tp); the one
 named ``deepseek_v3_mtp_*`` adds a DeepSeek-V3 multi-token-prediction module (``use_mtp``, its loss weighted 0.3 and
-logged apart, its block's router balanced with the others).
+logged apart, its block's router balanced with the others). Those named ``deepseek_v3_model_*`` run the whole
+DeepSeek-V3 shape (latent attention with a query latent, a dense first layer, then the router above with a shared
+expert; multi-token prediction where the name says ``mtp``) and compare every parameter's whole gradient of the first
+and the last step with stand-alone's under dp, ZeRO-1/2/3, recompute, ep, pp (with multi-token prediction: its module
+and a copy of the embedding on the last stage), cp and tp x ep.
 """
 
 from __future__ import annotations
@@ -40,17 +44,36 @@ DEEPSEEK_MOE = {**MOE, "use_shared_expert_gating": False, "router_type": "deepse
                 "routed_scaling_factor": 2.5, "bias_update_rate": 0.05}
 
 
-def tiny_moe(qwen3: bool = False, deepseek: bool = False, mtp: bool = False, **moe) -> mf.GPTForCausalLM:
+# The rest of DeepSeek-V3's shape: latent attention with a query latent (heads of 8 + 4 rotary / 8 value dims) and
+# a dense first layer.
+DEEPSEEK_ATTENTION = dict(attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                          v_head_dim=8, num_key_value_heads=None)
+# Its selection biases start where a trained checkpoint's are (non-zero), so that they choose experts from the
+# first step, whose gradients are compared.
+DEEPSEEK_INITIAL_BIAS = (0.02, 0.01, -0.02, 0.0)
+
+
+def tiny_moe(qwen3: bool = False, deepseek: bool = False, mtp: bool = False, whole: bool = False,
+             **moe) -> mf.GPTForCausalLM:
     """The same tiny GPT-MoE on every rank (same seed): 2 MoE layers, hidden 64, 4 heads (2 KV heads); ``qwen3``:
-    Qwen3-MoE's shape; ``deepseek``: DeepSeek-V3's router with its selection bias updated every step; ``mtp``: a
-    multi-token-prediction module (an MoE block) whose loss is weighted 0.3."""
+    Qwen3-MoE's shape; ``deepseek``: DeepSeek-V3's router with its selection bias updated every step; ``whole``:
+    and DeepSeek-V3's latent attention, its first layer dense; ``mtp``: a multi-token-prediction module (an MoE
+    block) whose loss is weighted 0.3."""
     base = QWEN3_MOE if qwen3 else DEEPSEEK_MOE if deepseek else MOE
-    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=SEQ, output_router_logits=True,
-                          qk_norm=qwen3, moe_config={**base, **moe}, use_mtp=mtp, num_nextn_predict_layers=int(mtp),
-                          mtp_loss_weight=0.3)
+    extra = DEEPSEEK_ATTENTION if whole else {}
+    if whole:
+        moe = {"mlp_only_layers": [0], **moe}
+    config = mf.GPTConfig(**{**dict(flavour="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                    output_router_logits=True, qk_norm=qwen3, moe_config={**base, **moe}, use_mtp=mtp,
+                                    num_nextn_predict_layers=int(mtp), mtp_loss_weight=0.3), **extra})
     torch.manual_seed(0)
-    return mf.GPTForCausalLM(config).train()
+    model = mf.GPTForCausalLM(config).train()
+    if whole:
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(torch.tensor(DEEPSEEK_INITIAL_BIAS))
+    return model
 
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
@@ -76,25 +99,29 @@ def _loss_fn(model, batch, num_items):
 
 
 def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: str | None = None,
-                   qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False) -> dict:
+                   qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False,
+                   whole: bool = False) -> dict:
     """Per-step losses and gradient norms (before clipping: a constant factor on some gradients, which AdamW would
     hide from the losses, shows there) under ``parallel``, driven as the Trainer drives an engine (under bf16
     autocast with ``bf16``); the router metrics of the run reduced over the ranks; the MoE layers' selection biases
-    (``deepseek``: moved after every step); optionally a consolidated checkpoint."""
+    (``deepseek``: moved after every step); optionally a consolidated checkpoint. ``whole`` (the whole DeepSeek-V3
+    shape): also every parameter's whole gradient of the first and the last step, and the layers each rank holds."""
     engine = build_engine(parallel, training_args(parallel, bf16))
     engine.setup()
-    model = tiny_moe(qwen3, deepseek, mtp, **(moe or {}))
+    model = tiny_moe(qwen3, deepseek, mtp, whole, **(moe or {}))
     wrapped = engine.prepare_model(model)
     optimizer = engine.build_optimizer(model)
     scheduler = create_scheduler(optimizer, engine.args, STEPS)
-    losses, norms, biases, loads = [], [], [], []
-    for batch in global_batches():
+    losses, norms, biases, loads, gradients = [], [], [], [], []
+    for step, batch in enumerate(global_batches()):
         rows = engine.shard_indices(range(GLOBAL_BATCH))
         local = {k: v[rows] for k, v in batch.items()}
         # each rank's chunks of every sequence under context parallelism (the Trainer's read_step)
         micro = [engine.shard_batch({k: v[i::MICRO_BATCHES] for k, v in local.items()}) for i in range(MICRO_BATCHES)]
         items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(mb) for mb in micro)))
         loss = engine.forward_backward(wrapped, micro, items, _loss_fn)
+        if whole and step in (0, STEPS - 1):
+            gradients.append(_whole_gradients(model))
         norms.append(float(engine.clip_grad_norm(model, optimizer, engine.args.max_grad_norm)))
         engine.optimizer_step(optimizer)
         loads.append(_buffers(model, "expert_load"))  # this rank's counts of the step, before the update
@@ -107,8 +134,25 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     metrics = tracker.summarize(engine.reduce_metrics(tracker.pop(engine.device)), STEPS)
     if save_to is not None:
         engine.save_pretrained(model, save_to)
+    eval_loss = None
+    if whole:  # the trained model's evaluation loss (the MTP loss included, on every pipeline rank)
+        wrapped.eval()
+        with torch.no_grad():
+            eval_loss = float(engine.forward(wrapped, global_batches()[0]).loss)
+    modules = [name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_modules()]
+    held = [name for name in modules if name.startswith("model.layers.") and name.count(".") == 2]
+    held += [name for name in ("model.embed_tokens", "mtp") if name in modules]
     engine.teardown()
-    return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads}
+    return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads,
+            "gradients": gradients, "layers": held, "eval_loss": eval_loss}
+
+
+def _whole_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (DTensors gathered) by its name in the plain model; a pipeline rank has its
+    stage's."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): (
+        p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _buffers(model: torch.nn.Module, suffix: str) -> dict[str, torch.Tensor]:
@@ -120,13 +164,22 @@ def _buffers(model: torch.nn.Module, suffix: str) -> dict[str, torch.Tensor]:
 _REFERENCE: dict = {}
 
 
-def reference(qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False) -> dict:
+def reference(qwen3: bool = False, bf16: bool = False, deepseek: bool = False, mtp: bool = False,
+              whole: bool = False) -> dict:
     """Stand-alone's run (fp32, or under bf16 autocast) of the model (Qwen3-MoE with ``qwen3``, DeepSeek-V3's
-    router with ``deepseek``, a multi-token-prediction module with ``mtp``), computed once each."""
-    if (qwen3, bf16, deepseek, mtp) not in _REFERENCE:
-        _REFERENCE[qwen3, bf16, deepseek, mtp] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16,
-                                                                deepseek=deepseek, mtp=mtp)
-    return _REFERENCE[qwen3, bf16, deepseek, mtp]
+    router with ``deepseek``, its whole shape with ``whole``, a multi-token-prediction module with ``mtp``),
+    computed once each."""
+    key = (qwen3, bf16, deepseek, mtp, whole)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_moe_layout(ParallelConfig(), qwen3=qwen3, bf16=bf16, deepseek=deepseek, mtp=mtp,
+                                         whole=whole)
+    return _REFERENCE[key]
+
+
+def model_of(name: str) -> dict[str, bool]:
+    """The model a layout's name runs (see the module docstring)."""
+    return {"qwen3": name.startswith("qwen3_moe"), "deepseek": name.startswith("deepseek_v3"),
+            "mtp": "_mtp_" in name, "whole": name.startswith("deepseek_v3_model_")}
 
 
 def semi(**fields) -> ParallelConfig:
@@ -150,6 +203,13 @@ LAYOUTS_2 = {
     "deepseek_v3_tp2": semi(model_parallel=2),
     "deepseek_v3_mtp_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
                                                     recompute="full"),
+    # the whole DeepSeek-V3 shape (multi-token prediction where its layout checks allow it)
+    "deepseek_v3_model_mtp_dp2_ep2": semi(data_parallel=2, expert_parallel=2),
+    "deepseek_v3_model_mtp_zero1": semi(data_parallel=2, optimizer_shard=1),
+    "deepseek_v3_model_mtp_dp2_ep2_zero2": semi(data_parallel=2, expert_parallel=2, optimizer_shard=2),
+    "deepseek_v3_model_mtp_zero3_recompute": semi(data_parallel=2, optimizer_shard=3, recompute="full"),
+    "deepseek_v3_model_mtp_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
+    "deepseek_v3_model_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
@@ -157,6 +217,7 @@ LAYOUTS_4 = {
     "dp4_ep2": semi(data_parallel=4, expert_parallel=2),  # experts replicated over pairs of ranks
     "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them
     "qwen3_moe_dp2_tp2_ep2_zero1": semi(data_parallel=2, model_parallel=2, expert_parallel=2, optimizer_shard=1),
+    "deepseek_v3_model_dp2_tp2_ep2": semi(data_parallel=2, model_parallel=2, expert_parallel=2),
 }
 # Under bf16 autocast (the default where the hardware has it), in the same launches: the router statistics travel
 # between pipeline stages beside bf16 hidden states (dp2 x pp2 x ep2 crashed there, issue 37).
@@ -165,9 +226,7 @@ BF16_LAYOUTS_4 = {"dp2_pp2_ep2_bf16": semi(data_parallel=2, pipeline_stage=2, mi
 
 
 def _worker(rank, world_size, layouts, bf16_layouts, folder=None):
-    out = {name: run_moe_layout(layout, qwen3=name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"),
-                                mtp="_mtp_" in name)
-           for name, layout in layouts.items()}
+    out = {name: run_moe_layout(layout, **model_of(name)) for name, layout in layouts.items()}
     out.update({name: run_moe_layout(layout, bf16=True) for name, layout in bf16_layouts.items()})
     if folder is not None:
         out["saved"] = run_moe_layout(semi(data_parallel=4, expert_parallel=4, optimizer_shard=3), save_to=folder)
@@ -190,7 +249,7 @@ def four_process_results(tmp_path_factory):
 
 
 def _check(results, name):
-    expected = reference(name.startswith("qwen3_moe"), deepseek=name.startswith("deepseek_v3"), mtp="_mtp_" in name)
+    expected = reference(**model_of(name))
     if "_mtp_" in name:  # the MTP loss is logged apart, and its block's router is balanced with the others
         assert expected["metrics"]["mtp_loss"] > 0
         assert any(key.startswith("mtp.") for key in expected["biases"][0])
@@ -207,8 +266,12 @@ def _check(results, name):
             for key, bias in result[name]["biases"][step].items():
                 assert torch.equal(bias, expected_biases[key]), (name, step, rank, key, bias, expected_biases[key])
         assert {key for result in results for key in result[name]["biases"][step]} == set(expected_biases)
+    if model_of(name)["whole"]:
+        _check_gradients(results, name, expected)
     if name.startswith("deepseek_v3"):  # and they moved (stand-alone's first step has a sign for every expert)
-        assert all(bias.abs().min() == DEEPSEEK_MOE["bias_update_rate"] for bias in expected["biases"][0].values())
+        initial = torch.tensor(DEEPSEEK_INITIAL_BIAS) if model_of(name)["whole"] else torch.zeros(4)
+        for bias in expected["biases"][0].values():
+            torch.testing.assert_close((bias - initial).abs(), torch.full((4,), DEEPSEEK_MOE["bias_update_rate"]))
         # The ranks' counts add up to stand-alone's: each token once (twice where recompute runs the forward again,
         # which sign(mean - load) does not see), none from pipeline shape inference, none from padding.
         factor = (2 if "recompute" in name else 1) * (2 if "tp2" in name else 1)  # tp ranks see the same tokens
@@ -255,3 +318,32 @@ def test_expert_parallel_checkpoint_consolidates(four_process_results):
     with torch.no_grad():
         trained = model(**batch).loss.item()
     assert trained < reference()["losses"][0]  # the consolidated weights are the trained ones
+
+
+# After STEPS - 1 AdamW steps the weights differ by rounding (the sums run in other orders), which AdamW's nearly
+# sign-like updates of near-zero gradients amplify: the last step's gradients agree to 2e-3 of each tensor's largest
+# entry (measured: 5.5e-4 under dp2 x ep2, ZeRO 1/2/3 and pp2 with multi-token prediction, 1.4e-4 under cp2 x ep2
+# and dp2 x tp2 x ep2), the first step's to RTOL (measured: at most 6.6e-7). A gradient reduced once too often or too few is off by
+# 50% or more.
+LAST_STEP_GRAD_RTOL = 2e-3
+
+
+def _check_gradients(results, name, expected):
+    """Every parameter's whole gradient of the first step (the initial selection biases choosing) and of the last
+    (after the biases moved) is stand-alone's, each held by some rank, and so is the trained model's evaluation loss;
+    a pipeline's first stage holds the dense first layer (no selection bias), the last the routed one."""
+    for rank, result in enumerate(results):
+        assert result[name]["eval_loss"] == pytest.approx(expected["eval_loss"], rel=RTOL), (name, rank)
+    for step, expected_grads in zip((0, STEPS - 1), expected["gradients"]):
+        tolerance = RTOL if step == 0 else LAST_STEP_GRAD_RTOL
+        for rank, result in enumerate(results):
+            for key, grad in result[name]["gradients"][step > 0].items():
+                scale = expected_grads[key].abs().max().item()
+                diff = (grad - expected_grads[key]).abs().max().item()
+                assert scale > 0 and diff <= tolerance * scale, (name, step, rank, key, diff, scale)
+        assert {key for result in results for key in result[name]["gradients"][step > 0]} == set(expected_grads)
+    if "pp2" in name:  # the MTP module and a copy of the embedding (its gradient summed with the first's) on the last
+        mtp = ["model.embed_tokens", "mtp"] if model_of(name)["mtp"] else []
+        assert [result[name]["layers"] for result in results] == [["model.layers.0", "model.embed_tokens"],
+                                                                  ["model.layers.1", *mtp]]
+        assert not results[0][name]["biases"][0] and set(results[1][name]["biases"][0]) == set(expected["biases"][0])

@@ -1,7 +1,8 @@
 """Distributed layouts against stand-alone on CPU with gloo: per-step losses of several AdamW steps (fp32) through
 the distributed engine match stand-alone for dp2, ZeRO 1/2/3, tp2 (both flavours), sequence and vocabulary
 parallel, recompute, dp2×tp2 and HSDP; checkpoints resume across layouts and consolidate to ``from_pretrained``.
-Multi-head latent attention's gradients under tp2 (with and without sequence parallelism) equal stand-alone's (its
+Multi-head latent attention's gradients under tp2 (with and without sequence parallelism) and context parallelism
+(ring and Ulysses over 2 ranks, hybrid over 4: its values narrower than its keys) equal stand-alone's (its
 replicated latent projections: a gradient summed once too often is a constant factor AdamW's losses would hide).
 
 Each spawned job runs several layouts one after the other, so the whole file starts only three process groups.
@@ -174,7 +175,10 @@ BF16_LAYOUTS_4 = {"dp2xtp2_bf16": ("llama", semi(data_parallel=2, model_parallel
 GRADIENT_LAYOUTS_2 = {
     "tp2_mla": ("mla", semi(model_parallel=2)),
     "tp2_seq_parallel_mla": ("mla", semi(model_parallel=2, use_seq_parallel=True)),
+    "cp2_ring_mla": ("mla", semi(context_parallel=2)),
+    "cp2_ulysses_mla": ("mla", semi(context_parallel=2, context_parallel_algo="ulysses")),
 }
+GRADIENT_LAYOUTS_4 = {"cp4_hybrid_mla": ("mla", semi(context_parallel=4, context_parallel_algo="hybrid"))}
 
 
 def layout_gradients(parallel: ParallelConfig, flavour: str) -> dict[str, torch.Tensor]:
@@ -189,7 +193,13 @@ def layout_gradients(parallel: ParallelConfig, flavour: str) -> dict[str, torch.
         model = tiny_model(flavour)
     batch = global_batches()[0]
     rows = engine.shard_indices(range(GLOBAL_BATCH)) if engine is not None else list(range(GLOBAL_BATCH))
-    model(**{k: v[rows] for k, v in batch.items()}).loss.backward()
+    local = {k: v[rows] for k, v in batch.items()}
+    if parallel.context_parallel > 1:  # each rank its chunks of the sequences, the loss over the whole step's tokens
+        local = engine.shard_batch(local)
+        items = engine.all_reduce_sum(torch.tensor(get_task("causal_lm").count_items(local)))
+        engine.forward_backward(model, [local], items, _loss_fn)
+    else:
+        model(**local).loss.backward()
     grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
              for name, p in model.named_parameters()}
     if engine is not None:
@@ -214,7 +224,7 @@ def two_process_losses():
 @pytest.fixture(scope="module")
 def four_process_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hsdp")
-    return run_workers(_four_worker, 4, LAYOUTS_4, str(folder), BF16_LAYOUTS_4)
+    return run_workers(_four_worker, 4, LAYOUTS_4, str(folder), BF16_LAYOUTS_4, GRADIENT_LAYOUTS_4)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
@@ -228,9 +238,17 @@ def test_two_process_layout_matches_stand_alone(two_process_losses, name):
 
 @pytest.mark.parametrize("name", list(GRADIENT_LAYOUTS_2))
 def test_two_process_layout_gradients_match_stand_alone(two_process_losses, name):
-    flavour = GRADIENT_LAYOUTS_2[name][0]
+    _check_gradients(two_process_losses, name, GRADIENT_LAYOUTS_2[name][0])
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_LAYOUTS_4))
+def test_four_process_layout_gradients_match_stand_alone(four_process_results, name):
+    _check_gradients(four_process_results, name, GRADIENT_LAYOUTS_4[name][0])
+
+
+def _check_gradients(launch, name, flavour):
     expected = layout_gradients(ParallelConfig(), flavour)
-    for rank, results in enumerate(two_process_losses):
+    for rank, results in enumerate(launch):
         grads = results[name]
         assert grads.keys() == expected.keys()
         for key, ref in expected.items():
@@ -277,10 +295,10 @@ def test_recompute_stand_alone_matches_and_keeps_state_dict_names():
 # -- HSDP and what a layout does to the parameters (4 processes) ---------------------------------------------------
 
 
-def _four_worker(rank, world_size, layouts, folder, bf16_layouts):
+def _four_worker(rank, world_size, layouts, folder, bf16_layouts, gradient_layouts):
     from mindformers_py.parallel import build_mesh, parallelize
 
-    results = _layouts_worker(rank, world_size, layouts, bf16_layouts)
+    results = _layouts_worker(rank, world_size, layouts, bf16_layouts, gradient_layouts)
     # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
     hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3,
                           optimizer_weight_shard_size=2).resolve(world_size)

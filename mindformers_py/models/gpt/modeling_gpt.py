@@ -44,7 +44,13 @@ from ..modeling_base import MindFormersPreTrainedModel
 from ..moe_outputs import CausalLMOutputWithMTP, MoECausalLMOutputWithPast, MoEModelOutputWithPast
 from ..task_models import QuestionAnswering, SequenceClassification, TokenClassification
 from .configuration_gpt import GPTConfig
-from .multi_token_head import MetricsGroup, MTPMetrics, build_multi_token_prediction, multi_token_prediction_loss
+from .multi_token_head import (
+    MetricsGroup,
+    MTPMetrics,
+    build_multi_token_prediction,
+    multi_token_logits,
+    multi_token_prediction_loss,
+)
 
 
 class GPTPreTrainedModel(MindFormersPreTrainedModel):
@@ -84,6 +90,10 @@ class GPTPreTrainedModel(MindFormersPreTrainedModel):
 
 class GPTModel(GPTPreTrainedModel):
     """Embeddings, a stack of :class:`TransformerBlock` and a final norm; returns the last hidden states."""
+
+    embeds_inputs: bool = True
+    """Whether this model embeds its inputs: False on a later pipeline stage that holds a copy of the embedding for
+    multi-token prediction only (set by the pipeline's cut, see ``GPTForCausalLM.pipeline_last_stage_copies``)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -140,7 +150,8 @@ class GPTModel(GPTPreTrainedModel):
         An MoE model also returns ``router_stats`` (B, layers, width), adding its layers' rows to the
         ``router_stats`` keyword argument (a previous pipeline stage's) or to zeros, and ``router_logits`` with
         ``output_router_logits``."""
-        if self.embed_tokens is None:  # a later pipeline stage: the residual stream arrives from the previous one
+        if self.embed_tokens is None or not self.embeds_inputs:  # a later pipeline stage: the residual stream
+            # arrives from the previous one
             if inputs_embeds is None:
                 raise MindFormersError("this pipeline stage holds no embeddings: pass the previous stage's hidden states as inputs_embeds")
             hidden_states = inputs_embeds
@@ -179,7 +190,7 @@ class GPTModel(GPTPreTrainedModel):
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = self.rotary_emb(position_ids, hidden_states.dtype)
-        if self.embed_tokens is not None:  # the embedding phase runs on the stage that embeds
+        if self.embed_tokens is not None and self.embeds_inputs:  # the embedding phase runs on the stage that embeds
             if self.config.position_embedding_type == "learned":
                 hidden_states = hidden_states + self.embed_positions(position_ids)
                 if token_type_ids is not None:  # GPT-2's segments share the token embedding
@@ -247,7 +258,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"]), "mtp": (["hidden_states"], ["mtp_logits"])}
     _whole_sequence_modules = ("lm_head",)
 
     def __init__(self, config: GPTConfig) -> None:
@@ -298,7 +309,9 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         (:meth:`router_loss`), as transformers' Mixtral does. With multi-token prediction built and ``labels``, the
         loss includes the weighted MTP loss, also returned as ``mtp_loss`` (see the class docstring)."""
         shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
-        predicts_ahead = self.mtp is not None and labels is not None
+        # the last pipeline stage asks for the MTP logits (an attribute of the output), the loss being taken later
+        mtp_logits_wanted = bool(kwargs.pop("return_mtp_logits", False)) and self.mtp is not None
+        predicts_ahead = self.mtp is not None and (labels is not None or mtp_logits_wanted)
         if predicts_ahead and shifted is not None:
             raise MindFormersError("multi-token prediction (use_mtp) needs labels aligned with the inputs, not "
                                    "shift_labels (context parallelism); set use_mtp=False")
@@ -309,12 +322,36 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             return out
         hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)  # (B, T, V)
-        loss = mtp = None
+        loss = mtp = mtp_logits = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         if predicts_ahead:
-            mtp = multi_token_prediction_loss(self, out.mtp_inputs, input_ids, labels, num_items_in_batch)
+            mtp_logits = multi_token_logits(self, out.mtp_inputs, input_ids)
+        if predicts_ahead and labels is not None:
+            mtp = multi_token_prediction_loss(self, mtp_logits, labels, num_items_in_batch)
             loss = loss + mtp
+        output = self._lm_output(out, loss, logits, mtp, shifted, labels, num_items_in_batch, kwargs)
+        if mtp_logits_wanted:
+            output.mtp_logits = torch.stack(mtp_logits, dim=1)  # an attribute, not a field: (B, D, T, V)
+        return output
+
+    @property
+    def pipeline_outputs(self) -> tuple[str, ...]:
+        """Outputs the last pipeline stage returns beside the task's and the carried state, for
+        :meth:`carried_loss`: the MTP modules' logits (they need the labels, which only the loss sees). Read from
+        the config: every stage's cut of the model answers the same (evaluation takes the loss on every rank)."""
+        return ("mtp_logits",) if self.config.builds_mtp else ()
+
+    @property
+    def pipeline_last_stage_copies(self) -> tuple[str, ...]:
+        """Modules of the first pipeline stage the last stage holds a copy of: the embedding, which the MTP modules
+        read (its gradient is summed over both copies, as a tied embedding's)."""
+        return ("embed_tokens",) if self.config.builds_mtp else ()
+
+    def _lm_output(self, out: Any, loss: torch.Tensor | None, logits: torch.Tensor, mtp: torch.Tensor | None,
+                   shifted: torch.Tensor | None, labels: torch.Tensor | None,
+                   num_items_in_batch: int | torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
+        """The output of :meth:`forward` (router losses added for an MoE model)."""
         if self.config.moe is None:
             output = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_output(output_cache(out)),
                                             hidden_states=out.hidden_states, attentions=out.attentions)
@@ -360,14 +397,22 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
                      num_items_in_batch: int | torch.Tensor | None = None, counted: bool = True,
                      labels_shifted: bool = False) -> torch.Tensor | None:
         """On the last pipeline stage: the router losses computed from the ``router_stats`` the stages carried
-        (see :attr:`pipeline_carry`), or None when they are not part of the loss. ``counted=False``: a call on
+        (see :attr:`pipeline_carry`) plus the MTP loss from the ``mtp_logits`` the stage returned (see
+        :attr:`pipeline_outputs`), or None when neither is part of the loss. ``counted=False``: a call on
         placeholder tensors, kept out of the logged metrics; ``labels_shifted``: the labels are ``shift_labels``."""
+        loss = None
         stats = carried.get("router_stats")
-        if stats is None or not self.config.output_router_logits:
-            return None
-        if labels_shifted:
-            return self.router_loss(stats, labels[0], num_items_in_batch, counted, shift_labels=labels[0])[1]
-        return self.router_loss(stats, labels[0], num_items_in_batch, counted)[1]
+        if stats is not None and self.config.output_router_logits:
+            shift = {"shift_labels": labels[0]} if labels_shifted else {}
+            loss = self.router_loss(stats, labels[0], num_items_in_batch, counted, **shift)[1]
+        mtp_logits = carried.get("mtp_logits")
+        if mtp_logits is not None:
+            if labels_shifted:
+                raise MindFormersError("multi-token prediction (use_mtp) needs labels aligned with the inputs, not "
+                                       "shift_labels (context parallelism); set use_mtp=False")
+            mtp = multi_token_prediction_loss(self, list(mtp_logits.unbind(1)), labels[0], num_items_in_batch, counted)
+            loss = mtp if loss is None else loss + mtp
+        return loss
 
 
 class GPTDoubleHeadsModel(GPTPreTrainedModel, GenerationMixin):

@@ -4,7 +4,10 @@
 modules whose blocks are built as the model's last decoder layer is (latent attention, an MoE block behind the same
 router when that layer routes), numbered ``num_hidden_layers + k - 1`` as the checkpoint numbers them. They read the
 main model's last hidden states before its final norm, its embedding and its output head (shared, not copied), and
-attend with the mask and rotary positions of the main model's last layer. Their loss
+attend with the mask and rotary positions of the main model's last layer. Under pipeline parallelism they run on
+the last stage, which holds a copy of the embedding (its gradient summed with the first stage's, as for tied
+embeddings); their logits leave the stage beside the main logits and the loss is taken from them there
+(``GPTForCausalLM.carried_loss``). Their loss
 (:func:`~mindformers_py.layers.multi_token_prediction.mtp_loss`, weighted by ``mtp_loss_weight``) is added to the
 main loss when ``labels`` are given; generation (no labels) never runs them, so the main model's logits are
 transformers' either way.
@@ -39,19 +42,26 @@ def build_multi_token_prediction(config: GPTConfig) -> MultiTokenPrediction:
     return MultiTokenPrediction(config.hidden_size, config.num_nextn_predict_layers, block, config.norm_eps)
 
 
-def multi_token_prediction_loss(model: Any, inputs: dict[str, Any], input_ids: torch.Tensor | None,
-                                labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
-    """The weighted MTP loss of a causal-LM model (``model.mtp``, ``model.model.embed_tokens``, ``model.lm_head``)
-    from the base model's ``mtp_inputs`` (pre-norm hidden states, the last layer's mask and rotary positions, the
-    MoE token mask) and the labels aligned with ``input_ids``; counted for the Trainer's logs in training."""
+def multi_token_logits(model: Any, inputs: dict[str, Any], input_ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each MTP module's logits (B, T, V) of a causal-LM model (``model.mtp``, ``model.model.embed_tokens``,
+    ``model.lm_head``) from the base model's ``mtp_inputs`` (pre-norm hidden states, the last layer's mask and rotary
+    positions, the MoE token mask)."""
     if input_ids is None:
         raise MindFormersError("multi-token prediction (use_mtp) needs input_ids with labels: it embeds the tokens "
                                "ahead; pass input_ids instead of inputs_embeds, or set use_mtp=False")
     logits, _ = model.mtp(inputs["hidden_states"], input_ids, model.model.embed_tokens, model.lm_head,
                           attention_mask=inputs["attention_mask"], position_embeddings=inputs["position_embeddings"],
                           token_mask=inputs["token_mask"])
+    return logits
+
+
+def multi_token_prediction_loss(model: Any, logits: list[torch.Tensor], labels: torch.Tensor,
+                                num_items_in_batch: int | torch.Tensor | None, counted: bool = True) -> torch.Tensor:
+    """The weighted MTP loss of a causal-LM model from its MTP modules' ``logits`` and the labels aligned with the
+    inputs; counted for the Trainer's logs in training (unless ``counted`` is False: a pipeline's placeholder
+    call)."""
     loss = mtp_loss(logits, labels, model.config.mtp_loss_weight, num_items_in_batch)
-    if model.training and model.mtp_metrics is not None:
+    if counted and model.training and model.mtp_metrics is not None:
         model.mtp_metrics.add(loss)
     return loss
 

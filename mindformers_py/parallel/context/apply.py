@@ -3,8 +3,8 @@
 Model code does not change (a model declares, ``parallel/`` applies). :func:`apply_context_parallel`, called by
 :func:`~mindformers_py.parallel.parallelize.parallelize` after tensor and expert parallelism and before recompute, changes only:
 
-* **attention**: the ``core`` of every self-attention :class:`~mindformers_py.layers.Attention` (the part selective
-  recompute also swaps) becomes one that attends over the whole sequence (:mod:`.attention`: Ulysses,
+* **attention**: the ``core`` of every self-attention :class:`~mindformers_py.layers.Attention` and
+  :class:`~mindformers_py.layers.latent_attention.LatentAttention` (the part selective recompute also swaps) becomes one that attends over the whole sequence (:mod:`.attention`: Ulysses,
   ring or hybrid); cross-attention gathers the encoder's keys and values. Projections, rotary positions and the
   output projection stay local.
 * **masks**: a forward pre-hook on each stack of layers (``GPTModel``, ``BertModel``, each ``T5Stack``,
@@ -42,6 +42,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...layers import Attention, attention_core
 from ...layers.block import TransformerBlock
+from ...layers.latent_attention import LatentAttention
 from ...layers.moe.layer import MoE
 from ...layers.position_bias import RelativePositionBias
 from ..layout import Layout
@@ -223,8 +224,9 @@ class ContextParallel:
                              stack.sliding_window, stack.bias)
 
 
-def _stack_attentions(module: nn.Module) -> list[Attention]:
-    return [m for layer in module.layers if layer is not None for m in layer.modules() if isinstance(m, Attention)]
+def _stack_attentions(module: nn.Module) -> list[Attention | LatentAttention]:
+    return [m for layer in module.layers if layer is not None for m in layer.modules()
+            if isinstance(m, (Attention, LatentAttention))]
 
 
 def _stacks(model: nn.Module) -> list[_Stack]:

@@ -20,7 +20,8 @@ What each algorithm does with them (``q`` (B, heads, n, hs) for the rank's n tok
 
 A block is computed by torch's fused CPU attention kernel with its log-sum-exp
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward; torch's own context-parallel attention
-dispatches only CUDA kernels), or, on other devices and for a learned position bias (T5), by an explicit softmax
+dispatches only CUDA kernels; latent attention's narrower values are zero-padded to the key width for the kernel
+only, so they travel the ring at their own width), or, on other devices and for a learned position bias (T5), by an explicit softmax
 in fp32 whose backward also yields the bias gradient. Either way only one block's scores exist at a time, and
 backward recomputes them from the saved log-sum-exp.
 
@@ -161,12 +162,22 @@ def _fused(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return q.device.type == "cpu" and bias is None
 
 
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zeros appended to its last dimension up to ``width``: the fused CPU kernel needs queries, keys and
+    values of one width, latent attention's values are narrower than its keys (zero columns of a value add zero
+    columns to the output; zero columns of a query and key add nothing to their products)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def block_forward(q, k, v, mask, bias, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, h, nq, hs) in q's dtype, lse (B, h, nq) fp32)`` of one block; ``mask`` boolean or None, ``bias`` an
-    additive (1 or B, h, nq, nk) float term or None, ``causal`` the top-left triangle (equal ranges only)."""
+    """``(out (B, h, nq, v's hs) in q's dtype, lse (B, h, nq) fp32)`` of one block; ``mask`` boolean or None,
+    ``bias`` an additive (1 or B, h, nq, nk) float term or None, ``causal`` the top-left triangle (equal ranges
+    only). The values may be narrower or wider than the queries and keys (latent attention)."""
     if _fused(q, bias):
-        out, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
-        return out, lse.float()
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse = _FLASH_CPU(_widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal,
+                              attn_mask=_additive(mask, q.dtype), scale=scale)[:2]
+        return out[..., :v.shape[-1]], lse.float()
     scores = _scores(q, k, mask, bias, causal, scale)
     lse = torch.logsumexp(scores, -1)
     return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
@@ -176,9 +187,11 @@ def block_backward(dout, q, k, v, out, lse, mask, bias, causal: bool, scale: flo
     """``(dq, dk, dv, dbias)`` of one block's part of attention whose merged output and log-sum-exp are ``out``
     and ``lse`` (dbias None without a bias)."""
     if _fused(q, bias):
-        dq, dk, dv = _FLASH_CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype),
-                                         scale=scale)
-        return dq, dk, dv, None
+        width = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = _FLASH_CPU_BACKWARD(_widened(dout, width), _widened(q, width), _widened(k, width),
+                                         _widened(v, width), _widened(out, width), lse, 0.0, causal,
+                                         attn_mask=_additive(mask, q.dtype), scale=scale)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]], None
     probs = torch.exp(_scores(q, k, mask, bias, causal, scale) - lse[..., None])  # (B, h, nq, nk)
     dout32 = dout.float()
     dv = probs.transpose(-2, -1) @ dout32
@@ -294,8 +307,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                 plan: RingPlan) -> torch.Tensor:
         k, v = k.contiguous(), v.contiguous()
-        b, h, n, d = q.shape
-        out = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+        b, h, n, _ = q.shape
+        out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float32, device=q.device)  # values' width (MLA's own)
         lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k.reshape(-1), v.reshape(-1)])
         for step in range(plan.size):
@@ -369,14 +382,16 @@ class RingAttention(torch.autograd.Function):
 
 
 def sequence_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
-    """Each (B, H_i, n, hs) of this rank's tokens -> (B, H_i/size, size·n, hs): its share of the heads over the
-    group's tokens, rank by rank. All tensors travel in one all-to-all."""
-    b, _, n, d = tensors[0].shape
-    heads = [t.shape[1] // size for t in tensors]
-    parts = torch.cat([t.reshape(b, size, h, n, d) for t, h in zip(tensors, heads)], dim=2)  # (B, size, sum h, n, hs)
+    """Each (B, H_i, n, hs_i) of this rank's tokens -> (B, H_i/size, size·n, hs_i): its share of the heads over the
+    group's tokens, rank by rank. All tensors travel in one all-to-all, flattened per destination rank, so their
+    head counts (GQA) and widths (latent attention's values are narrower than its keys) may differ."""
+    b, _, n, _ = tensors[0].shape
+    shapes = [(t.shape[1] // size, t.shape[-1]) for t in tensors]
+    parts = torch.cat([t.reshape(b, size, -1) for t in tensors], dim=2)  # (B, size, sum h_i·n·hs_i)
     received = funcol.all_to_all_single_autograd(parts.transpose(0, 1).contiguous(), None, None, group)
-    received = received.permute(1, 2, 0, 3, 4).reshape(b, sum(heads), size * n, d)  # (B, sum h, size·n, hs)
-    return list(received.split(heads, dim=1))
+    chunks = received.split([h * n * d for h, d in shapes], dim=2)  # each (size, B, h_i·n·hs_i), rank by rank
+    return [chunk.reshape(size, b, h, n, d).permute(1, 2, 0, 3, 4).reshape(b, h, size * n, d)
+            for chunk, (h, d) in zip(chunks, shapes)]
 
 
 def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:

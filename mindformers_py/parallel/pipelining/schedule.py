@@ -38,7 +38,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ...errors import ConfigError, MindFormersError
 from ..layout import Layout
-from .stages import TOKEN_IDS_KEY, StageTask, carried_names, split_model, stage_ids_for_rank
+from .stages import (
+    TOKEN_IDS_KEY,
+    StageTask,
+    carried_names,
+    last_stage_copies,
+    pipeline_outputs,
+    split_model,
+    stage_ids_for_rank,
+)
 
 class _Stage(PipelineStage):
     """torch's pipeline stage whose shape inference leaves the stage's buffers as they were.
@@ -94,8 +102,9 @@ def _carried_loss(stage: nn.Module | None, carried: Sequence[torch.Tensor], labe
     if stage is None or not carried:
         return None
     shifted = {"labels_shifted": True} if labels_shifted else {}
-    extra = stage.carried_loss(dict(zip(carried_names(stage), carried)), tuple(labels), num_items_in_batch,
-                               counted=counted, **shifted)
+    names = (*carried_names(stage), *pipeline_outputs(stage))
+    extra = stage.carried_loss(dict(zip(names, carried)), tuple(labels), num_items_in_batch, counted=counted,
+                               **shifted)
     unused = sum(t.sum() * 0.0 for t in carried if t.requires_grad)
     return unused if extra is None else extra + unused
 
@@ -476,18 +485,25 @@ class PipelineParallel:
             return
         for part in self.model_parts:
             params = dict(part.named_parameters(remove_duplicate=False))
+            seen: set[int] = set()  # one tensor under two names (a tied head beside an embedding copy): once
             for name in self._tied_names:
                 param = params.get(name)
-                if param is not None and param.grad is not None:
+                if param is not None and param.grad is not None and id(param) not in seen:
+                    seen.add(id(param))
                     dist.all_reduce(_local(param.grad), group=self._tied_group)
 
 
 def _tied_weight_names(model: nn.Module) -> list[str]:
-    """Names of the weights the first and last stage would both hold (tied input/output embeddings)."""
+    """Names of the weights the first and last stage would both hold (tied input/output embeddings, and the
+    copies of first-stage modules the last stage holds: :func:`~.stages.last_stage_copies`)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix)
+    names = [f"{prefix}.{path}.{name}" for path in last_stage_copies(model)
+             for name, _ in base.get_submodule(path).named_parameters()]
     if not getattr(model.config, "tie_word_embeddings", False):
-        return []
+        return names
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    return [*tied, *tied.values()] if isinstance(tied, Mapping) else list(tied)
+    return [*(list(tied) + list(tied.values()) if isinstance(tied, Mapping) else list(tied)), *names]
 
 
 def _pp_group(mesh: Any) -> dist.ProcessGroup:

@@ -171,6 +171,7 @@ def _drop_parts(model: nn.Module, slots: Iterable[int], is_first: bool, is_last:
     plan = stage_plan(model)
     sizes = stack_sizes(model)
     base = getattr(model, model.base_model_prefix)
+    copies = set(last_stage_copies(model))  # read before the head (the modules needing them) goes
     held, start = set(slots), 0
     for stack, size, after in zip(plan.stacks, sizes, plan.after):
         owner, name = _owner(base, stack)
@@ -178,9 +179,27 @@ def _drop_parts(model: nn.Module, slots: Iterable[int], is_first: bool, is_last:
         setattr(owner, name, LayerSlice({str(i): layers[i] for i in range(size) if start + i in held}))
         _keep(base, after, start + size - 1 in held)
         start += size
-    _keep(base, plan.first, is_first)
+    _keep(base, [path for path in plan.first if path not in copies], is_first)
+    _keep(base, [path for path in plan.first if path in copies], is_first or is_last)
+    if copies and is_last and not is_first:  # the copy serves the head; the stage's input is hidden states
+        base.embeds_inputs = False
     _keep(model, plan.head, is_last)
     model._pipeline_stack_sizes = sizes
+
+
+def last_stage_copies(model: nn.Module) -> tuple[str, ...]:
+    """Modules of the first stage (paths in the base model) that the last stage holds a copy of, as ``model``
+    declares in ``pipeline_last_stage_copies`` (a DeepSeek-V3 model's embedding, read by its multi-token
+    prediction); their gradients are summed over the copies like a tied embedding's."""
+    return tuple(getattr(model, "pipeline_last_stage_copies", ()) or ())
+
+
+def pipeline_outputs(model: nn.Module) -> tuple[str, ...]:
+    """The names of the outputs the last stage returns after the task's and the carried state (a model's
+    ``pipeline_outputs``, read from its output's attributes of those names and given to its ``carried_loss``)."""
+    if not callable(getattr(model, "carried_loss", None)):
+        return ()
+    return tuple(getattr(model, "pipeline_outputs", ()) or ())
 
 
 def _keep(root: nn.Module, paths: Iterable[str], kept: bool) -> None:
@@ -228,7 +247,8 @@ class PipelineStageMixin:
 
     With carried state (the model's ``pipeline_carry`` names), ``carried`` are the previous stage's tensors of
     those names (none on the first stage), and every stage returns them after its hidden states (the last stage:
-    after the task's outputs).
+    after the task's outputs). The last stage then returns the model's :func:`pipeline_outputs` (asked for with
+    ``return_<name>=True``).
     """
 
     def forward(self, inputs: torch.Tensor, *carried: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -237,6 +257,8 @@ class PipelineStageMixin:
         spec: StageTask = self.pipeline_task
         names = carried_names(self)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
+        extra = pipeline_outputs(self) if self.is_last else ()
+        kwargs.update({f"return_{name}": True for name in extra})
         if position_ids is not None:  # the batch's own (a context-parallel rank's chunks of the sequence)
             kwargs["position_ids"] = position_ids
         if self.is_first:  # else the model numbers the positions itself (RoBERTa's count only real tokens)
@@ -255,7 +277,7 @@ class PipelineStageMixin:
         state = tuple(out[name] for name in names)
         if not self.is_last:
             return (out.last_hidden_state, *state) if state else out.last_hidden_state
-        fields = (*spec.outputs_of(out), *state)
+        fields = (*spec.outputs_of(out), *state, *(getattr(out, name) for name in extra))
         return fields[0] if len(fields) == 1 else fields
 
 

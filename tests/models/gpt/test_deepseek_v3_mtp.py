@@ -145,13 +145,16 @@ def test_training_logs_the_mtp_loss_apart(saved):
 
 
 def test_layouts_without_the_module_on_every_rank_are_refused(saved):
+    """Context and tensor parallelism are refused with multi-token prediction; data and pipeline parallelism run it
+    (tests/parallel/test_moe_parallel.py)."""
     _, with_mtp, _ = saved
     config = mf.AutoModelForCausalLM.from_pretrained(with_mtp).config
-    layouts = {"pipeline_stage": dict(pipeline_stage=2, micro_batch_num=2), "context_parallel": dict(context_parallel=2),
-               "model_parallel": dict(model_parallel=2)}
+    layouts = {"context_parallel": dict(context_parallel=2), "model_parallel": dict(model_parallel=2)}
     for field, layout in layouts.items():
         with pytest.raises(ConfigError, match=f"{field}=2 .*num_nextn_predict_layers=1"):
             ParallelConfig(parallel_mode="semi_auto_parallel", **layout).validate_for(2, config)
+        config.use_mtp = False
+        ParallelConfig(parallel_mode="semi_auto_parallel", **layout).validate_for(2, config)
+        config.use_mtp = True
     ParallelConfig(parallel_mode="data_parallel", data_parallel=2).validate_for(2, config)
-    config.use_mtp = False
     ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2).validate_for(2, config)
