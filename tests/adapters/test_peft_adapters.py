@@ -181,7 +181,7 @@ def test_target_modules_naming_the_experts_projections_adapt_the_experts(tmp_pat
     attention, the dense layer's MLP and every MoE layer's stacked expert projections (peft's target_parameters);
     the adapter reloads, and the model merged and exported to HF qwen3_moe gives the adapter model's logits in
     transformers' own class."""
-    from hf_models import tiny_hf_model
+    from support.hf_models import tiny_hf_model
 
     tiny_hf_model("qwen3_moe").save_pretrained(tmp_path / "hf")
     base = mf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -19,7 +19,7 @@ from mindformers_py.data.images import (
 )
 from mindformers_py.errors import ConfigError, MindFormersError
 from mindformers_py.task_registry import get_task
-from vit_models import random_images
+from support.vit_models import random_images
 
 CONFIG = mf.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_labels=10)

@@ -8,8 +8,8 @@ from transformers import CompileConfig
 
 import mindformers_py as mf
 from mindformers_py.generation import compiled_step
-from hf_models import VOCAB, tiny_hf_model
-from t5_models import batch, load_hf, save_tiny_hf
+from support.hf_models import VOCAB, tiny_hf_model
+from support.t5_models import batch, load_hf, save_tiny_hf
 
 CAPTURE_ONLY = CompileConfig(backend="eager")
 

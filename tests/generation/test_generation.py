@@ -11,7 +11,7 @@ from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.generation import StaticKVCache, fast_generate
 from mindformers_py.generation import skinny_linear
 from mindformers_py.generation.skinny_linear import skinny_linear_kernels
-from hf_models import VOCAB, tiny_hf_model
+from support.hf_models import VOCAB, tiny_hf_model
 
 PAD = 0
 

@@ -12,7 +12,7 @@ from transformers import CompileConfig, GenerationConfig
 import mindformers_py as mf
 from mindformers_py.generation import fast_generate, graphed_step
 from mindformers_py.generation.compiled_step import graph_compile_options
-from hf_models import VOCAB, tiny_hf_model
+from support.hf_models import VOCAB, tiny_hf_model
 
 CAPTURE_ONLY = CompileConfig(backend="eager")
 

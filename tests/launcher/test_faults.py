@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from dist_utils import _PRELOAD
-from fault_workers import STEPS, Fault, hangs, killed_and_restarted, read_log, train
+from support.dist_utils import _PRELOAD
+from support.fault_workers import STEPS, Fault, hangs, killed_and_restarted, read_log, train
 from mindformers_py.launcher.launch import LaunchError, launch
 
 

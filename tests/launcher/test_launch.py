@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch_workers import ALL_REDUCE_SCRIPT, all_reduce_ranks, fail_on_rank_one
+from support.launch_workers import ALL_REDUCE_SCRIPT, all_reduce_ranks, fail_on_rank_one
 from mindformers_py.errors import ConfigError
 from mindformers_py.launcher.launch import (
     LaunchError,

@@ -32,31 +32,31 @@ def _ids(vocab: int = 96, length: int = 7) -> torch.Tensor:
 
 
 def _save_gpt(folder: Path) -> None:
-    from hf_models import tiny_hf_model
+    from support.hf_models import tiny_hf_model
 
     tiny_hf_model("llama", vocab_size=300).save_pretrained(folder)  # room for a byte-level BPE's 258 tokens
 
 
 def _save_moe(folder: Path) -> None:
-    from hf_models import tiny_hf_model
+    from support.hf_models import tiny_hf_model
 
     tiny_hf_model("mixtral").save_pretrained(folder)
 
 
 def _save_bert(folder: Path) -> None:
-    from bert_models import tiny_bert_model
+    from support.bert_models import tiny_bert_model
 
     tiny_bert_model("bert", "masked_lm").save_pretrained(folder)
 
 
 def _save_t5(folder: Path) -> None:
-    from t5_models import save_tiny_hf
+    from support.t5_models import save_tiny_hf
 
     save_tiny_hf("t5_v1_1", folder)
 
 
 def _save_vit(folder: Path) -> None:
-    from vit_models import save_hf_vit
+    from support.vit_models import save_hf_vit
 
     save_hf_vit(folder)
 

@@ -14,8 +14,8 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from dist_utils import run_workers
-from hf_models import tiny_deepseek_v3_config
+from support.dist_utils import run_workers
+from support.hf_models import tiny_deepseek_v3_config
 from layout_loading_workers import load_sources_under_layouts, load_under_layouts
 
 TWO_RANKS = {

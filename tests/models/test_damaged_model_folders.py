@@ -13,7 +13,7 @@ import torch
 import yaml
 
 import mindformers_py as mf
-from bert_models import wordpiece_tokenizer
+from support.bert_models import wordpiece_tokenizer
 from mindformers_py.cli import main
 from mindformers_py.errors import CheckpointError
 

@@ -12,8 +12,8 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import tiny_hf_config, tiny_hf_model
-from tolerances import SAME_WEIGHTS_ANOTHER_PATH
+from support.hf_models import tiny_hf_config, tiny_hf_model
+from support.tolerances import SAME_WEIGHTS_ANOTHER_PATH
 from mindformers_py.errors import ConfigError
 from mindformers_py.models.cache_names import output_cache
 from mindformers_py.models.gpt import convert_gpt
@@ -47,8 +47,8 @@ def test_models_are_built_from_transformers_configs(kind):
 
 def _converted_architectures():
     """A tiny transformers config of every architecture a family converts, and the input its base model takes."""
-    from bert_models import tiny_bert_config
-    from t5_models import tiny_hf_config as tiny_t5_config
+    from support.bert_models import tiny_bert_config
+    from support.t5_models import tiny_hf_config as tiny_t5_config
 
     ids = torch.randint(3, 100, (2, 7))
     text, seq2seq = {"input_ids": ids}, {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
@@ -84,8 +84,8 @@ GENERAL_VALUES = dict(
 
 
 def _hf_configs():
-    from bert_models import tiny_bert_config
-    from t5_models import tiny_hf_config as tiny_t5_config
+    from support.bert_models import tiny_bert_config
+    from support.t5_models import tiny_hf_config as tiny_t5_config
 
     return {"llama": tiny_hf_config("llama"), "gpt2": tiny_hf_config("gpt2"), "bert": tiny_bert_config("bert"),
             "t5": tiny_t5_config("t5"), "vit": transformers.ViTConfig(hidden_size=32, num_hidden_layers=1,
@@ -125,7 +125,7 @@ def test_general_settings_reach_the_model(tmp_path):
     assert len(model(ids).hidden_states) == 3
     assert model.is_gradient_checkpointing and transformers.GPT2LMHeadModel.from_pretrained(
         tmp_path / "gpt2").is_gradient_checkpointing
-    from t5_models import tiny_hf_config as tiny_t5_config
+    from support.t5_models import tiny_hf_config as tiny_t5_config
 
     encoder = mf.T5EncoderModel(tiny_t5_config("t5"))
     reference = transformers.T5EncoderModel(tiny_t5_config("t5"))
@@ -317,7 +317,7 @@ def _bert_pair(hf_model):
 
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 def test_bert_lm_head_model_generates_as_transformers(kind):
-    from bert_models import tiny_bert_config
+    from support.bert_models import tiny_bert_config
 
     torch.manual_seed(1)
     cls = transformers.BertLMHeadModel if kind == "bert" else transformers.RobertaForCausalLM
@@ -332,7 +332,7 @@ def test_bert_lm_head_model_generates_as_transformers(kind):
 
 
 def test_bert_to_bert_encoder_decoder_runs_on_our_layers(tmp_path):
-    from bert_models import tiny_bert_config
+    from support.bert_models import tiny_bert_config
     from mindformers_py.models.bert import convert_bert
 
     torch.manual_seed(0)
@@ -408,7 +408,7 @@ def _round_trip(folder, reference_class):
 @pytest.mark.parametrize("name", ["BertForMultipleChoice", "RobertaForMultipleChoice", "BertForNextSentencePrediction",
                                   "BertForPreTraining", "RobertaForCausalLM"])
 def test_bert_family_heads_match_transformers(name, tmp_path):
-    from bert_models import tiny_bert_config
+    from support.bert_models import tiny_bert_config
 
     hf_class = getattr(transformers, name)
     hf = _randomised(hf_class(tiny_bert_config("roberta" if name.startswith("Roberta") else "bert")), tmp_path / "hf")
@@ -476,7 +476,7 @@ def test_model_classes_load_hf_checkpoints_as_transformers_classes_do(tmp_path):
 
 
 def test_t5_stacks_take_input_ids_and_keep_wo_in_float32(tmp_path):
-    from t5_models import batch, load_hf, save_tiny_hf
+    from support.t5_models import batch, load_hf, save_tiny_hf
 
     save_tiny_hf("t5_v1_1", tmp_path / "t5")
     ours, hf = mf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5"), load_hf(tmp_path / "t5", "t5_v1_1")

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import mindformers_py as mf
-from hf_models import tiny_hf_model
+from support.hf_models import tiny_hf_model
 from mindformers_py.errors import ConfigError
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 77]])

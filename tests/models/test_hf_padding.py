@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from bert_models import padded_batch, tiny_bert_config, tiny_bert_model
-from hf_models import tiny_hf_config, tiny_hf_model
+from support.bert_models import padded_batch, tiny_bert_config, tiny_bert_model
+from support.hf_models import tiny_hf_config, tiny_hf_model
 from mindformers_py.models.gpt import convert_gpt
 
 KINDS = ["llama", "mistral", "qwen2", "mixtral", "gpt2"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 64, 16, 4, 3, 2

@@ -3,7 +3,7 @@ for every algorithm (ring, Ulysses, hybrid) and family (GPT with GQA, padding, p
 Qwen3 mixing full and sliding layers, with per-head q/k norms; GPT-MoE and Qwen3-MoE; BERT; ViT; T5), alone and with data, tensor + sequence, pipeline, ZeRO-3 and expert parallelism, recompute
 and gradient accumulation; what cannot be split is refused in one line before anything starts.
 
-The rows of tests/task_heads.py are right-padded to different lengths, and 12 tokens do not divide into the 2 x 4
+The rows of tests/support/task_models.py are right-padded to different lengths, and 12 tokens do not divide into the 2 x 4
 chunks of a balanced ring over 4 ranks: batches are padded to the layout's multiple on the fly, which must not show
 in the gradients either. Multi-process checks are packed into one job per world size.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_workers
-from task_heads import N, assert_bf16_close, assert_same, first_step, full_gradients, make_data, make_model
+from support.dist_utils import run_workers
+from support.task_models import N, assert_bf16_close, assert_same, first_step, full_gradients, make_data, make_model
 
 import mindformers_py as mf
 from mindformers_py.errors import ConfigError

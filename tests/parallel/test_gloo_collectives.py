@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 
 
 def _compare(rank: int, world: int) -> dict[str, bool]:

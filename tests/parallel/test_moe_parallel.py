@@ -21,14 +21,14 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.engine import build_engine
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
 from mindformers_py.trainer.scheduler import create_scheduler
 from test_parallel_layouts import MICRO_BATCHES, RTOL, SEQ, STEPS, VOCAB
-from tolerances import BF16_LAYOUT, BF16_LAYOUT_GRAD_NORM
+from support.tolerances import BF16_LAYOUT, BF16_LAYOUT_GRAD_NORM
 
 GLOBAL_BATCH = 8  # two rows per rank and micro-batch at dp4
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_workers
-from task_heads import FirstStepGradients, full_gradients, train_first_step
+from support.dist_utils import run_workers
+from support.task_models import FirstStepGradients, full_gradients, train_first_step
 from torch.utils.data import IterableDataset
 
 import mindformers_py as mf

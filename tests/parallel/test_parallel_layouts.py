@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig, RecomputeConfig
 from mindformers_py.engine import Engine
 from mindformers_py.trainer.arguments import TrainingArguments

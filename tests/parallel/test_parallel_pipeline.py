@@ -7,12 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.parallel.pipelining.stages import layer_ranges, split_model, stage_ids_for_rank, stage_view
 from mindformers_py.task_registry import get_task
-from tolerances import BF16_LAYOUT
+from support.tolerances import BF16_LAYOUT
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-2
 RTOL = 1e-4

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.adapters import apply_peft
 from mindformers_py.cli import main
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
-from tolerances import BF16_LAYOUT_GRAD_NORM
+from support.tolerances import BF16_LAYOUT_GRAD_NORM
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "tasks" / "gpt" / "finetune_lora.yaml"

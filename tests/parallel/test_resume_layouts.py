@@ -18,7 +18,7 @@ import torch
 from transformers import default_data_collator
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.trainer import Trainer, TrainingArguments
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.trainer import Trainer, TrainingArguments
-from task_heads import (N, VOCAB, FirstStepGradients, assert_bf16_close, assert_same, full_gradients, make_data,
+from support.task_models import (N, VOCAB, FirstStepGradients, assert_bf16_close, assert_same, full_gradients, make_data,
                         train_first_step)
 
 LAYOUTS = {

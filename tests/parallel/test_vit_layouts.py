@@ -5,8 +5,8 @@ ZeRO-3 under bf16 stays within the bf16 tolerance of stand-alone's bf16 loss."""
 from __future__ import annotations
 
 import mindformers_py as mf
-from dist_utils import run_workers
-from task_heads import N, assert_bf16_close, assert_same, first_step
+from support.dist_utils import run_workers
+from support.task_models import N, assert_bf16_close, assert_same, first_step
 
 HEAD = "image_classification"
 ZERO = {f"zero{stage}": dict(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=stage) for stage in (1, 2, 3)}

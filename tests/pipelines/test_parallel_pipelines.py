@@ -16,7 +16,7 @@ import yaml
 from transformers import TextIteratorStreamer
 
 import mindformers_py as mf
-from dist_utils import process_alive
+from support.dist_utils import process_alive
 from mindformers_py.cli import main
 from mindformers_py.data.tokenizers.bpe_wordpiece import train_bpe_tokenizer
 from mindformers_py.errors import ConfigError

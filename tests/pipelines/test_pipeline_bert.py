@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from bert_models import tiny_bert_model, wordpiece_tokenizer
+from support.bert_models import tiny_bert_model, wordpiece_tokenizer
 
 SENTENCES = ["the capital of france is paris.", "berlin is located on a river in germany", "who lives in rome?"]
 

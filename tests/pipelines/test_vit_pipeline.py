@@ -10,7 +10,7 @@ import transformers
 
 import mindformers_py as mf
 from mindformers_py.errors import MindFormersError
-from vit_models import random_images, save_hf_vit
+from support.vit_models import random_images, save_hf_vit
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.engine import DistributedEngine, Engine
 
 VOCAB, SEQ, STEPS = 64, 16, 3

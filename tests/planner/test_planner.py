@@ -254,7 +254,7 @@ def _plan_on_ranks(rank, world_size):
 
 
 def test_ranks_of_a_job_run_rank_zeros_plan():
-    from dist_utils import run_workers
+    from support.dist_utils import run_workers
 
     first, second = run_workers(_plan_on_ranks, 2)
     assert first == second and first["parallel_mode"] == "semi_auto_parallel"

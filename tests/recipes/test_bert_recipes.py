@@ -26,7 +26,7 @@ def run_cli(*args, capsys):
 
 def test_masks_depend_on_the_sample_not_on_the_batch():
     """A global batch masked whole, or as two data-parallel halves, or in another order, masks each sample alike."""
-    from bert_models import wordpiece_tokenizer
+    from support.bert_models import wordpiece_tokenizer
 
     tokenizer = wordpiece_tokenizer(Path(__import__("tempfile").mkdtemp()))
     texts = ["the capital of france is paris", "berlin is the capital of germany", "rome lives in italy",

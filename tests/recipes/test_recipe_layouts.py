@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.errors import ConfigError
 from mindformers_py.trainer import Trainer
-from task_heads import N, assert_same, first_step, make_data, make_model
+from support.task_models import N, assert_same, first_step, make_data, make_model
 
 PP2 = dict(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2)
 DP2 = dict(parallel_mode="data_parallel", data_parallel=2)

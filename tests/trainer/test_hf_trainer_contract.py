@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import tiny_hf_model
+from support.hf_models import tiny_hf_model
 from mindformers_py.auto import auto_class_for
 from mindformers_py.errors import ConfigError
 from mindformers_py.models.gpt import convert_gpt

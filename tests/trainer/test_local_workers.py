@@ -23,7 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 import mindformers_py as mf
-from dist_utils import process_alive
+from support.dist_utils import process_alive
 from mindformers_py.errors import ConfigError
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.launcher.launch import LaunchError

@@ -9,7 +9,7 @@ from datasets import Dataset
 from torch.utils.data import IterableDataset
 
 import mindformers_py as mf
-from dist_utils import run_workers
+from support.dist_utils import run_workers
 from mindformers_py.errors import MindFormersError
 from test_trainer import args, token_data, tiny_gpt, train_losses
 

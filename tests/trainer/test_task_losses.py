@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 import mindformers_py as mf
-from dist_utils import run_workers
-from task_heads import HEADS, N, assert_bf16_close, assert_same, first_step
+from support.dist_utils import run_workers
+from support.task_models import HEADS, N, assert_bf16_close, assert_same, first_step
 
 @pytest.mark.parametrize("head", HEADS)
 def test_gradient_accumulation_splits_give_one_batch_gradients(head, tmp_path):

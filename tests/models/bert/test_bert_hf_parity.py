@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from bert_models import VOCAB, padded_batch, tiny_bert_config, tiny_bert_model
+from support.bert_models import VOCAB, padded_batch, tiny_bert_config, tiny_bert_model
 from mindformers_py.models.bert import BertPreTrainedModel, convert_bert
 from mindformers_py.checkpoint.safetensors_io import load_state_dict
 

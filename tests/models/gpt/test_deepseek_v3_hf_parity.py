@@ -3,7 +3,7 @@ latent attention, ``attention_type="mla"``) with transformers' logits to 1e-5 in
 identical greedy tokens through the compressed cache (the latent and the shared rotary key only, the up-projection
 absorbed into the decode steps), and export back exactly: every tensor equal, the same ``config.json``.
 
-The tiny checkpoints (tests/hf_models.py) carry what sets the architecture apart: a query latent, interleaved rotary
+The tiny checkpoints (tests/support/hf_models.py) carry what sets the architecture apart: a query latent, interleaved rotary
 pairs, YaRN with its mscale in the softmax scale, head sizes that differ for q/k and v; the MoE one (4 layers, the
 first dense, 8 routed experts in 4 groups beside a shared expert, a non-zero ``e_score_correction_bias``) routes
 with the ``deepseek_v3`` router (``MoEConfig.router_type``)."""
@@ -18,10 +18,10 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, assert_same_hidden_states_and_attentions, tiny_deepseek_v3_config
+from support.hf_models import VOCAB, assert_same_hidden_states_and_attentions, tiny_deepseek_v3_config
 from mindformers_py.layers.latent_attention import LatentAttention
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
-from tolerances import SAME_WEIGHTS_ANOTHER_PATH
+from support.tolerances import SAME_WEIGHTS_ANOTHER_PATH
 
 TOL = 1e-5
 

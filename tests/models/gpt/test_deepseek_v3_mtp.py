@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, tiny_deepseek_v3_config
+from support.hf_models import VOCAB, tiny_deepseek_v3_config
 from mindformers_py.errors import ConfigError
 from mindformers_py.layers.loss import causal_lm_loss
 from mindformers_py.layers.masks import build_attention_mask

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, tiny_hf_model
+from support.hf_models import VOCAB, tiny_hf_model
 
 KINDS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, tiny_hf_model
+from support.hf_models import VOCAB, tiny_hf_model
 from mindformers_py.errors import CheckpointError, ConfigError, MindFormersError
 
 

@@ -3,7 +3,7 @@ flavour with ``qk_norm``; GPT-MoE without a shared expert) with transformers' lo
 (the per-head q/k norms' included), router logits, load-balancing loss and loss, identical greedy tokens past the
 sliding window, and export back exactly: every tensor equal, the same ``config.json``.
 
-The tiny checkpoints (tests/hf_models.py) exercise what sets these architectures apart: Qwen3's ``head_dim`` that
+The tiny checkpoints (tests/support/hf_models.py) exercise what sets these architectures apart: Qwen3's ``head_dim`` that
 is not ``hidden_size / heads``, biases on q/k/v/o (``attention_bias``), a sliding-window layer after a full one
 (``max_window_layers``); Qwen3-MoE's renormalised top-2 of 4 experts, a dense layer (``mlp_only_layers``)."""
 
@@ -17,10 +17,10 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, assert_same_hidden_states_and_attentions, ours_and_theirs, saved_hf_model, tiny_hf_model
+from support.hf_models import VOCAB, assert_same_hidden_states_and_attentions, ours_and_theirs, saved_hf_model, tiny_hf_model
 from mindformers_py.errors import MindFormersError
 from mindformers_py.models.gpt.convert_gpt import config_to_hf
-from tolerances import SAME_WEIGHTS_ANOTHER_PATH
+from support.tolerances import SAME_WEIGHTS_ANOTHER_PATH
 
 KINDS = ["qwen3", "qwen3_moe"]
 TOL = 1e-5

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from hf_models import VOCAB, ours_and_theirs, saved_hf_model
+from support.hf_models import VOCAB, ours_and_theirs, saved_hf_model
 
 KINDS = ["mixtral", "qwen2_moe"]
 

@@ -8,7 +8,7 @@ from transformers import TextIteratorStreamer
 
 import mindformers_py as mf
 import mindformers_py.generation.fast_generate as seq2seq
-from t5_models import VOCAB, batch, load_hf, save_tiny_hf
+from support.t5_models import VOCAB, batch, load_hf, save_tiny_hf
 
 
 @pytest.fixture(scope="module")

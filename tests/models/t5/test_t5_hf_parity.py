@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import mindformers_py as mf
-from t5_models import KINDS, VOCAB, batch, load_hf, save_tiny_hf
+from support.t5_models import KINDS, VOCAB, batch, load_hf, save_tiny_hf
 
 TOL = 1e-4
 

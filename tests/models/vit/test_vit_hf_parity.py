@@ -11,7 +11,7 @@ import transformers
 import mindformers_py as mf
 from mindformers_py.errors import CheckpointError, MindFormersError
 from mindformers_py.models.vit import convert_vit
-from vit_models import IMAGE, LABELS, save_hf_vit, tiny_hf_vit
+from support.vit_models import IMAGE, LABELS, save_hf_vit, tiny_hf_vit
 
 TOL = 1e-4
 

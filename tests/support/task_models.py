@@ -179,7 +179,7 @@ def assert_same(grads, loss, ref_grads, ref_loss):
 def assert_bf16_close(loss: float, ref_loss: float, fp32_loss: float) -> None:
     """A layout's first-step loss under bf16 autocast against stand-alone's under bf16 autocast (within
     :data:`tolerances.BF16_LAYOUT`); ``fp32_loss``, stand-alone's in fp32, shows that autocast was on there."""
-    from tolerances import BF16_LAYOUT
+    from support.tolerances import BF16_LAYOUT
 
     assert math.isfinite(loss) and loss == pytest.approx(ref_loss, **BF16_LAYOUT), (loss, ref_loss)
     assert ref_loss != fp32_loss  # the bf16 reference really ran in bf16
