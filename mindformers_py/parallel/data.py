@@ -114,6 +114,15 @@ def _wrapped_name(module: nn.Module) -> str:
     return type(inner).__name__ if inner is not None else ""
 
 
+def frozen_params(module: nn.Module, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:
+    """``module``'s parameters that do not train (``requires_grad`` off: a LoRA run's base weights) and already
+    compute in ``param_dtype``: a replicated data-parallel unit leaves them alone. They have no gradient to reduce
+    and are the same on every rank, while FSDP2's replicate copies the parameters it manages into a second, whole
+    buffer for every forward and backward, even over one rank: a frozen model would be held twice through each step."""
+    return {p for p in module.parameters()
+            if not p.requires_grad and (param_dtype is None or p.dtype == param_dtype)}
+
+
 def apply_data_parallel(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -138,8 +147,8 @@ def apply_data_parallel(
     units = list(layer_modules(model) if layers is None else layers)
     if engine == REPLICATE:
         for unit in units:
-            fsdp_replicate(unit, mesh=mesh.batch_mesh, mp_policy=policy)
-        fsdp_replicate(model, mesh=mesh.batch_mesh, mp_policy=policy)
+            fsdp_replicate(unit, mesh=mesh.batch_mesh, mp_policy=policy, ignored_params=frozen_params(unit, param_dtype))
+        fsdp_replicate(model, mesh=mesh.batch_mesh, mp_policy=policy, ignored_params=frozen_params(model, param_dtype))
         return model
     if engine == DDP_ZERO1:
         if param_dtype not in (None, torch.float32):

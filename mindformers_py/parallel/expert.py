@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..layers.moe.layer import GroupedExperts
 from .layout import FSDP, NONE, Layout
-from .data import mixed_precision_policy
+from .data import frozen_params, mixed_precision_policy
 from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
 
@@ -129,7 +129,8 @@ def apply_expert_data_parallel(model: nn.Module, mesh: ParallelMesh, config: Lay
             if mesh.expert_dp_mesh.device_type == "cpu":
                 use_in_place_collectives(experts)
         else:
-            fsdp_replicate(experts, mesh=mesh.expert_dp_mesh, mp_policy=policy)
+            fsdp_replicate(experts, mesh=mesh.expert_dp_mesh, mp_policy=policy,
+                           ignored_params=frozen_params(experts, param_dtype))
         experts.set_gradient_divide_factor(float(mesh.dp * mesh.cp))
         if engine == FSDP and mesh.dp * mesh.cp > mesh.ep:
             # Reduce-scatter a plain sum, then divide: the pre-scaled sum FSDP2 uses for a custom factor is not in

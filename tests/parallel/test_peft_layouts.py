@@ -85,6 +85,10 @@ def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = F
     engine.setup()
     model = build()
     wrapped = engine.prepare_model(model)
+    if engine.layout.data_parallel_engine == "replicate" and engine.layout.ep == 1:
+        # the frozen base stays out of FSDP2's replicate, which would copy it whole into every step
+        managed = [name for name, p in model.named_parameters() if not p.requires_grad and hasattr(p, "placements")]
+        assert managed == [], f"frozen weights managed by replicate: {managed[:3]}"
     local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
     micro = [{k: v[i::2] for k, v in local.items()} for i in range(2)]
     items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(m) for m in micro)))
