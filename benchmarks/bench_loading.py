@@ -273,9 +273,10 @@ def planner_estimate(folder: Path, layout: str, checkpoint: str = "llama_1b") ->
     fields = {k: (v if k == "parallel_mode" else v == "true" if v in ("true", "false") else int(v))
               for k, v in fields.items()}
     parallel = ParallelConfig(**fields) if fields else ParallelConfig()
+    device = DeviceSpec.detect("cpu")
     estimate = estimate_memory(config, parallel, per_device_batch=batch, seq_length=32,
                                act_bytes=2 if native_bf16("cpu") else 4, trainable_params=trainable, param_bytes=2,
-                               runtime_bytes=DeviceSpec.detect("cpu").runtime_bytes)
+                               runtime_bytes=device.runtime_bytes, mapped_embedding=device.maps_frozen_weights)
     return float(estimate.total)
 
 

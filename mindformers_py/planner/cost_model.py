@@ -150,7 +150,8 @@ def _in_flight(schedule: str, pp: int, micro: int, vpp: int, first: bool) -> flo
 def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_device_batch: int, seq_length: int,
                     act_bytes: int = FP32_BYTES, attention_scores: bool = False,
                     kv_exchange: str = "ring", trainable_params: int | None = None,
-                    param_bytes: int = FP32_BYTES, runtime_bytes: int = 0) -> MemoryEstimate:
+                    param_bytes: int = FP32_BYTES, runtime_bytes: int = 0,
+                    mapped_embedding: bool = False) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -165,7 +166,10 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     state for those alone, spread over the ranks like the model's own (the frozen base is held and sharded as
     before). ``param_bytes`` is the size the parameters are held in (2 for a model loaded in bf16; gradients and
     AdamW state stay fp32). ``runtime_bytes`` is what the process holds besides (its device's
-    :attr:`~.device_spec.DeviceSpec.runtime_bytes`).
+    :attr:`~.device_spec.DeviceSpec.runtime_bytes`). ``mapped_embedding``: the frozen base's input embedding stays a
+    view of the checkpoint's mapped file (:attr:`~.device_spec.DeviceSpec.maps_frozen_weights`), so only the rows a
+    step looks up are resident; counted so for an adapter's run where the table is neither sharded by ZeRO-3 (FSDP2
+    copies its shard) nor tied to the head (whose product reads every row).
 
     Under ZeRO-3 the busiest moment of a rank is FSDP2 making its largest unit whole (a layer, or the input
     embedding or output head, which are units of their own): the gathered buffer and the parameter copied out of it
@@ -224,12 +228,26 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
             estimate.gradients, estimate.optimizer = int(estimate.gradients * share), int(estimate.optimizer * share)
         estimate.context = context_buffer_bytes(shape, pc, per_device_batch // micro, seq_length, act_bytes,
                                                 kv_exchange)
+        if mapped_embedding and first and trainable_params is not None:
+            estimate.parameters -= _unread_embedding_bytes(shape, pc, vocab_tp, per_device_batch * seq_length // pc.cp,
+                                                           last, param_bytes)
         if last and shape.head != "classifier":
             estimate.logits_gradient = tokens * shape.vocab // vocab_tp * (FP32_BYTES + act_bytes)
         if best is None or estimate.total > best.total:
             best = estimate
     assert best is not None
     return best
+
+
+def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, vocab_tp: int, tokens: int, last: bool,
+                            param_bytes: int) -> int:
+    """Bytes of a file-mapped token embedding that a step never reads: the table less the rows ``tokens`` look
+    up (one page of a row each at most). Nothing when ZeRO-3 shards it (FSDP2 copies the shard into memory) or the
+    head on this stage is the same table."""
+    if (pc.zero_stage >= 3 and pc.dp * pc.cp > 1) or (last and shape.tied_embeddings):
+        return 0
+    rows = shape.vocab // vocab_tp
+    return max(rows - tokens, 0) * shape.hidden * param_bytes
 
 
 def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int) -> int:

@@ -471,7 +471,8 @@ class _Search:
         memory = estimate_memory(self.shape, config, batch, self.seq, self.act_bytes,
                                  attention_scores=self.runtime.attention == "materialized",
                                  kv_exchange=self.runtime.context_kv, trainable_params=self.trainable_params,
-                                 runtime_bytes=self.device.runtime_bytes)
+                                 runtime_bytes=self.device.runtime_bytes,
+                                 mapped_embedding=self.device.maps_frozen_weights)
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)

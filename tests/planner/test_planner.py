@@ -140,6 +140,50 @@ def test_zero3_counts_its_largest_unit_gathered_and_every_estimate_the_runtime()
     assert plan(cfg, 1, 1, 8, device=cpu).chosen.memory.runtime == cpu.runtime_bytes
 
 
+def _mapped_file(tensor: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s first byte (``/proc/self/maps``), or None for anonymous memory."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_a_frozen_file_mapped_embedding_counts_only_the_rows_a_step_looks_up(tmp_path):
+    """On CPU the loader keeps a checkpoint's weights as views of the mapped safetensors file, so an adapter run's
+    frozen input embedding is resident only for the rows its steps read (measured: a Qwen3-MoE slice's LoRA run sat
+    at 5.95 GiB with 0.56 GiB of its 0.58 GiB table never read, which the estimate counted whole). The planner counts
+    it so on a device that maps frozen weights, and whole where ZeRO-3 copies the shard, the head is the same table
+    or the embedding trains."""
+    import transformers
+
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        tie_word_embeddings=False))
+    hf.save_pretrained(tmp_path)
+    ours = mf.AutoModelForCausalLM.from_pretrained(tmp_path)
+    embedding = ours.get_input_embeddings().weight
+    assert _mapped_file(embedding) is not None and _mapped_file(embedding).startswith(str(tmp_path))
+
+    cfg, tokens = tiny("llama", vocab_size=32000, num_key_value_heads=2), 8
+    unread = (32000 - tokens) * 64 * 4  # fp32 rows no step reads
+
+    def saving(parallel, config=cfg, trainable=1000):
+        whole = estimate_memory(config, parallel, 1, tokens, trainable_params=trainable)
+        mapped = estimate_memory(config, parallel, 1, tokens, trainable_params=trainable, mapped_embedding=True)
+        return whole.total - mapped.total
+
+    assert saving(layout()) == unread
+    assert saving(layout(dp=2, optimizer_shard=1)) == unread
+    assert saving(layout(pp=2)) == 0  # the busiest stage is the last, with the head; the first holds the table
+    assert saving(layout(dp=2, optimizer_shard=3)) == 0  # FSDP2 copies its shard of the table
+    assert saving(layout(), trainable=None) == 0  # full fine-tuning updates every row
+    assert saving(layout(), tiny("llama", vocab_size=32000, tie_word_embeddings=True)) == 0  # the head reads it all
+    assert DeviceSpec.detect("cpu").maps_frozen_weights and not GPU.maps_frozen_weights
+
+
 def test_activations_grow_with_batch_and_sequence():
     cfg = tiny()
     base = estimate_memory(cfg, layout(), 2, 32).activations
