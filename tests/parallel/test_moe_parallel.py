@@ -14,7 +14,7 @@ expert; multi-token prediction where the name says ``mtp``) and compare every pa
 and the last step with stand-alone's under dp, ZeRO-1/2/3, recompute, ep, pp (the MTP module and a copy of the
 embedding on the last stage), cp x ep (the MTP module's tokens and targets ahead made from the whole sequence before
 it is cut, its block's attention on the main stack's ring), tp with a vocabulary-parallel head and dp x tp x ep (the
-MTP module split as the main stack's layers, ``eh_proj`` by its output features).
+MTP module split as the main stack's layers, ``eh_proj`` by its output features), and tp x cp.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     modules = [name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_modules()]
     held = [name for name in modules if name.startswith("model.layers.") and name.count(".") == 2]
     held += [name for name in ("model.embed_tokens", "mtp") if name in modules]
-    shapes = {name.replace("_checkpoint_wrapped_module.", ""): tuple((p.to_local() if hasattr(p, "to_local") else p).shape)
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 (this rank's part of a DTensor)
+    shapes = {name.replace("_checkpoint_wrapped_module.", ""): tuple(local(p).shape)
               for name, p in model.named_parameters()}
     engine.teardown()
     return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads,
