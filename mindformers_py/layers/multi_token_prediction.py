@@ -92,8 +92,9 @@ class MultiTokenPrediction(nn.Module):
 
     Token ``t_{i+k}`` at the last ``k`` positions lies beyond the sequence; those positions are given the sequence's
     first tokens instead (``torch.roll``), which only later, target-less, positions can see through causal
-    attention. The roll runs over the whole row: a context-parallel rank holding a chunk must pass the tokens that
-    follow its chunk itself (call the layers directly).
+    attention. The roll runs over the whole row: a rank holding chunks of the sequence (context parallelism) passes
+    ``ahead_ids`` instead, the tokens each depth embeds at its positions (:func:`tokens_ahead`, made from the whole
+    row before it was cut).
     """
 
     def __init__(self, hidden_size: int, num_layers: int, block_factory: Callable[[int], nn.Module],
@@ -103,14 +104,31 @@ class MultiTokenPrediction(nn.Module):
                                     for k in range(1, num_layers + 1))
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, head: nn.Module,
-                **block_kwargs: Any) -> tuple[list[torch.Tensor], list[Any]]:
+                ahead_ids: torch.Tensor | None = None, **block_kwargs: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        """``ahead_ids`` (B, T, D): the tokens each depth embeds (see the class docstring); None: from ``input_ids``."""
+        if ahead_ids is None:
+            ahead_ids = tokens_ahead(input_ids, len(self.layers))
         logits, extras = [], []
         for k, layer in enumerate(self.layers, start=1):
-            ahead = torch.roll(input_ids, shifts=-k, dims=-1)  # t_{i+k} at position i
+            ahead = ahead_ids[..., k - 1]  # t_{i+k} at position i
             hidden_states, depth_logits, extra = layer(hidden_states, embed(ahead), head, **block_kwargs)
             logits.append(depth_logits)
             extras.append(extra)
         return logits, extras
+
+
+def tokens_ahead(input_ids: torch.Tensor, depths: int) -> torch.Tensor:
+    """The tokens MTP modules ``1..depths`` embed at each position of ``input_ids`` (B, T): (B, T, depths), module
+    ``k``'s at ``[..., k - 1]``, ``t_{i+k}`` at position ``i`` (the row's first tokens past its end, see
+    :class:`MultiTokenPrediction`)."""
+    return torch.stack([torch.roll(input_ids, shifts=-k, dims=-1) for k in range(1, depths + 1)], dim=-1)
+
+
+def targets_ahead(labels: torch.Tensor, depths: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Every module's targets (:func:`mtp_targets`) of labels (B, T) aligned with the inputs: (B, T, depths), module
+    ``k``'s at ``[..., k - 1]``; what a rank holding chunks of the sequence (context parallelism) is given, made
+    from the whole row before it was cut (as the main loss's ``shift_labels``)."""
+    return torch.stack([mtp_targets(labels, k, ignore_index) for k in range(1, depths + 1)], dim=-1)
 
 
 def mtp_targets(labels: torch.Tensor, depth: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -121,18 +139,22 @@ def mtp_targets(labels: torch.Tensor, depth: int, ignore_index: int = IGNORE_IND
                                                            ignore_index)], dim=-1)
 
 
-def mtp_loss(logits: list[torch.Tensor] | tuple[torch.Tensor, ...], labels: torch.Tensor, weight: float,
-             num_items_in_batch: int | torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def mtp_loss(logits: list[torch.Tensor] | tuple[torch.Tensor, ...], labels: torch.Tensor | None, weight: float,
+             num_items_in_batch: int | torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+             targets: torch.Tensor | None = None) -> torch.Tensor:
     """The MTP loss ``weight / D · Σ_k CE(logits[k - 1], mtp_targets(labels, k))`` (DeepSeek-V3 eqs. 24-25;
     ``weight`` is its ``λ``, a model config's ``mtp_loss_weight``: 0.3 early in DeepSeek-V3's training, then 0.1).
 
     Each depth's cross-entropy is a mean over its positions with a target (``ignore_index`` elsewhere), or, with
     ``num_items_in_batch`` (the main loss's items of the whole optimizer step), its sum over them divided by that,
-    so micro-batch and data-parallel shares add up to the step's as the main loss's do."""
+    so micro-batch and data-parallel shares add up to the step's as the main loss's do. ``targets`` (B, T, D), when
+    given, are every module's targets already aligned with the positions (:func:`targets_ahead`; ``labels`` is then
+    not read): a rank holding chunks of the sequence cannot shift its labels across the chunks' edges."""
     if not logits:
         raise ValueError("mtp_loss needs the logits of at least one MTP module")
-    total = sum(token_cross_entropy(depth_logits, mtp_targets(labels, k, ignore_index), num_items_in_batch,
-                                    ignore_index=ignore_index)
+    if targets is None:
+        targets = targets_ahead(labels, len(logits), ignore_index)
+    total = sum(token_cross_entropy(depth_logits, targets[..., k - 1], num_items_in_batch, ignore_index=ignore_index)
                 for k, depth_logits in enumerate(logits, start=1))
     return total * (weight / len(logits))
 

@@ -105,12 +105,17 @@ def check_model(layout: Layout, cfg: Any, task: str | None = None, sequence_leng
             f"{what}{chunks} is not valid for num_hidden_layers={num_layers}; "
             f"expected at most {num_layers} model chunks (each needs a layer)"
         )
-    if getattr(cfg, "builds_mtp", False):  # GPTConfig.use_mtp: tested stand-alone, under dp x ep x ZeRO and pp
-        for field, size in (("context_parallel", layout.cp), ("model_parallel", layout.tp)):
-            if size > 1:
-                raise ConfigError(f"{field}={size} is not supported with multi-token prediction (use_mtp=True, "
-                                  f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}); set use_mtp=False "
-                                  f"or {field}=1")
+    if getattr(cfg, "builds_mtp", False) and layout.sequence_parallel:
+        # GPTConfig.use_mtp: each MTP module reads the main stack's hidden states and the embedding of the tokens
+        # ahead, whole sequences, where sequence parallelism would hand it a slice of the sequence
+        raise ConfigError(f"use_seq_parallel=True is not supported with multi-token prediction (use_mtp=True, "
+                          f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}): its modules read whole "
+                          "sequences; set use_seq_parallel=False or use_mtp=False")
+    if getattr(cfg, "builds_mtp", False) and layout.cp > 1 and layout.pp > 1:
+        # the last stage takes the MTP loss from labels aligned with the inputs, which a rank's chunks are not
+        raise ConfigError(f"context_parallel={layout.cp} with pipeline_stage={layout.pp} is not supported with "
+                          f"multi-token prediction (use_mtp=True, num_nextn_predict_layers="
+                          f"{cfg.num_nextn_predict_layers}); set context_parallel=1, pipeline_stage=1 or use_mtp=False")
     experts, source = expert_count(cfg)
     if experts is None and layout.ep > 1:
         raise ConfigError(f"expert_parallel={layout.ep} is not valid for a model without experts (a dense model); "

@@ -108,6 +108,22 @@ def test_labels_are_shifted_positions_numbered_and_padding_added_before_cutting(
         shard_batch({"input_ids": ids, "scores": torch.ones(1, 10)}, _sharding(0))
 
 
+def test_multi_token_prediction_inputs_and_targets_are_made_before_cutting():
+    """Module k embeds token t + k and scores against token t + k + 1 at position t: both made on the whole row, then
+    cut with it, so a chunk's edge takes them from the other rank's chunk (DeepSeek-V3's MTP, two modules)."""
+    ids = torch.arange(1, 11)[None]
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    parts = [shard_batch(batch, _sharding(r, shift_labels=True, tokens_ahead=2)) for r in range(2)]
+    # rank 0 holds positions 0, 1, 2, 9 and two of padding; rank 1 positions 3..8
+    assert parts[0]["mtp_input_ids"][..., 0].tolist() == [[2, 3, 4, 1, 0, 0]]  # past the end: the row's first tokens
+    assert parts[0]["mtp_input_ids"][..., 1].tolist() == [[3, 4, 5, 2, 0, 0]]
+    assert parts[1]["mtp_input_ids"][..., 0].tolist() == [[5, 6, 7, 8, 9, 10]]  # token 10 lives on rank 0's chunk
+    assert parts[0]["mtp_shift_labels"][..., 0].tolist() == [[3, 4, 5] + [IGNORE_INDEX] * 3]
+    assert parts[1]["mtp_shift_labels"][..., 0].tolist() == [[6, 7, 8, 9, 10, IGNORE_INDEX]]
+    assert parts[1]["mtp_shift_labels"][..., 1].tolist() == [[7, 8, 9, 10, IGNORE_INDEX, IGNORE_INDEX]]
+    assert "mtp_input_ids" not in shard_batch({"input_ids": ids}, _sharding(0, tokens_ahead=2))  # nothing to score
+
+
 @pytest.mark.parametrize("layout,model,kwargs,fragments", [
     (dict(context_parallel=2, context_parallel_algo="ulysses"), dict(num_attention_heads=3, hidden_size=48), {},
      ["num_attention_heads=3", "Ulysses group of 2"]),

@@ -11,8 +11,10 @@ named ``deepseek_v3_mtp_*`` adds a DeepSeek-V3 multi-token-prediction module (``
 logged apart, its block's router balanced with the others). Those named ``deepseek_v3_model_*`` run the whole
 DeepSeek-V3 shape (latent attention with a query latent, a dense first layer, then the router above with a shared
 expert; multi-token prediction where the name says ``mtp``) and compare every parameter's whole gradient of the first
-and the last step with stand-alone's under dp, ZeRO-1/2/3, recompute, ep, pp (with multi-token prediction: its module
-and a copy of the embedding on the last stage), cp and tp x ep.
+and the last step with stand-alone's under dp, ZeRO-1/2/3, recompute, ep, pp (the MTP module and a copy of the
+embedding on the last stage), cp x ep (the MTP module's tokens and targets ahead made from the whole sequence before
+it is cut, its block's attention on the main stack's ring), tp with a vocabulary-parallel head and dp x tp x ep (the
+MTP module split as the main stack's layers, ``eh_proj`` by its output features), and tp x cp.
 """
 
 from __future__ import annotations
@@ -142,9 +144,12 @@ def run_moe_layout(parallel: ParallelConfig, moe: dict | None = None, save_to: s
     modules = [name.replace("_checkpoint_wrapped_module.", "") for name, _ in model.named_modules()]
     held = [name for name in modules if name.startswith("model.layers.") and name.count(".") == 2]
     held += [name for name in ("model.embed_tokens", "mtp") if name in modules]
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 (this rank's part of a DTensor)
+    shapes = {name.replace("_checkpoint_wrapped_module.", ""): tuple(local(p).shape)
+              for name, p in model.named_parameters()}
     engine.teardown()
     return {"losses": losses, "grad_norms": norms, "metrics": metrics, "biases": biases, "loads": loads,
-            "gradients": gradients, "layers": held, "eval_loss": eval_loss}
+            "gradients": gradients, "layers": held, "eval_loss": eval_loss, "local_shapes": shapes}
 
 
 def _whole_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -203,13 +208,16 @@ LAYOUTS_2 = {
     "deepseek_v3_tp2": semi(model_parallel=2),
     "deepseek_v3_mtp_dp2_ep2_zero3_recompute": semi(data_parallel=2, expert_parallel=2, optimizer_shard=3,
                                                     recompute="full"),
-    # the whole DeepSeek-V3 shape (multi-token prediction where its layout checks allow it)
+    # the whole DeepSeek-V3 shape with multi-token prediction
     "deepseek_v3_model_mtp_dp2_ep2": semi(data_parallel=2, expert_parallel=2),
     "deepseek_v3_model_mtp_zero1": semi(data_parallel=2, optimizer_shard=1),
     "deepseek_v3_model_mtp_dp2_ep2_zero2": semi(data_parallel=2, expert_parallel=2, optimizer_shard=2),
     "deepseek_v3_model_mtp_zero3_recompute": semi(data_parallel=2, optimizer_shard=3, recompute="full"),
     "deepseek_v3_model_mtp_pp2_1f1b": semi(pipeline_stage=2, micro_batch_num=2, pipeline_schedule="1f1b"),
-    "deepseek_v3_model_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
+    # the MTP module's tokens and targets ahead made before the sequence is cut, its block on the ring
+    "deepseek_v3_model_mtp_cp2_ep2": semi(context_parallel=2, expert_parallel=2),
+    # the MTP module split as the main stack (its shared head the vocabulary-parallel one)
+    "deepseek_v3_model_mtp_tp2": semi(model_parallel=2, vocab_emb_dp=False),
 }
 # dp2 x tp2 x ep2 and dp2 x pp2 x ep2 also run through the recipe and the CLI (test_moe_recipe.py), plain ep2 in the
 # recipe x layout matrix (test_recipe_layouts.py); dp4 x ep4 with ZeRO-3 is the "saved" run below.
@@ -217,7 +225,9 @@ LAYOUTS_4 = {
     "dp4_ep2": semi(data_parallel=4, expert_parallel=2),  # experts replicated over pairs of ranks
     "dp4_ep2_zero2": semi(data_parallel=4, expert_parallel=2, optimizer_shard=2),  # ... and sharded over them
     "qwen3_moe_dp2_tp2_ep2_zero1": semi(data_parallel=2, model_parallel=2, expert_parallel=2, optimizer_shard=1),
-    "deepseek_v3_model_dp2_tp2_ep2": semi(data_parallel=2, model_parallel=2, expert_parallel=2),
+    "deepseek_v3_model_mtp_dp2_tp2_ep2": semi(data_parallel=2, model_parallel=2, expert_parallel=2),
+    # latent attention's heads split over tp, each head's sequence over the ring (the MTP block's too)
+    "deepseek_v3_model_mtp_tp2_cp2": semi(model_parallel=2, context_parallel=2),
 }
 # Under bf16 autocast (the default where the hardware has it), in the same launches: the router statistics travel
 # between pipeline stages beside bf16 hidden states (dp2 x pp2 x ep2 crashed there, issue 37).
@@ -322,8 +332,9 @@ def test_expert_parallel_checkpoint_consolidates(four_process_results):
 
 # After STEPS - 1 AdamW steps the weights differ by rounding (the sums run in other orders), which AdamW's nearly
 # sign-like updates of near-zero gradients amplify: the last step's gradients agree to 2e-3 of each tensor's largest
-# entry (measured: 5.5e-4 under dp2 x ep2, ZeRO 1/2/3 and pp2 with multi-token prediction, 1.4e-4 under cp2 x ep2
-# and dp2 x tp2 x ep2), the first step's to RTOL (measured: at most 6.6e-7). A gradient reduced once too often or too few is off by
+# entry (measured: 5.5e-4 under dp2 x ep2, ZeRO 1/2/3 and pp2 with multi-token prediction; with it, 2.8e-4 under
+# cp2 x ep2, 2.4e-4 under tp2, 5.5e-4 under dp2 x tp2 x ep2, 4.9e-4 under tp2 x cp2), the first step's to RTOL
+# (measured: at most 8.0e-7). A gradient reduced once too often or too few is off by
 # 50% or more.
 LAST_STEP_GRAD_RTOL = 2e-3
 
@@ -347,3 +358,13 @@ def _check_gradients(results, name, expected):
         assert [result[name]["layers"] for result in results] == [["model.layers.0", "model.embed_tokens"],
                                                                   ["model.layers.1", *mtp]]
         assert not results[0][name]["biases"][0] and set(results[1][name]["biases"][0]) == set(expected["biases"][0])
+    if "tp2" in name and model_of(name)["mtp"]:  # the MTP module split as the main stack's routed layer is
+        for result in results:
+            shapes, block = result[name]["local_shapes"], "mtp.layers.0.block."
+            split = {key for key in shapes if key.startswith(block) and shapes[key] != expected["local_shapes"][key]}
+            assert {key[len(block):] for key in split} >= {"self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
+                                                            "self_attn.o_proj.weight", "mlp.experts.gate_proj"}
+            for key in shapes:
+                if key.startswith(block):
+                    assert shapes[key] == shapes["model.layers.1." + key[len(block):]], (name, key)
+            assert shapes["mtp.layers.0.eh_proj.weight"] == (32, 128), (name, shapes["mtp.layers.0.eh_proj.weight"])

@@ -4,7 +4,9 @@ One 2-process job runs everything multi-process: the adapter gradients of one op
 micro-batches) under dp2, ZeRO-1, ZeRO-3, tp2 with sequence parallelism, pp2 and recompute through the engines,
 compared with stand-alone's (fp32; the LoRA matrices start random so both A and B get gradients); the same for a
 Qwen3-MoE whose experts' projections ``target_modules`` names (peft's LoRA on the stacked expert weights) under dp2,
-ZeRO-3, ep2, ep2 with ZeRO-3, tp2 and pp2 (dp2 x tp2 x ep2 runs in test_moe_parallel.py's 4-process job); then the LoRA
+ZeRO-3, ep2, ep2 with ZeRO-3, tp2 and pp2 (dp2 x tp2 x ep2 runs in test_moe_parallel.py's 4-process job); the same
+for the whole DeepSeek-V3 shape with multi-token prediction, LoRA on its latent attention's projections, the MTP
+module's ``eh_proj`` and the experts', under dp2 x ep2 and tp2; then the LoRA
 recipe (``tasks/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
 tp2 and pp2 (GPT-2 flavour, biases and a tied head), whose per-step losses must be stand-alone's (run through the CLI); and a ZeRO-3 run's adapter and
 checkpoint, which a stand-alone run loads and resumes.
@@ -58,6 +60,30 @@ def moe_peft_model() -> torch.nn.Module:
     model = mf.GPTForCausalLM(config)
     torch.manual_seed(1)
     return apply_peft(model, LORA, task="causal_lm").train()
+
+
+# DeepSeek-V3's projections: the latent attention's (query latent, joint key/value latent with the rotary key, their
+# up-projections, the output), multi-token prediction's eh_proj, and the dense, shared and routed experts'.
+DEEPSEEK_LORA = {**LORA, "target_modules": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                            "eh_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def deepseek_peft_model() -> torch.nn.Module:
+    """The whole tiny DeepSeek-V3 shape (latent attention with a query latent, a dense first layer, then 4 routed
+    experts behind the group-limited sigmoid router and a shared expert, a multi-token-prediction module) with random
+    LoRA matrices on every projection :data:`DEEPSEEK_LORA` names (the same on every rank)."""
+    torch.manual_seed(0)
+    config = mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=SEQ, attention_type="mla", q_lora_rank=16,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                          output_router_logits=True, use_mtp=True, num_nextn_predict_layers=1, mtp_loss_weight=0.3,
+                          moe_config={"expert_num": 4, "num_experts_chosen": 2, "routing_policy": "dropless",
+                                      "moe_intermediate_size": 16, "aux_loss_scope": "sequence",
+                                      "shared_expert_num": 1, "router_type": "deepseek_v3", "n_group": 2,
+                                      "topk_group": 1, "routed_scaling_factor": 2.5, "mlp_only_layers": [0]})
+    model = mf.GPTForCausalLM(config)
+    torch.manual_seed(1)
+    return apply_peft(model, DEEPSEEK_LORA, task="causal_lm").train()
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -131,6 +157,13 @@ EXPERT_GRADIENT_LAYOUTS = {
     "tp2": _semi(model_parallel=2),
     "pp2": _semi(pipeline_stage=2, micro_batch_num=2),
 }
+# The whole DeepSeek-V3 shape with LoRA on its latent attention, multi-token prediction and experts: experts split
+# over ep, and every projection split as tensor parallelism splits its base layer (the latent down-projections
+# whole, eh_proj column-parallel with its output gathered)
+DEEPSEEK_GRADIENT_LAYOUTS = {
+    "dp2_ep2": _semi(data_parallel=2, expert_parallel=2),
+    "tp2": _semi(model_parallel=2),
+}
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
     # Sequence parallelism is left to the gradient check: it needs a sequence length divisible by the tensor-parallel
@@ -188,7 +221,9 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
 
     out: dict = {"gradients": {name: adapter_gradients(layout) for name, layout in GRADIENT_LAYOUTS.items()},
                  "expert_gradients": {name: adapter_gradients(layout, moe_peft_model)
-                                      for name, layout in EXPERT_GRADIENT_LAYOUTS.items()}}
+                                      for name, layout in EXPERT_GRADIENT_LAYOUTS.items()},
+                 "deepseek_gradients": {name: adapter_gradients(layout, deepseek_peft_model)
+                                        for name, layout in DEEPSEEK_GRADIENT_LAYOUTS.items()}}
     out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
@@ -234,6 +269,20 @@ def assert_expert_gradients(got: dict[str, torch.Tensor], name: str) -> None:
 @pytest.mark.parametrize("name", list(EXPERT_GRADIENT_LAYOUTS))
 def test_expert_adapter_gradients_equal_stand_alone(job, name):
     assert_expert_gradients(job[1]["expert_gradients"][name], name)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_GRADIENT_LAYOUTS))
+def test_deepseek_v3_adapter_gradients_equal_stand_alone(job, name):
+    """LoRA on MLA's projections (query and key/value latents, their up-projections, the output), on the MTP
+    module's eh_proj and block, and on the dense, shared and routed experts: 31 adapted projections, A and B each."""
+    expected, got = adapter_gradients(ParallelConfig(), deepseek_peft_model), job[1]["deepseek_gradients"][name]
+    assert set(got) == set(expected) and len(expected) == 62
+    for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mtp.layers.0.eh_proj",
+                 "mtp.layers.0.block.mlp.experts", "shared_expert.down_proj"):
+        assert any(part in key for key in expected), part
+    for key, grad in expected.items():
+        assert grad.abs().max() > 0, key
+        torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
 
 
 BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch

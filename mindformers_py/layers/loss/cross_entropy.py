@@ -44,6 +44,11 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, num_items_in
     reduction = "mean" if num_items_in_batch is None else "sum"
     logits, targets = _scored_rows(logits.flatten(0, -2), targets.flatten(), ignore_index)
     loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
+    if hasattr(loss, "to_local"):
+        # vocabulary-parallel logits under loss_parallel give a replicated DTensor: each rank's local value is the
+        # whole loss. A plain tensor can take the losses added to it (router losses, multi-token prediction), which a
+        # DTensor takes in forward but not in backward.
+        loss = loss.to_local()
     return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch, 1)
 
 

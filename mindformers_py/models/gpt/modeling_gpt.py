@@ -309,12 +309,16 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         (:meth:`router_loss`), as transformers' Mixtral does. With multi-token prediction built and ``labels``, the
         loss includes the weighted MTP loss, also returned as ``mtp_loss`` (see the class docstring)."""
         shifted = kwargs.pop("shift_labels", None)  # transformers' pre-shifted targets (sequence/context parallel)
+        # ... and multi-token prediction's, with the tokens it embeds, made before the sequence was cut (see
+        # tokens_ahead)
+        ahead_ids, ahead_targets = kwargs.pop("mtp_input_ids", None), kwargs.pop("mtp_shift_labels", None)
         # the last pipeline stage asks for the MTP logits (an attribute of the output), the loss being taken later
         mtp_logits_wanted = bool(kwargs.pop("return_mtp_logits", False)) and self.mtp is not None
         predicts_ahead = self.mtp is not None and (labels is not None or mtp_logits_wanted)
-        if predicts_ahead and shifted is not None:
-            raise MindFormersError("multi-token prediction (use_mtp) needs labels aligned with the inputs, not "
-                                   "shift_labels (context parallelism); set use_mtp=False")
+        if predicts_ahead and shifted is not None and (ahead_ids is None or ahead_targets is None):
+            raise MindFormersError("multi-token prediction (use_mtp) with shift_labels (a sequence cut into chunks) "
+                                   "needs mtp_input_ids and mtp_shift_labels made before the cut, as context "
+                                   "parallelism's batches carry them; pass labels aligned with the inputs instead")
         # token_type_ids (GPT-2's segments) named here: transformers' generate passes only the inputs forward names
         out = self.model(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                          token_type_ids=token_type_ids, **kwargs, **({"mtp_inputs": True} if predicts_ahead else {}))
@@ -326,14 +330,21 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         if predicts_ahead:
-            mtp_logits = multi_token_logits(self, out.mtp_inputs, input_ids)
+            mtp_logits = multi_token_logits(self, out.mtp_inputs, input_ids, ahead_ids)
         if predicts_ahead and labels is not None:
-            mtp = multi_token_prediction_loss(self, mtp_logits, labels, num_items_in_batch)
+            mtp = multi_token_prediction_loss(self, mtp_logits, labels, num_items_in_batch, targets=ahead_targets)
             loss = loss + mtp
         output = self._lm_output(out, loss, logits, mtp, shifted, labels, num_items_in_batch, kwargs)
         if mtp_logits_wanted:
             output.mtp_logits = torch.stack(mtp_logits, dim=1)  # an attribute, not a field: (B, D, T, V)
         return output
+
+    @property
+    def tokens_ahead(self) -> int:
+        """How many tokens beyond the next one the loss predicts (multi-token prediction's depth, else 0): a batch
+        cut into chunks (context parallelism) then carries ``mtp_input_ids`` and ``mtp_shift_labels``, made from
+        the whole sequence before the cut (:func:`~mindformers_py.layers.multi_token_prediction.tokens_ahead`)."""
+        return self.config.num_nextn_predict_layers if self.config.builds_mtp else 0
 
     @property
     def pipeline_outputs(self) -> tuple[str, ...]:
@@ -407,9 +418,9 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             loss = self.router_loss(stats, labels[0], num_items_in_batch, counted, **shift)[1]
         mtp_logits = carried.get("mtp_logits")
         if mtp_logits is not None:
-            if labels_shifted:
-                raise MindFormersError("multi-token prediction (use_mtp) needs labels aligned with the inputs, not "
-                                       "shift_labels (context parallelism); set use_mtp=False")
+            if labels_shifted:  # (the layout checks refuse context x pipeline parallelism with it)
+                raise MindFormersError("multi-token prediction (use_mtp) under pipeline stages needs labels aligned "
+                                       "with the inputs, not shift_labels (context parallelism); set use_mtp=False")
             mtp = multi_token_prediction_loss(self, list(mtp_logits.unbind(1)), labels[0], num_items_in_batch, counted)
             loss = mtp if loss is None else loss + mtp
         return loss

@@ -39,28 +39,45 @@ def build_multi_token_prediction(config: GPTConfig) -> MultiTokenPrediction:
         mlp = MoE.from_config(config) if routed else None
         return TransformerBlock(config, config.num_hidden_layers + k - 1, mlp=mlp)
 
-    return MultiTokenPrediction(config.hidden_size, config.num_nextn_predict_layers, block, config.norm_eps)
+    mtp = MultiTokenPrediction(config.hidden_size, config.num_nextn_predict_layers, block, config.norm_eps)
+    mtp._tp_plan = multi_token_tp_plan(config)  # merged into the model's ``tp_plan`` under ``mtp.`` by post_init
+    return mtp
 
 
-def multi_token_logits(model: Any, inputs: dict[str, Any], input_ids: torch.Tensor | None) -> list[torch.Tensor]:
+def multi_token_tp_plan(config: GPTConfig) -> dict[str, str]:
+    """How tensor parallelism splits the MTP modules (names relative to ``mtp``): each block as the main stack's
+    layers (the base plan's ``layers.*.`` entries, under ``layers.*.block.``; entries naming modules the block lacks
+    match nothing), ``eh_proj`` by its output features with the output gathered (``colwise_rep``: the block's input
+    is whole on every rank, as the main stack's residual stream is), the norms whole as the main stack's."""
+    layer = "layers.*."
+    plan = {f"{layer}block.{key[len(layer):]}": style for key, style in config.base_model_tp_plan.items()
+            if key.startswith(layer)}
+    return {f"{layer}eh_proj": "colwise_rep", **plan}
+
+
+def multi_token_logits(model: Any, inputs: dict[str, Any], input_ids: torch.Tensor | None,
+                       ahead_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each MTP module's logits (B, T, V) of a causal-LM model (``model.mtp``, ``model.model.embed_tokens``,
     ``model.lm_head``) from the base model's ``mtp_inputs`` (pre-norm hidden states, the last layer's mask and rotary
-    positions, the MoE token mask)."""
-    if input_ids is None:
+    positions, the MoE token mask); ``ahead_ids`` (B, T, D): the tokens each module embeds, when the batch carries
+    them (``mtp_input_ids``: a context-parallel rank's chunks), else made from ``input_ids``."""
+    if input_ids is None and ahead_ids is None:
         raise MindFormersError("multi-token prediction (use_mtp) needs input_ids with labels: it embeds the tokens "
                                "ahead; pass input_ids instead of inputs_embeds, or set use_mtp=False")
     logits, _ = model.mtp(inputs["hidden_states"], input_ids, model.model.embed_tokens, model.lm_head,
-                          attention_mask=inputs["attention_mask"], position_embeddings=inputs["position_embeddings"],
-                          token_mask=inputs["token_mask"])
+                          ahead_ids=ahead_ids, attention_mask=inputs["attention_mask"],
+                          position_embeddings=inputs["position_embeddings"], token_mask=inputs["token_mask"])
     return logits
 
 
-def multi_token_prediction_loss(model: Any, logits: list[torch.Tensor], labels: torch.Tensor,
-                                num_items_in_batch: int | torch.Tensor | None, counted: bool = True) -> torch.Tensor:
+def multi_token_prediction_loss(model: Any, logits: list[torch.Tensor], labels: torch.Tensor | None,
+                                num_items_in_batch: int | torch.Tensor | None, counted: bool = True,
+                                targets: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted MTP loss of a causal-LM model from its MTP modules' ``logits`` and the labels aligned with the
-    inputs; counted for the Trainer's logs in training (unless ``counted`` is False: a pipeline's placeholder
-    call)."""
-    loss = mtp_loss(logits, labels, model.config.mtp_loss_weight, num_items_in_batch)
+    inputs (or each module's ``targets`` (B, T, D) aligned with the positions, when the batch carries them:
+    ``mtp_shift_labels``); counted for the Trainer's logs in training (unless ``counted`` is False: a pipeline's
+    placeholder call)."""
+    loss = mtp_loss(logits, labels, model.config.mtp_loss_weight, num_items_in_batch, targets=targets)
     if counted and model.training and model.mtp_metrics is not None:
         model.mtp_metrics.add(loss)
     return loss

@@ -6,7 +6,8 @@ Model code does not change (a model declares, ``parallel/`` applies). :func:`app
 * **attention**: the ``core`` of every self-attention :class:`~mindformers_py.layers.Attention` and
   :class:`~mindformers_py.layers.latent_attention.LatentAttention` (the part selective recompute also swaps) becomes one that attends over the whole sequence (:mod:`.attention`: Ulysses,
   ring or hybrid); cross-attention gathers the encoder's keys and values. Projections, rotary positions and the
-  output projection stay local.
+  output projection stay local. Multi-token prediction's blocks attend over the sequence of the stack they follow
+  (its view, below).
 * **masks**: a forward pre-hook on each stack of layers (``GPTModel``, ``BertModel``, each ``T5Stack``,
   ``ViTModel``) gathers the small per-token inputs of the forward pass (padding mask and positions, a few integers
   per token) from the group and records the whole sequence's :class:`~.attention.AttentionView`, which its
@@ -183,7 +184,8 @@ class ContextParallel:
             cp_rank=self.groups.cp_rank, ring=self.groups.ring, ulysses=self.groups.ulysses, source=source,
             target=target, shift_labels=bool(task is not None and task.shifted_labels),
             token_labels=tokens_task and not (task is not None and task.shifted_labels),
-            decoder_inputs=getattr(model, "prepare_decoder_input_ids_from_labels", None) if encoder_decoder else None)
+            decoder_inputs=getattr(model, "prepare_decoder_input_ids_from_labels", None) if encoder_decoder else None,
+            tokens_ahead=int(getattr(model, "tokens_ahead", 0) or 0))
 
     def task_of(self, model: nn.Module) -> Any:
         """The task ``model`` trains: :attr:`task`, else the model's own ``task_spec`` (None for a base model)."""
@@ -229,16 +231,31 @@ def _stack_attentions(module: nn.Module) -> list[Attention | LatentAttention]:
             if isinstance(m, (Attention, LatentAttention))]
 
 
+def _holds_blocks(module: nn.Module, directly: bool) -> bool:
+    """Whether ``module``'s ``layers`` are transformer blocks (``directly``; recompute's checkpoint wrappers seen
+    through), or only wrap some (multi-token prediction's modules, each around a block)."""
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, nn.Module):
+        return False
+    direct = any(isinstance(getattr(m, "_checkpoint_wrapped_module", m), TransformerBlock) for m in layers.children())
+    return direct if directly else not direct and any(isinstance(m, TransformerBlock) for m in layers.modules())
+
+
 def _stacks(model: nn.Module) -> list[_Stack]:
-    """The stacks of layers in ``model`` (modules with ``layers`` holding transformer blocks), in forward order."""
+    """The stacks of layers in ``model`` (modules whose ``layers`` are transformer blocks), in forward order."""
     found = []
     for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.Module) and any(isinstance(m, TransformerBlock) for m in layers.modules()):
+        if _holds_blocks(module, directly=True):
             attentions = [a for a in _stack_attentions(module) if not a.cross_attention]
             if attentions:
                 found.append(_Stack(module, attentions[0].is_causal))
     return found
+
+
+def _followers(model: nn.Module) -> list[nn.Module]:
+    """Modules whose ``layers`` wrap transformer blocks (multi-token prediction's modules): they run after the
+    model's stack, on its sequence, so their attention reads that stack's view."""
+    return [module for module in model.modules() if _holds_blocks(module, directly=False)]
 
 
 class _SelfAttentionCore:
@@ -289,6 +306,9 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel) -> nn.Mod
                 attention.core = _CrossAttentionCore(stack, context)
             else:
                 attention.core = _SelfAttentionCore(stack, context, attention.sliding_window)
+    for follower in _followers(model):
+        for attention in _stack_attentions(follower):
+            attention.core = _SelfAttentionCore(stacks[-1], context, attention.sliding_window)
     if task is not None and task.model_input != "input_ids":
         _cut_embeddings(model, stacks[0], context)
     if task is not None and task.items != "tokens":

@@ -7,6 +7,9 @@ sequences on a ring). Before cutting, what needs the whole sequence is made from
 * **labels are shifted first** (transformers' ``shift_labels`` convention, which accelerate and trl send too):
   a causal LM scores position t against token t + 1, which may live on another rank, so ``shift_labels`` is
   computed on the whole row and split like the inputs; the loss then uses it unshifted;
+* **multi-token prediction's inputs and targets** likewise (a model whose ``tokens_ahead`` is ``D`` > 0): module
+  ``k`` embeds token t + k and scores against token t + k + 1 at position t, so ``mtp_input_ids`` and
+  ``mtp_shift_labels`` (B, T, D) are made on the whole row and cut like the inputs;
 * **positions are the whole sequence's**: ``position_ids`` 0..T-1 (or the model's own numbering: BERT's offset,
   RoBERTa's count of real tokens) are made before cutting, so learned tables and RoPE see true positions (T5's
   relative buckets are computed by the attention from the layout);
@@ -29,12 +32,14 @@ import torch.nn.functional as F
 from ...errors import ConfigError
 from ...layers.embedding import padding_aware_position_ids
 from ...layers.loss import IGNORE_INDEX
+from ...layers.multi_token_prediction import targets_ahead, tokens_ahead
 from .layout import ContextLayout
 
 # Batch keys holding one value per token of the model's input sequence, and what padding fills them with (None:
 # the key's own rule below).
 INPUT_KEYS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": None,
-              "shift_labels": IGNORE_INDEX, "special_tokens_mask": 1}
+              "shift_labels": IGNORE_INDEX, "special_tokens_mask": 1, "mtp_input_ids": None,
+              "mtp_shift_labels": IGNORE_INDEX}
 # The same for an encoder-decoder's target sequence.
 DECODER_KEYS = {"decoder_input_ids": None, "decoder_attention_mask": 0}
 
@@ -71,6 +76,8 @@ class BatchSharding:
         shift_labels: the task is a causal LM whose labels must be shifted before cutting.
         token_labels: ``labels`` hold one entry per token of the input (masked LM, token classification).
         decoder_inputs: makes the decoder's inputs from whole labels (an encoder-decoder), or None.
+        tokens_ahead: multi-token prediction's depth (the model's ``tokens_ahead``; 0: none): its tokens and targets
+            ahead are made from the whole labelled rows before cutting.
     """
 
     cp_rank: int
@@ -81,6 +88,7 @@ class BatchSharding:
     shift_labels: bool = False
     token_labels: bool = False
     decoder_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None
+    tokens_ahead: int = 0
 
     def layout(self, length: int, causal: bool) -> ContextLayout:
         """The layout of a sequence of ``length`` tokens (already padded to its multiple)."""
@@ -106,6 +114,9 @@ def shard_batch(batch: Mapping[str, Any], sharding: BatchSharding) -> dict[str, 
     source_keys = dict(INPUT_KEYS)
     if sharding.token_labels and isinstance(out.get("labels"), torch.Tensor):
         source_keys["labels"] = IGNORE_INDEX
+    if sharding.tokens_ahead and isinstance(out.get("labels"), torch.Tensor) and "mtp_shift_labels" not in out:
+        out["mtp_input_ids"] = tokens_ahead(ids, sharding.tokens_ahead)
+        out["mtp_shift_labels"] = targets_ahead(out["labels"], sharding.tokens_ahead)
     if sharding.shift_labels and isinstance(out.get("labels"), torch.Tensor) and "shift_labels" not in out:
         out["shift_labels"] = F.pad(out["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
         source_keys["labels"] = IGNORE_INDEX
@@ -170,4 +181,4 @@ def _pad(value: torch.Tensor, extra: int, key: str, fill: Any, stream: StreamSpe
         return torch.cat([value, last + torch.arange(1, extra + 1, device=value.device)], dim=1)
     if fill is None:  # token ids
         fill = stream.pad_token_id
-    return F.pad(value, (0, extra), value=fill)
+    return F.pad(value, (0, 0) * (value.ndim - 2) + (0, extra), value=fill)  # along the tokens (dimension 1)

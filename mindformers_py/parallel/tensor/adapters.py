@@ -6,17 +6,19 @@ adapter as ``q_proj.lora_A.<name>`` (``in -> r``) and ``q_proj.lora_B.<name>`` (
 ``lora_B(lora_A(x)) * scaling`` to the base layer's output. The plan's style for ``q_proj`` is applied to
 ``base_layer``, and the adapter so that the sum of the two is formed from tensors sharded alike:
 
-=============  =========================================================  ========================================
-base layer     ``lora_A`` (in -> r)                                        ``lora_B`` (r -> out)
-=============  =========================================================  ========================================
-``colwise``    whole on every rank: its input is the replicated ``x``      ``colwise``: each rank makes its output
+===============  ========================================================  =======================================
+base layer       ``lora_A`` (in -> r)                                      ``lora_B`` (r -> out)
+===============  ========================================================  =======================================
+``colwise``      whole on every rank: its input is the replicated ``x``    ``colwise``: each rank makes its output
                                                                            slice; the backward all-reduces
                                                                            ``lora_A``'s output gradient
-``rowwise``    ``rowwise``: each rank contracts its input slice, the r    whole on every rank (with sequence
-               outputs are all-reduced (reduce-scattered over the          parallelism, ``SequenceParallel``: its
-               sequence with sequence parallelism)                        weight gradient is summed over the
+``colwise_rep``  whole on every rank                                       ``colwise_rep``: each rank makes its
+                                                                           output slice, the slices all-gathered
+``rowwise``      ``rowwise``: each rank contracts its input slice, the r   whole on every rank (with sequence
+                 outputs are all-reduced (reduce-scattered over the        parallelism, ``SequenceParallel``: its
+                 sequence with sequence parallelism)                       weight gradient is summed over the
                                                                            sequence shards)
-=============  =========================================================  ========================================
+===============  ========================================================  =======================================
 
 Other adapters on a sharded layer (IA3, LoHa, DoRA's magnitude, LoRA on a vocabulary-parallel embedding or head,
 ...) are refused in one line naming the module rather than trained on the wrong shapes.
@@ -63,11 +65,14 @@ def _plain_lora(module: nn.Module) -> bool:
 
 
 def _kind(style: ParallelStyle) -> str | None:
-    """``colwise`` or ``rowwise`` for the plan's plain projection styles (replicated in, sharded out / sharded in,
-    reduced out), None for the vocabulary-parallel ones and the others."""
-    if isinstance(style, ColwiseParallel) and style.input_layouts == (Replicate(),) \
-            and style.output_layouts == (Shard(-1),) and style.use_local_output:
-        return "colwise"
+    """``colwise``, ``colwise_rep`` or ``rowwise`` for the plan's plain projection styles (replicated in, sharded
+    out / replicated in, gathered out / sharded in, reduced out), None for the vocabulary-parallel ones and the
+    others."""
+    if isinstance(style, ColwiseParallel) and style.input_layouts == (Replicate(),) and style.use_local_output:
+        if style.output_layouts == (Shard(-1),):
+            return "colwise"
+        if style.output_layouts == (Replicate(),):
+            return "colwise_rep"
     if isinstance(style, RowwiseParallel) and style.input_layouts == (Shard(-1),) and style.use_local_output:
         return "rowwise"
     return None
@@ -98,6 +103,8 @@ def adapter_styles(model: nn.Module, styles: Mapping[str, ParallelStyle], *, tp:
         for adapter in module.lora_A:
             if kind == "colwise":
                 out[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            elif kind == "colwise_rep":
+                out[f"{name}.lora_B.{adapter}"] = ColwiseParallel(output_layouts=Replicate())
             else:
                 out[f"{name}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=style.output_layouts[0])
                 if sequence_out:

@@ -11,6 +11,10 @@ plan string                torch style
                            over the sequence with sequence parallelism)
 ``embedding_rowwise``      ``RowwiseParallel(input_layouts=Replicate())``: vocabulary rows split, looked-up
                            vectors all-reduced. Only with ``vocab_emb_dp=False``.
+``colwise_rep``            ``ColwiseParallel(output_layouts=Replicate())``: output features split, the outputs
+                           all-gathered (a projection whose output enters the residual stream whole on every
+                           rank: multi-token prediction's ``eh_proj``, Megatron's column-parallel one; not with
+                           ``use_seq_parallel``)
 ``colwise_gather_output``  ``ColwiseParallel(output_layouts=Replicate())``: vocabulary split, logits gathered.
                            Only with ``vocab_emb_dp=False``, where in training the logits are instead kept
                            sharded (``Shard(-1)`` DTensor) for ``loss_parallel``; in eval mode (evaluation,
@@ -66,8 +70,8 @@ from ...errors import ConfigError, invalid_choice
 from ...layers import RMSNorm
 from .adapters import adapter_styles
 
-PLAN_STYLES = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "replicated_with_grad_allreduce",
-               "replicated", "shared_by_heads")
+PLAN_STYLES = ("colwise", "colwise_rep", "rowwise", "embedding_rowwise", "colwise_gather_output",
+               "replicated_with_grad_allreduce", "replicated", "shared_by_heads")
 # Where a per-head norm's input keeps its heads: (B, T, heads, head_dim), as layers.attention applies them.
 _HEADS_DIM = 2
 # Where the residual stream is cut into sequence shards: the base model's embedding dropout, which runs after
@@ -143,6 +147,8 @@ def _styles(
             if kind == "colwise":
                 styles[name] = ColwiseParallel()
                 block_inputs.add(name.rpartition(".")[0])
+            elif kind == "colwise_rep":
+                styles[name] = ColwiseParallel(output_layouts=Replicate())
             elif kind == "rowwise":
                 styles[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
             elif kind == "replicated_with_grad_allreduce":

@@ -144,17 +144,23 @@ def test_training_logs_the_mtp_loss_apart(saved):
     assert "load_imbalance" in logs and "mtp_loss" in model.training_metrics.postfix_keys
 
 
-def test_layouts_without_the_module_on_every_rank_are_refused(saved):
-    """Context and tensor parallelism are refused with multi-token prediction; data and pipeline parallelism run it
-    (tests/parallel/test_moe_parallel.py)."""
+def test_layouts_that_cut_what_the_module_reads_are_refused(saved):
+    """Sequence parallelism (the module reads whole sequences) and context x pipeline parallelism (the last stage's
+    MTP loss needs labels aligned with the inputs) are refused with multi-token prediction; data, tensor, context
+    and pipeline parallelism run it (tests/parallel/test_moe_parallel.py)."""
     _, with_mtp, _ = saved
     config = mf.AutoModelForCausalLM.from_pretrained(with_mtp).config
-    layouts = {"context_parallel": dict(context_parallel=2), "model_parallel": dict(model_parallel=2)}
-    for field, layout in layouts.items():
-        with pytest.raises(ConfigError, match=f"{field}=2 .*num_nextn_predict_layers=1"):
-            ParallelConfig(parallel_mode="semi_auto_parallel", **layout).validate_for(2, config)
-        config.use_mtp = False
-        ParallelConfig(parallel_mode="semi_auto_parallel", **layout).validate_for(2, config)
-        config.use_mtp = True
+    layouts = {"use_seq_parallel=True": (2, dict(model_parallel=2, use_seq_parallel=True)),
+               "context_parallel=2 with pipeline_stage=2": (4, dict(context_parallel=2, pipeline_stage=2,
+                                                                     micro_batch_num=2))}
+    for what, (world, layout) in layouts.items():
+        with pytest.raises(ConfigError, match=f"{what} .*num_nextn_predict_layers=1"):
+            ParallelConfig(parallel_mode="semi_auto_parallel", **layout).validate_for(world, config)
+    config.use_mtp = False  # (sequence parallelism stays refused for this model's experts)
+    ParallelConfig(parallel_mode="semi_auto_parallel", **layouts["context_parallel=2 with pipeline_stage=2"][1]
+                   ).validate_for(4, config)
+    config.use_mtp = True
     ParallelConfig(parallel_mode="data_parallel", data_parallel=2).validate_for(2, config)
+    ParallelConfig(parallel_mode="semi_auto_parallel", model_parallel=2).validate_for(2, config)
+    ParallelConfig(parallel_mode="semi_auto_parallel", context_parallel=2).validate_for(2, config)
     ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2).validate_for(2, config)
