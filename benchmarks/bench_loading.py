@@ -34,10 +34,21 @@ attention alone it peaked at 8.88 GiB, its step still 20 minutes on 2 shared cor
 stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128
 experts of every layer).
 
+``--checkpoint deepseek_v3_slice``: the same for DeepSeek-V3's architecture (transformers' ``deepseek_v3``) at a
+released model's real widths, Moonlight-16B-A3B's (hidden 2048; multi-head latent attention with 16 heads, no query
+latent, a key/value latent of 512, 128 + 64 query/key and 128 value dimensions per head; a dense first layer of 11264;
+then 64 routed experts of 1408 with 6 per token, sigmoid scores, plus 2 shared; a 163840-token vocabulary, untied)
+with 4 of its 27 layers (1 dense + 3 MoE): 2.51 B parameters, 1.66 B in routed experts, a non-zero
+``e_score_correction_bias``, bf16, 1 GB shards (5.0 GB), made once into ``runs/bench_loading/deepseek_v3_slice``.
+DeepSeek-V3's own widths would not fit the development machine (one of its MoE layers is 11 B parameters). The same
+recipe and flags, its LoRA on latent attention's projections (``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+``o_proj``), stand-alone and under ep2 (32 of the 64 experts a rank).
+
     python benchmarks/bench_loading.py                     # all of it (about 10 minutes on 2 cores)
     python benchmarks/bench_loading.py --skip-recipe       # the load comparison only
     python benchmarks/bench_loading.py --layouts dp2_zero3 # one layout
     python benchmarks/bench_loading.py --checkpoint qwen3_moe_slice   # the expert-heavy checkpoint
+    python benchmarks/bench_loading.py --checkpoint deepseek_v3_slice # DeepSeek-V3's architecture
 """
 
 from __future__ import annotations
