@@ -34,10 +34,21 @@ attention alone it peaked at 8.88 GiB, its step still 20 minutes on 2 shared cor
 stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128
 experts of every layer).
 
+``--checkpoint deepseek_v3_slice``: the same for DeepSeek-V3's architecture (transformers' ``deepseek_v3``) at a
+released model's real widths, Moonlight-16B-A3B's (hidden 2048; multi-head latent attention with 16 heads, no query
+latent, a key/value latent of 512, 128 + 64 query/key and 128 value dimensions per head; a dense first layer of 11264;
+then 64 routed experts of 1408 with 6 per token, sigmoid scores, plus 2 shared; a 163840-token vocabulary, untied)
+with 4 of its 27 layers (1 dense + 3 MoE): 2.51 B parameters, 1.66 B in routed experts, a non-zero
+``e_score_correction_bias``, bf16, 1 GB shards (5.0 GB), made once into ``runs/bench_loading/deepseek_v3_slice``.
+DeepSeek-V3's own widths would not fit the development machine (one of its MoE layers is 11 B parameters). The same
+recipe and flags, its LoRA on latent attention's projections (``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+``o_proj``), stand-alone and under ep2 (32 of the 64 experts a rank).
+
     python benchmarks/bench_loading.py                     # all of it (about 10 minutes on 2 cores)
     python benchmarks/bench_loading.py --skip-recipe       # the load comparison only
     python benchmarks/bench_loading.py --layouts dp2_zero3 # one layout
     python benchmarks/bench_loading.py --checkpoint qwen3_moe_slice   # the expert-heavy checkpoint
+    python benchmarks/bench_loading.py --checkpoint deepseek_v3_slice # DeepSeek-V3's architecture
 """
 
 from __future__ import annotations
@@ -80,15 +91,30 @@ QWEN3_MOE_SLICE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=61
                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
                        bos_token_id=151643, eos_token_id=151645)
+# Moonlight-16B-A3B's widths (its config.json: Moonshot's DeepSeek-V3-architecture model), 4 of its 27 layers: the
+# dense first layer and 3 MoE layers. DeepSeek-V3's own do not fit a 24 GiB machine (one MoE layer is 11 B parameters).
+DEEPSEEK_V3_SLICE = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                         num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+                         q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1,
+                         topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, num_nextn_predict_layers=0,
+                         rms_norm_eps=1e-5, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, tie_word_embeddings=False,
+                         bos_token_id=163584, eos_token_id=163586)
 # name -> (transformers config and model classes, config, shard size, the LoRA recipe, its layouts, its LoRA's
 # target modules (None: the recipe's), the recipe's other flags)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# multi-head latent attention's projections (no query latent at Moonlight's widths: q_proj is the whole query)
+LATENT_ATTENTION = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 CHECKPOINTS = {
     "llama_1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B, "800MB", "tasks/gpt/finetune_lora.yaml", LAYOUTS,
                  None, []),
     "qwen3_moe_slice": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE_SLICE, "1GB",
                         "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, ATTENTION,
                         ["--generate.max_new_tokens", "8"]),
+    "deepseek_v3_slice": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3_SLICE, "1GB",
+                          "tasks/gpt/finetune_lora_qwen3.yaml", MOE_LAYOUTS, LATENT_ATTENTION,
+                          ["--generate.max_new_tokens", "8"]),
 }
 
 # One side of the load comparison, run in a fresh interpreter: prints one JSON line.
@@ -134,6 +160,9 @@ def make_checkpoint(folder: Path, name: str = "llama_1b") -> None:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        for bname, buffer in model.named_buffers():  # DeepSeek-V3's expert bias (selection only): non-zero, as trained
+            if bname.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.01)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     model.save_pretrained(tmp, max_shard_size=shard_size)
