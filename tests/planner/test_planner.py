@@ -155,8 +155,8 @@ def test_a_frozen_file_mapped_embedding_counts_only_the_rows_a_step_looks_up(tmp
     """On CPU the loader keeps a checkpoint's weights as views of the mapped safetensors file, so an adapter run's
     frozen input embedding is resident only for the rows its steps read (measured: a Qwen3-MoE slice's LoRA run sat
     at 5.95 GiB with 0.56 GiB of its 0.58 GiB table never read, which the estimate counted whole). The planner counts
-    it so on a device that maps frozen weights, and whole where ZeRO-3 copies the shard, the head is the same table
-    or the embedding trains."""
+    it so on a device that maps frozen weights, and whole where ZeRO-3 or tensor parallelism reads the table into
+    memory, the head is the same table or the embedding trains."""
     import transformers
 
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -179,6 +179,7 @@ def test_a_frozen_file_mapped_embedding_counts_only_the_rows_a_step_looks_up(tmp
     assert saving(layout(dp=2, optimizer_shard=1)) == unread
     assert saving(layout(pp=2)) == 0  # the busiest stage is the last, with the head; the first holds the table
     assert saving(layout(dp=2, optimizer_shard=3)) == 0  # FSDP2 copies its shard of the table
+    assert saving(layout(tp=2)) == 0  # a DTensor's local part is read out of the file
     assert saving(layout(), trainable=None) == 0  # full fine-tuning updates every row
     assert saving(layout(), tiny("llama", vocab_size=32000, tie_word_embeddings=True)) == 0  # the head reads it all
     assert DeviceSpec.detect("cpu").maps_frozen_weights and not GPU.maps_frozen_weights
