@@ -230,8 +230,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         estimate.context = context_buffer_bytes(shape, pc, per_device_batch // micro, seq_length, act_bytes,
                                                 kv_exchange)
         if mapped_embedding and first and trainable_params is not None:
-            estimate.parameters -= _unread_embedding_bytes(shape, pc, vocab_tp, per_device_batch * seq_length // pc.cp,
-                                                           last, param_bytes)
+            estimate.parameters -= _unread_embedding_bytes(shape, pc, per_device_batch * seq_length // pc.cp, last,
+                                                           param_bytes)
         if last and shape.head != "classifier":
             estimate.logits_gradient = tokens * shape.vocab // vocab_tp * (FP32_BYTES + act_bytes)
         if best is None or estimate.total > best.total:
@@ -240,16 +240,14 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     return best
 
 
-def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, vocab_tp: int, tokens: int, last: bool,
-                            param_bytes: int) -> int:
+def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, tokens: int, last: bool, param_bytes: int) -> int:
     """Bytes of a file-mapped token embedding that a step never reads: the table less the rows ``tokens`` look
     up (one page of a row each at most). Nothing when the table is read into memory: ZeRO-3 shards it (FSDP2 copies
     its shard) or tensor parallelism makes it a DTensor (its local part is read out of the file: a Llama 1B LoRA run
     under tp2 measured 2.33 GiB a rank, with the shard resident); nor when the head on this stage is the same table."""
     if (pc.zero_stage >= 3 and pc.dp * pc.cp > 1) or pc.tp > 1 or (last and shape.tied_embeddings):
         return 0
-    rows = shape.vocab // vocab_tp
-    return max(rows - tokens, 0) * shape.hidden * param_bytes
+    return max(shape.vocab - tokens, 0) * shape.hidden * param_bytes  # the whole table: no tensor parallelism here
 
 
 def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int) -> int:
