@@ -122,11 +122,12 @@ def test_only_the_cli_the_recipe_runner_and_the_engine_registry_use_the_planner(
 # Modules reached by name at run time instead of by import (``importlib.import_module``, a ``Deferred`` slot) are
 # dependencies too. The one hook allowed against the order: the model classes' ``from_pretrained`` loads through the
 # Auto classes' loader (one route for every class), which the package root puts in the models' slot. The launcher's
-# fork server also names the engines' and the Trainer's modules, to import them once before it forks workers (it
-# calls nothing in them).
+# fork server also names the engines', the Trainer's and the recipe runner's modules, to import them once before it
+# forks workers (it calls nothing in them).
 UPWARD_HOOKS = {("mindformers_py", "mindformers_py.auto"): "models.lazy_registration.CHECKPOINT_LOADER",
                 ("mindformers_py.launcher.launch", "mindformers_py.engine.registry"): "FORKSERVER_PRELOAD",
-                ("mindformers_py.launcher.launch", "mindformers_py.trainer.trainer"): "FORKSERVER_PRELOAD"}
+                ("mindformers_py.launcher.launch", "mindformers_py.trainer.trainer"): "FORKSERVER_PRELOAD",
+                ("mindformers_py.launcher.launch", "mindformers_py.recipes.runner"): "FORKSERVER_PRELOAD"}
 
 
 def _named_modules(path: Path) -> set[str]:

@@ -341,7 +341,7 @@ class ParallelConfig(_Section):
         """Layout sizes above 1 that this ``parallel_mode`` does not apply (``stand_alone`` runs one process whatever
         ``data_parallel`` says), by field name; a run warns about them rather than pretend they ran. ``layout``: this
         config's resolved layout, when there is one (else the degrees are derived here)."""
-        layout = layout or Layout.of(self)
+        layout = layout or Layout.reading(self)
         applied = {"data_parallel": layout.dp, "model_parallel": layout.tp, "pipeline_stage": layout.pp,
                    "expert_parallel": layout.ep, "context_parallel": layout.cp}
         return {name: getattr(self, name) for name, size in applied.items() if getattr(self, name) != size}
@@ -367,13 +367,30 @@ class ParallelConfig(_Section):
         """Whether the run uses torch.distributed (every mode except ``stand_alone``)."""
         return self.parallel_mode != "stand_alone"
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop(_DEGREES, None)  # a field changed: the degrees read from the old values are dropped
+        super().__setattr__(name, value)
+
+
+_DEGREES = "_degrees_read"
+"""Where a config keeps the :class:`~.layout.Layout` its derived degrees were read from, until a field is set."""
+
 
 def _derived(name: str) -> property:
     """``ParallelConfig.<name>``: :class:`~.layout.Layout`'s ``<name>`` for this config, derived without the run's
-    checks (:meth:`Layout.of <.layout.Layout.of>`): what the planner and a user read; a run reads its resolved
-    ``Layout``."""
-    return property(lambda self: getattr(Layout.of(self), name),
-                    doc=f"``{name}`` as this config applies it in its mode (see :attr:`Layout.{name} <.layout.Layout>`).")
+    checks (:meth:`Layout.reading <.layout.Layout.reading>`): what the planner and a user read; a run reads its
+    resolved ``Layout``. Derived once per config and kept until a field is set (the planner reads some 40 of them for
+    each of the thousands of layouts it estimates); none of them depends on ``recompute``, whose own fields may
+    change without a set here."""
+
+    def read(self: ParallelConfig) -> Any:
+        layout = self.__dict__.get(_DEGREES)
+        if layout is None:
+            layout = self.__dict__[_DEGREES] = Layout.reading(self)
+        return getattr(layout, name)
+
+    return property(read, doc=f"``{name}`` as this config applies it in its mode (see :attr:`Layout.{name} "
+                              f"<.layout.Layout>`).")
 
 
 for _name in ("dp", "cp", "tp", "pp", "ep", "vpp", "micro_batches", "cp_ulysses", "cp_ring", "zero_stage", "shard_size",

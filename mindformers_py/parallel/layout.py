@@ -89,6 +89,13 @@ class Layout:
     def of(cls, config: Any, world_size: int = 1) -> Layout:
         """The degrees ``config`` (a :class:`~.config.ParallelConfig`) applies in its mode, without checking them
         against a run: the one place the user's size fields are read into degrees."""
+        return cls.reading(config, world_size, copy.deepcopy(config.recompute))
+
+    @classmethod
+    def reading(cls, config: Any, world_size: int = 1, recompute: RecomputeConfig | None = None) -> Layout:
+        """:meth:`of` for reading a degree and dropping the layout: ``recompute`` is kept as given (by default the
+        config's own, not a copy). ``ParallelConfig``'s derived degrees (``config.tp``, ...) read it: the planner
+        reads them some 40 times for each layout it estimates, and the copy was most of its time."""
         mode = config.parallel_mode
         distributed = mode != "stand_alone"
         applies = mode in ("semi_auto_parallel", "auto_parallel")
@@ -111,7 +118,8 @@ class Layout:
             zero_stage=config.optimizer_shard if dp * cp > 1 else 0,
             shard_size=None if size == -1 or size >= dp else size,
             sequence_parallel=config.use_seq_parallel and tp > 1, vocab_parallel=not config.vocab_emb_dp and tp > 1,
-            use_seq_parallel=config.use_seq_parallel, recompute=copy.deepcopy(config.recompute))
+            use_seq_parallel=config.use_seq_parallel,
+            recompute=config.recompute if recompute is None else recompute)
 
     # -- what the consumers read -------------------------------------------------------------------------------
 

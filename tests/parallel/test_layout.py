@@ -59,3 +59,17 @@ def test_a_layout_travels_as_plain_values():
     planned = dataclasses.replace(layout, plan_summary="chose dp=2 tp=2 pp=2")
     back = Layout.from_dict(json.loads(json.dumps(planned.to_dict())))
     assert back == planned and back.plan_summary == planned.plan_summary and back.describe() == layout.describe()
+
+
+def test_a_configs_derived_degrees_follow_its_fields():
+    """``config.tp`` and the other derived degrees are read once per config (the planner reads thousands), and read
+    again after a field is set, whatever the field."""
+    config = ParallelConfig(parallel_mode="semi_auto_parallel", data_parallel=2, model_parallel=2)
+    assert (config.dp, config.tp, config.zero_stage, config.data_parallel_engine) == (2, 2, 0, "replicate")
+    config.model_parallel = 4
+    config.optimizer_shard = 3
+    assert (config.dp, config.tp, config.zero_stage, config.data_parallel_engine) == (2, 4, 3, "fsdp")
+    config.parallel_mode = "stand_alone"
+    assert (config.dp, config.tp, config.data_parallel_engine) == (1, 1, "none")
+    copied = dataclasses.replace(config, parallel_mode="semi_auto_parallel")
+    assert (copied.dp, copied.tp, config.tp) == (2, 4, 1)

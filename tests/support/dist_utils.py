@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 WORKER_TIMEOUT_S = 120
 # The package's exports are lazy: name the Trainer's and the engines' modules so that the server imports them once,
 # not every forked worker (about 10 s each on a loaded 2-core machine).
-_PRELOAD = ["torch", "torch.distributed", "transformers", "mindformers_py", "mindformers_py.trainer.trainer",
-            "mindformers_py.engine.registry"]
+_PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "mindformers_py", "mindformers_py.trainer.trainer",
+            "mindformers_py.engine.registry", "mindformers_py.recipes.runner"]  # the package's FORKSERVER_PRELOAD
 
 
 def process_alive(pid: int) -> bool:
