@@ -423,10 +423,20 @@ AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
+def _set_by_agent(name: str) -> bool:
+    """Whether the agent, or :func:`launch` through it (the restart log), sets ``name`` for each worker."""
+    return name in AGENT_VARIABLES or name.startswith("TORCHELASTIC_") or name == RESTART_LOG_ENV
+
+
 def adopt_environment(env: Mapping[str, str]) -> None:
-    """In a worker forked from the fork server (which has the environment of the moment it started), take the
-    launching program's environment ``env`` as it is now, keeping what the agent set for this worker."""
-    os.environ.update({k: v for k, v in env.items() if k not in AGENT_VARIABLES and not k.startswith("TORCHELASTIC_")})
+    """In a worker forked from the fork server (which has the environment of the moment it started), make the
+    launching program's environment ``env`` as it is now this worker's, keeping what the agent set for this worker.
+    Exactly ``env``: a variable the program has unset since the server started (an earlier launch's
+    ``MINDFORMERS_PY_LAYOUT``, a test's monkeypatched setting) must not reach the worker."""
+    agent = {k: v for k, v in os.environ.items() if _set_by_agent(k)}
+    os.environ.clear()
+    os.environ.update({k: v for k, v in env.items() if not _set_by_agent(k)})
+    os.environ.update(agent)
 
 
 def threads_per_worker(nproc: int) -> int:

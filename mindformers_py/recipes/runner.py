@@ -284,7 +284,7 @@ def _relaunch(recipe: dict[str, Any], output_dir: str, world: int, max_restarts:
                 # one OpenMP thread per rank unless the user chose (torchrun's rule, as launch() applies it)
                 environ = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
                 environ.pop(RESTART_LOG_ENV, None)  # launch() hands the ranks this launch's own
-                launch(_rank, world, str(resolved), environ, _ParentStdio(), max_restarts=max_restarts,
+                launch(_rank, world, str(resolved), environ, os.getcwd(), _ParentStdio(), max_restarts=max_restarts,
                        start_method="forkserver")
         except SignalException as err:  # the agent stopped every rank; one line says so (the CLI's)
             if err.sigval == signal.SIGINT:
@@ -313,12 +313,13 @@ def _attach_stdio(stdout: Any, stderr: Any) -> None:
         os.dup2(handle.detach(), fd)
 
 
-def _rank(resolved: str, environ: dict[str, str], _stdio: None) -> None:
+def _rank(resolved: str, environ: dict[str, str], cwd: str, _stdio: None) -> None:
     """One rank of a relaunched run: what ``python -u -m mindformers_py run <resolved>`` runs, in a process forked
     from the fork server, which imported torch, transformers and the Trainer once for every rank (each rank started
     as a new interpreter used to import them itself: some 10 s of a core per rank). The launching process's
-    environment as it is now (the server holds the one of the moment it started), its stdout and stderr (attached
-    when ``_stdio`` was unpickled), and unbuffered lines as ``-u`` gave them."""
+    environment and working folder as they are now (the server holds those of the moment it started: relative
+    paths in the recipe are the launcher's), its stdout and stderr (attached when ``_stdio`` was unpickled), and
+    unbuffered lines as ``-u`` gave them."""
     import os
     import runpy
     import sys
@@ -328,6 +329,7 @@ def _rank(resolved: str, environ: dict[str, str], _stdio: None) -> None:
     from ..launcher.launch import adopt_environment
 
     adopt_environment(environ)
+    os.chdir(cwd)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.stdout.reconfigure(line_buffering=True, write_through=True)
     sys.stderr.reconfigure(line_buffering=True, write_through=True)

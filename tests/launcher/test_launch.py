@@ -179,3 +179,25 @@ def test_a_cli_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_show", lambda args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         cli.main(["show"])
+
+
+def test_a_forked_worker_takes_the_launchers_environment_as_it_is_now():
+    """Workers fork from a fork server that kept the environment of the moment it started. A variable the launching
+    program has unset since (an earlier launch's layout, a test's setting) must not reach them: in the full suite a
+    stale ``MINDFORMERS_PY_LAYOUT`` made recipe ranks run an earlier test's layout. What the agent (and launch()'s
+    restart log) set for the worker stays."""
+    code = (
+        "import os\n"
+        "from mindformers_py.launcher.launch import RESTART_LOG_ENV, adopt_environment\n"
+        "os.environ.update(STALE='1', RANK='3', TORCHELASTIC_RUN_ID='run', **{RESTART_LOG_ENV: 'log'})\n"
+        "adopt_environment({'KEPT': '2', 'RANK': '9', 'STALE_NOT': 'x'})\n"
+        "print(sorted(os.environ.items()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
+    import ast
+
+    from mindformers_py.launcher.launch import RESTART_LOG_ENV
+
+    assert ast.literal_eval(out) == sorted({"KEPT": "2", "STALE_NOT": "x", "RANK": "3", "TORCHELASTIC_RUN_ID": "run",
+                                RESTART_LOG_ENV: "log"}.items())

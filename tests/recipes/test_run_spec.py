@@ -61,13 +61,13 @@ def test_the_launched_ranks_resolve_the_spec_they_are_sent_without_checking_the_
     assert spec.world == 2 and spec.layout.tp == 2 and spec.layout_checked
     sent = {}
 
-    def launch(command, world, max_restarts=0):  # what the launcher hands the ranks: a recipe file and the layout
-        sent.update(recipe=load_recipe(command[-1]), layout=json.loads(os.environ[LAYOUT_ENV]),
-                    world=world)
+    # what the launcher hands the ranks: a recipe file, and the layout in the environment they take
+    def launch(entry, world, resolved, environ, cwd, stdio, max_restarts=0, start_method=None):
+        sent.update(recipe=load_recipe(resolved), layout=json.loads(environ[LAYOUT_ENV]), world=world, cwd=cwd)
 
     monkeypatch.setattr("mindformers_py.launcher.launch.launch", launch)
     runner._relaunch(spec.recipe, spec.args.output_dir, spec.world, layout=spec.layout)
-    assert sent["world"] == 2 and sent["recipe"] == spec.recipe
+    assert sent["world"] == 2 and sent["recipe"] == spec.recipe and sent["cwd"] == os.getcwd()
 
     # a rank: started by torchrun with the layout in its environment; it neither plans nor checks the layout
     for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", LAYOUT_ENV: json.dumps(sent["layout"])}.items():
