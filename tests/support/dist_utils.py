@@ -42,8 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple,
-            kwargs: dict) -> None:
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, environ: dict[str, str],
+            cwd: str, args: tuple, kwargs: dict) -> None:
+    # The fork server keeps the environment and folder of the moment it started, perhaps inside an earlier test
+    # that had monkeypatched MINDFORMERS_PY_LAYOUT or RANK (or inside a CLI run that started it): a worker takes
+    # the calling test's, exactly, as torchrun's workers would.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -70,8 +76,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: A
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="mf-dist-") as out_dir:
-        mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args, kwargs), nprocs=world_size,
-                           join=True, start_method="forkserver")
+        mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, dict(os.environ), os.getcwd(), args,
+                                          kwargs), nprocs=world_size, join=True, start_method="forkserver")
         results = []
         for rank in range(world_size):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
