@@ -77,7 +77,12 @@ LAYOUTS = {
 MOE_LAYOUTS = {
     "stand_alone": [],
     "ep2": ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2"],
+    # on request only (--layouts tp2): two processes that shard the dense part too (attention heads, the vocabulary)
+    # besides every expert's intermediate width, where ep2 replicates the dense part on both
+    "tp2": LAYOUTS["tp2"],
 }
+ON_REQUEST = {"tp2"}
+"""The MoE checkpoints' layouts a run measures only when ``--layouts`` names them (each takes many minutes)."""
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                 tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
@@ -343,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-recipe", action="store_true")
     opts = parser.parse_args(argv)
     folder = opts.folder or ROOT / "runs" / "bench_loading" / opts.checkpoint
-    layouts = opts.layouts or list(CHECKPOINTS[opts.checkpoint][5])
+    own = CHECKPOINTS[opts.checkpoint][5]
+    layouts = opts.layouts or [name for name in own if own is LAYOUTS or name not in ON_REQUEST]
     make_checkpoint(folder, opts.checkpoint)
     if not opts.skip_load:
         compare_loading(folder, opts.rounds)

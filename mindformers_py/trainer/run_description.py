@@ -26,10 +26,34 @@ def compile_line(args: TrainingArguments) -> str:
     return f"compile: {what}; torch_compile={args.torch_compile}"
 
 
-def precision_line(args: TrainingArguments, device: torch.device) -> str:
+def weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The floating dtype most of ``model``'s parameter elements have (None without floating parameters): an
+    adapter run of a bf16 checkpoint keeps its frozen base in bf16, whatever the autocast setting."""
+    counts: dict[torch.dtype, int] = {}
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            counts[parameter.dtype] = counts.get(parameter.dtype, 0) + parameter.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def _half_weights_clause(weights: torch.dtype | None, native: bool, device: torch.device) -> str:
+    """What a model loaded in bf16 or fp16 changes: its products run in that dtype with autocast or without, and a
+    CPU without native bf16 emulates them (an adapter step of a bf16 Llama 1B took minutes here, not seconds)."""
+    if weights not in (torch.bfloat16, torch.float16):
+        return ""
+    name = "bf16" if weights == torch.bfloat16 else "fp16"
+    clause = f"; the model's weights are {name} (as loaded): its products run in {name}"
+    if weights == torch.bfloat16 and not native and device.type == "cpu":
+        clause += (", emulated on this CPU and far slower than fp32; load it in float32 (dtype=torch.float32; "
+                   "a recipe: --model.dtype float32) to train in fp32 at twice the weights' memory")
+    return clause
+
+
+def precision_line(args: TrainingArguments, device: torch.device, weights: torch.dtype | None = None) -> str:
     """Which precision the run trains in and why, e.g. ``bf16 autocast ..., chosen by bf16='auto': this CPU computes
     bf16 natively (avx512_bf16)``: the same recipe runs about twice as fast or slow on another machine, and this
-    says which case a run is."""
+    says which case a run is. ``weights``: the model's parameters' dtype (:func:`weights_dtype`); a model loaded in
+    bf16 or fp16 computes in it, which the line then says."""
     from ..engine.precision import _CPU_BF16_CAPABILITIES, native_bf16
 
     native = native_bf16(device)
@@ -50,6 +74,6 @@ def precision_line(args: TrainingArguments, device: torch.device) -> str:
     if getattr(args, "_bf16_auto", None) is args.bf16:  # bf16="auto" decided (known where the arguments were made)
         why = "bf16='auto' gives way to fp16=True" if args.fp16 else \
             f"chosen by bf16='auto': {hardware}" + ("" if native else ", where bf16 would be slower than fp32")
-        return f"precision: {what}, {why}"
+        return f"precision: {what}, {why}{_half_weights_clause(weights, native, device)}"
     slower = "" if native or not args.bf16 else " (bf16 emulated: slower than fp32)"
-    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}"
+    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}{_half_weights_clause(weights, native, device)}"

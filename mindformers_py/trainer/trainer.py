@@ -40,7 +40,7 @@ from .evaluation import EvaluationMixin
 from .fused_loss import FusedCausalLMLoss
 from .loss_mixin import TrainingLossMixin
 from .local_workers import LocalWorkers
-from .run_description import compile_line, layout_line, precision_line
+from .run_description import compile_line, layout_line, precision_line, weights_dtype
 from .scheduler import create_scheduler, steps_on_metric
 from .training_data import default_collator, first_input_length, resumed_position, training_source
 
@@ -300,7 +300,8 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
 
         self.model_wrapped.train()
         # printed once (before the bar), kept in log.jsonl and trainer_state
-        self.log({"layout": layout_line(engine), "precision": precision_line(args, engine.device),
+        self.log({"layout": layout_line(engine),
+                  "precision": precision_line(args, engine.device, weights_dtype(self.model)),
                   "compile": compile_line(args)})
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.eval_dataset is not None:

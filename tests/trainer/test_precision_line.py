@@ -100,3 +100,21 @@ def test_auto_gives_its_reason_on_cuda_for_each_layout(monkeypatch):
     assert compile_policy.auto_reason(False, cp2).startswith("context parallelism")
     planned = mf.ParallelConfig(parallel_mode="auto_parallel")
     assert compile_policy.auto_reason(False, planned).startswith("the auto_parallel planner")
+
+
+def test_a_model_loaded_in_bf16_says_its_products_run_in_bf16_and_how_to_train_in_fp32(tmp_path, capsys, cpu_with):
+    """An adapter run of a bf16 checkpoint keeps the frozen base in bf16: with no autocast its products still run in
+    bf16, emulated (minutes a step) on a CPU without native bf16, though the line used to say fp32."""
+    from mindformers_py.trainer.run_description import weights_dtype
+
+    cpu_with({"avx2": True})
+    model = mf.GPTForCausalLM(mf.GPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=4, max_position_embeddings=16)).to(torch.bfloat16)
+    assert weights_dtype(model) == torch.bfloat16
+    line = precision_line(_args(), CPU, weights_dtype(model))
+    assert line.startswith("precision: fp32, chosen by bf16='auto'")
+    assert "the model's weights are bf16 (as loaded): its products run in bf16, emulated on this CPU" in line
+    assert line.endswith("a recipe: --model.dtype float32) to train in fp32 at twice the weights' memory")
+    cpu_with({"avx512_bf16": True})
+    assert precision_line(_args(), CPU, torch.bfloat16).endswith("its products run in bf16")
+    assert precision_line(_args(), CPU, torch.float32) == precision_line(_args(), CPU)
