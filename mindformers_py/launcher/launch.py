@@ -454,6 +454,18 @@ def prepare_fork_server(preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
 
 
+def start_fork_server(preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
+    """Start the fork server now, so that it imports ``preload`` (about 10 s of a core) while this process still has
+    work to do before its launch (a recipe's tokenizer and data), on another core; the launch then finds it ready.
+    Workers take the launcher's environment, folder and stdio at the launch (:func:`adopt_environment`), not the
+    server's of this moment."""
+    from multiprocessing import forkserver
+
+    prepare_fork_server(preload)
+    with main_module_not_rerun():
+        forkserver.ensure_running()
+
+
 @contextlib.contextmanager
 def main_module_not_rerun() -> Iterator[None]:
     """Hide the main module's origin while workers start: multiprocessing would otherwise import a script (or a

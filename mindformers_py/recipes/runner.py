@@ -48,6 +48,10 @@ def run(spec: RunSpec) -> dict[str, Any]:
     task, run_mode, layout, world = spec.task, spec.run_mode, spec.layout, spec.world
     args, name_or_path, adapter_dir, data_s = spec.args, spec.name_or_path, spec.adapter_dir, spec.data
     recipe, model_s = dict(spec.recipe), dict(spec.model_options)
+    if world > 1 and not under_torchrun():  # ranks (or a pool) fork from it: it imports while the data is prepared
+        from ..launcher.launch import start_fork_server
+
+        start_fork_server()
     from ..auto import auto_class_for, resolve_config
 
     tokenizer = _load_processing_class(task, spec.tokenizer, data_s, name_or_path, spec.model_config)
