@@ -32,7 +32,8 @@ expert's updated weight anew in each forward and its gradient in backward, 0.4 G
 bf16: one step of this slice took 20 minutes at 15 GiB on the development machine, which has no native bf16; with the
 attention alone it peaked at 8.88 GiB, its step still 20 minutes on 2 shared cores) and 8 new tokens per sample,
 stand-alone and under ep2 (``--data_parallel 2 --expert_parallel 2``: each rank holds, and reads, 64 of the 128
-experts of every layer).
+experts of every layer); on request (``--layouts tp2``) under tp2 with the vocabulary sharded, the two-process layout
+that also shards the dense part (attention heads, embedding and head) besides each expert's intermediate width.
 
 ``--checkpoint deepseek_v3_slice``: the same for DeepSeek-V3's architecture (transformers' ``deepseek_v3``) at a
 released model's real widths, Moonlight-16B-A3B's (hidden 2048; multi-head latent attention with 16 heads, no query
@@ -219,23 +220,27 @@ class PeakWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            todo, seen = [self.root], set()
+            todo, seen = [(self.root, "")], set()
             while todo:
-                pid = todo.pop()
+                pid, parent_cmdline = todo.pop()
                 if pid in seen:
                     continue
                 seen.add(pid)
-                todo += self._children(pid)
                 try:  # (a process may end between two reads)
                     status = Path(f"/proc/{pid}/status").read_text()
                     environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="ignore").split("\0")
                     cmdline = Path(f"/proc/{pid}/cmdline").read_text()
                 except OSError:
                     continue
+                todo += [(child, cmdline) for child in self._children(pid)]
                 hwm = next((int(l.split()[1]) * 1024 for l in status.splitlines() if l.startswith("VmHWM")), 0)
+                # /proc's environ is the one the process was started with: a rank forked from the fork server has
+                # the server's (no RANK) and its command line; it is the server's child
                 rank = next((kv.split("=", 1)[1] for kv in environ if kv.startswith("RANK=")), None)
                 if pid == self.root:
                     label = "launcher"
+                elif "forkserver" in cmdline and "forkserver" in parent_cmdline:
+                    label = "rank"  # numbered by process id when read (:meth:`rank_peaks`)
                 elif rank is not None and "forkserver" not in cmdline:
                     label = f"rank {rank}"
                 else:
@@ -243,6 +248,17 @@ class PeakWatcher:
                 if hwm > self.peaks.get(pid, ("", 0))[1]:
                     self.peaks[pid] = (label, hwm)
             time.sleep(self.interval)
+
+    def rank_peaks(self) -> dict[str, int]:
+        """Peak RSS by rank label; ranks forked from the fork server, whose rank their starting environment does
+        not hold, are numbered in the order they were started (process ids)."""
+        out, forked = {}, sorted(pid for pid, (label, _) in self.peaks.items() if label == "rank")
+        for pid, (label, hwm) in self.peaks.items():
+            if label == "rank":
+                out[f"rank {forked.index(pid)}"] = hwm
+            elif label.startswith("rank "):
+                out[label] = hwm
+        return out
 
     def __enter__(self) -> "PeakWatcher":
         self._thread.start()
@@ -273,7 +289,7 @@ def run_recipe(folder: Path, layout: str, out_root: Path, checkpoint: str = "lla
     wall = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"{layout} failed (exit {code}); see {out_root / f'{layout}.log'}")
-    ranks = {label: hwm for label, hwm in watcher.peaks.values() if label.startswith("rank")}
+    ranks = watcher.rank_peaks()
     launcher = max((hwm for label, hwm in watcher.peaks.values() if label == "launcher"), default=0)
     if not ranks:  # stand-alone: the launcher is the one process that trains
         ranks = {"rank 0": launcher}
