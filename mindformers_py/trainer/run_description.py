@@ -71,9 +71,10 @@ def precision_line(args: TrainingArguments, device: torch.device, weights: torch
         what = "bf16 autocast (matrix products in bf16; weights, gradients and optimizer state in fp32)"
     else:
         what = "fp16 autocast" if args.fp16 else "fp32"
+    half = _half_weights_clause(weights, native, device)
     if getattr(args, "_bf16_auto", None) is args.bf16:  # bf16="auto" decided (known where the arguments were made)
         why = "bf16='auto' gives way to fp16=True" if args.fp16 else \
             f"chosen by bf16='auto': {hardware}" + ("" if native else ", where bf16 would be slower than fp32")
-        return f"precision: {what}, {why}{_half_weights_clause(weights, native, device)}"
+        return f"precision: {what}, {why}{half}"
     slower = "" if native or not args.bf16 else " (bf16 emulated: slower than fp32)"
-    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}{_half_weights_clause(weights, native, device)}"
+    return f"precision: {what}; bf16={args.bf16}: {hardware}{slower}{half}"
