@@ -59,6 +59,10 @@ class Engine:
     """Whether the Trainer may compute a causal-LM loss from the model's body and head directly (the model is not
     wrapped, so calling its submodules is the same as calling it)."""
 
+    supports_model_fused_loss: bool = True
+    """Whether a model may compute its causal-LM loss with its head fused in its own forward (no logits returned):
+    not where a pipeline schedule takes the loss from the last stage's logits."""
+
     def __init__(self, layout: Layout, args: EngineArguments) -> None:
         self.layout = layout
         self.args = args

@@ -51,6 +51,7 @@ class PipeliningEngine(DistributedEngine):
     """
 
     runs_pipeline_stages = True
+    supports_model_fused_loss = False  # the schedule takes the loss from the last stage's logits
 
     def __init__(self, layout: Layout, args: EngineArguments) -> None:
         super().__init__(layout, args)

@@ -211,9 +211,12 @@ class TrainingArguments:
     turns ``torch_compile`` on, as in transformers."""
     fused_loss: bool = False
     """Compute the causal-LM loss with a chunked linear + cross-entropy that never holds the full (tokens x
-    vocabulary) logits or their gradient: a memory saver for large vocabularies. It is checked once against the
-    model's own loss and used only where the two agree. Off by default: on CPU it is a few percent slower than the
-    model's own loss once ``cpu_keep_freed_memory`` removes the page-fault cost of the full logits."""
+    vocabulary) logits or their gradient: a memory saver for large vocabularies, in training and in loss-only
+    evaluation. Our models do it in their own forward, under every layout but pipeline stages, wherever their output
+    head is a whole local ``nn.Linear`` (not a vocabulary-sharded or adapted one; the log says which it was);
+    another model gets it from outside, stand-alone only, after a check on the first batch that the two losses
+    agree. Off by default: on CPU it is a few percent slower than the model's own loss once
+    ``cpu_keep_freed_memory`` removes the page-fault cost of the full logits."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     cpu_keep_freed_memory: bool = True

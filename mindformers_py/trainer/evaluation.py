@@ -22,6 +22,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, Predictio
 from ..errors import MindFormersError
 from ..utils.batch_rows import first_rows
 from .batching import GlobalBatchSampler, build_dataloader, is_stream, map_style_length
+from .fused_loss import FusedCausalLMLoss
 
 
 class EvaluationMixin:
@@ -74,10 +75,9 @@ class EvaluationMixin:
         if has_labels:
             labels = tuple(inputs[k] for k in self.label_names)
             labels = labels[0] if len(labels) == 1 else labels
-        if prediction_loss_only and has_labels:
-            fused = self._fused_for(inputs)
-            if fused is not None:
-                return fused(inputs, num_items_in_batch), None, None
+        fused = self._fused_for(inputs) if prediction_loss_only and has_labels else None
+        if isinstance(fused, FusedCausalLMLoss):
+            return fused(inputs, num_items_in_batch), None, None
         kwargs: dict[str, Any] = {}
         if has_labels and num_items_in_batch is not None and self.model_accepts_loss_kwargs:
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -88,7 +88,8 @@ class EvaluationMixin:
             loss, outputs = self.compute_loss(model, {**inputs, **extra}, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
         else:
-            outputs = self.engine.forward(model, inputs, **kwargs)
+            with self._fused_in_model(model, fused):
+                outputs = self.engine.forward(model, inputs, **kwargs)
             loss = (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]) if has_labels else None
         if prediction_loss_only:
             return loss, None, None

@@ -72,6 +72,16 @@ class FusedCausalLMLoss:
         return fused if agree else None
 
 
+class ModelFusedLoss:
+    """The fused causal-LM loss made by the model itself: the Trainer calls the model whole, as usual, within
+    :func:`~mindformers_py.layers.loss.fused_head.loss_without_logits` (so FSDP2's and replicate's hooks run), and
+    the model computes its loss from its hidden states and head weight (no logits). ``reported``: whether the
+    Trainer has logged what the first call did."""
+
+    def __init__(self) -> None:
+        self.reported = False
+
+
 def _probe_slice(inputs: Mapping[str, Any], shape: torch.Size) -> dict[str, Any]:
     """The first sample of a batch, cut to ``_PROBE_TOKENS`` positions, for the tensors shaped like the labels."""
     batch, length = shape

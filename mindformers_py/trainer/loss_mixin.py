@@ -11,7 +11,8 @@ and ``model_accepts_loss_kwargs``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -19,7 +20,8 @@ from torch import nn
 from ..engine.step_loss import NORMALISED, UNKNOWN, probe_mode
 from ..errors import MindFormersError
 from ..layers.loss import IGNORE_INDEX
-from .fused_loss import FusedCausalLMLoss
+from ..layers.loss.fused_head import TAKEN, fusing_modules, loss_without_logits
+from .fused_loss import FusedCausalLMLoss, ModelFusedLoss
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class TrainingLossMixin:
         :mod:`mindformers_py.engine.step_loss`): the fused loss and a ``compute_loss_func`` divide by it; an
         overriding ``compute_loss`` does as ``loss_is_scaled_for_ga`` says, else it is trusted to when the model
         takes it (transformers' rule); else what the model was found to do."""
-        if self._fused_loss is not None and "labels" in inputs:
+        if isinstance(self._fused_loss, FusedCausalLMLoss) and "labels" in inputs:
             return NORMALISED
         if self.compute_loss_func is not None:
             return NORMALISED
@@ -87,13 +89,13 @@ class TrainingLossMixin:
             outputs = model(**inputs, **kwargs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
-        if not return_outputs:
-            fused = self._fused_for(inputs)
-            if fused is not None:
-                return fused(inputs, num_items_in_batch)
+        fused = self._fused_for(inputs) if not return_outputs else None
+        if isinstance(fused, FusedCausalLMLoss):
+            return fused(inputs, num_items_in_batch)
         kwargs = {"num_items_in_batch": num_items_in_batch} \
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs else {}
-        outputs = model(**inputs, **kwargs)
+        with self._fused_in_model(model, fused):
+            outputs = model(**inputs, **kwargs)
         loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
         if loss is None:
             raise MindFormersError(
@@ -103,15 +105,38 @@ class TrainingLossMixin:
         return (loss, outputs) if return_outputs else loss
 
     def _fused_possible(self) -> bool:
-        return (self.args.fused_loss and self.engine.supports_fused_loss and self.task == "causal_lm"
-                and not self.args.torch_compile)
+        return (self.args.fused_loss and self.task == "causal_lm" and not self.args.torch_compile
+                and self.engine.supports_model_fused_loss)
 
-    def _fused_for(self, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | None:
+    def _fused_for(self, inputs: Mapping[str, Any]) -> FusedCausalLMLoss | ModelFusedLoss | None:
+        """The fused causal-LM loss for a batch with labels, decided on the first one: the model's own fused head
+        (:mod:`~mindformers_py.layers.loss.fused_head`: a model of ours, called whole, so under every engine), else
+        one applied from outside (another model, where the engine leaves it unwrapped and the probe agrees)."""
         if not self._fused_probed and self._fused_possible() and isinstance(inputs.get("labels"), torch.Tensor):
-            self._fused_loss = FusedCausalLMLoss.probe(self.model, inputs)
+            if fusing_modules(self.model):
+                self._fused_loss = ModelFusedLoss()
+            elif self.engine.supports_fused_loss:
+                self._fused_loss = FusedCausalLMLoss.probe(self.model, inputs)
+                logger.info("causal-LM loss: %s", "fused linear cross-entropy" if self._fused_loss else "the model's own")
             self._fused_probed = True
-            logger.info("causal-LM loss: %s", "fused linear cross-entropy" if self._fused_loss else "the model's own")
         return self._fused_loss if "labels" in inputs else None
+
+    @contextmanager
+    def _fused_in_model(self, model: nn.Module, fused: Any) -> Iterator[None]:
+        """Around one call of ``model`` with labels: its head fused with its loss when ``fused`` is the model's own
+        (:class:`ModelFusedLoss`); the first such call logs whether the head could be fused."""
+        if not isinstance(fused, ModelFusedLoss):
+            yield
+            return
+        with loss_without_logits(model) as modules:
+            yield
+        if not fused.reported:
+            fused.reported = True
+            if not self.is_world_process_zero():  # (every rank decides alike; one line for the run)
+                return
+            taken = any(getattr(m, TAKEN, False) for m in modules)
+            logger.info("causal-LM loss: %s", "fused linear cross-entropy (in the model's forward)" if taken else
+                        "the model's own: its output head is sharded or adapted, which the fused loss cannot read")
 
     # -- non-finite losses: tracked on the device, checked where the loop syncs anyway -------------------------------
 

@@ -24,6 +24,7 @@ import mindformers_py as mf
 from support.dist_utils import run_workers
 from mindformers_py.adapters import apply_peft
 from mindformers_py.cli import main
+from mindformers_py.layers.loss.fused_head import loss_without_logits
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
@@ -98,9 +99,31 @@ def _loss(model, inputs, num_items):
     return model(**inputs, num_items_in_batch=num_items).loss
 
 
-def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = False) -> dict[str, torch.Tensor]:
+def _fused_loss(model, inputs, num_items, taken: bool = True):
+    """The loss with the output head fused into it in the model's forward (``TrainingArguments.fused_loss``): taken
+    (no logits) or, where ``taken`` is False, declined for the model's own loss."""
+    with loss_without_logits(model) as heads:
+        output = model(**inputs, num_items_in_batch=num_items)
+    assert heads and all(h.fused_loss_taken == taken for h in heads) and (output.logits is None) == taken
+    return output.loss
+
+
+def _declined_fused_loss(model, inputs, num_items):
+    return _fused_loss(model, inputs, num_items, taken=False)
+
+
+def full_model() -> torch.nn.Module:
+    """:func:`peft_model`'s base, every weight trained (its untied head too)."""
+    torch.manual_seed(0)
+    return mf.GPTForCausalLM(mf.GPTConfig(flavour="llama", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                          max_position_embeddings=SEQ)).train()
+
+
+def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = False, loss=_loss
+                      ) -> dict[str, torch.Tensor]:
     """Whole gradients of every trainable tensor of ``build()`` after one step of two micro-batches under
-    ``parallel`` (fp32, or under bf16 autocast)."""
+    ``parallel`` (fp32, or under bf16 autocast), the loss taken by ``loss``."""
     import torch.distributed as dist
 
     from mindformers_py.engine import build_engine
@@ -118,7 +141,7 @@ def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = F
     local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
     micro = [{k: v[i::2] for k, v in local.items()} for i in range(2)]
     items = engine.all_reduce_sum(torch.tensor(sum(get_task("causal_lm").count_items(m) for m in micro)))
-    engine.forward_backward(wrapped, micro, items, _loss)
+    engine.forward_backward(wrapped, micro, items, loss)
     grads = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -163,6 +186,14 @@ EXPERT_GRADIENT_LAYOUTS = {
 DEEPSEEK_GRADIENT_LAYOUTS = {
     "dp2_ep2": _semi(data_parallel=2, expert_parallel=2),
     "tp2": _semi(model_parallel=2),
+}
+# The output head fused with the loss in the model's forward, called whole under FSDP2 / replicate: a frozen head
+# (LoRA) under ep2 and under dp2; a trained head that ZeRO-3 makes a unit of its own declines (its hooks, which
+# reduce the head's gradient, would not run) and the model's own loss is taken
+FUSED_GRADIENT_LAYOUTS = {
+    "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, _fused_loss),
+    "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, _fused_loss),
+    "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
 }
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
@@ -223,7 +254,9 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
                  "expert_gradients": {name: adapter_gradients(layout, moe_peft_model)
                                       for name, layout in EXPERT_GRADIENT_LAYOUTS.items()},
                  "deepseek_gradients": {name: adapter_gradients(layout, deepseek_peft_model)
-                                        for name, layout in DEEPSEEK_GRADIENT_LAYOUTS.items()}}
+                                        for name, layout in DEEPSEEK_GRADIENT_LAYOUTS.items()},
+                 "fused_gradients": {name: adapter_gradients(layout, build, loss=loss)
+                                     for name, (layout, build, loss) in FUSED_GRADIENT_LAYOUTS.items()}}
     out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
@@ -282,6 +315,19 @@ def test_deepseek_v3_adapter_gradients_equal_stand_alone(job, name):
         assert any(part in key for key in expected), part
     for key, grad in expected.items():
         assert grad.abs().max() > 0, key
+        torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(FUSED_GRADIENT_LAYOUTS))
+def test_fused_head_loss_gives_stand_alones_gradients(job, name):
+    """``fused_loss``'s head folded into the loss (no logits) under a layout, or declined, gives the unfused
+    stand-alone gradients."""
+    build = FUSED_GRADIENT_LAYOUTS[name][1]
+    expected, got = adapter_gradients(ParallelConfig(), build), job[1]["fused_gradients"][name]
+    assert set(got) == set(expected)
+    if build is full_model:
+        assert "lm_head.weight" in expected
+    for key, grad in expected.items():
         torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
 
 

@@ -95,10 +95,13 @@ def lora(files: Path, folder: Path, out: Path, *flags: str) -> int:
                  *flags])
 
 
-def test_lora_recipe_from_a_qwen3_moe_folder_adapts_the_experts(files, qwen3_moe_folder, tmp_path, monkeypatch):
+def test_lora_recipe_from_a_qwen3_moe_folder_adapts_the_experts(files, qwen3_moe_folder, tmp_path, monkeypatch,
+                                                                capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert lora(files, qwen3_moe_folder, tmp_path / "sa", "--per_device_train_batch_size", "4") == 0
     assert lora(files, qwen3_moe_folder, tmp_path / "ep2", "--per_device_train_batch_size", "2", *EP2) == 0
+    # the recipe's fused_loss: the frozen head folded into the loss on one process and on each expert-parallel rank
+    assert capfd.readouterr().err.count("causal-LM loss: fused linear cross-entropy (in the model's forward)") == 2
     saved = json.loads((tmp_path / "sa" / "adapter_config.json").read_text())
     assert saved["target_parameters"] == ["experts.down_proj", "experts.gate_proj", "experts.up_proj"]
     assert saved["base_model_name_or_path"] == str(qwen3_moe_folder)

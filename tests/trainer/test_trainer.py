@@ -165,6 +165,22 @@ def test_fused_loss_matches_the_models_own_loss(tmp_path):
         assert math.isclose(runs[0][step], runs[1][step], rel_tol=1e-5), step
 
 
+def test_fused_loss_in_our_model_matches_its_own_loss_in_training_and_evaluation(tmp_path, caplog):
+    """Our causal LM folds its head into the loss in its own forward (no logits): the same training losses and
+    evaluation loss as without, and the log says which loss ran."""
+    runs = []
+    for fused in (True, False):
+        trainer = Trainer(model=tiny_gpt(dropout=0.0), train_dataset=token_data(16), eval_dataset=token_data(4, seed=3),
+                          args=args(tmp_path, f"f{fused}", max_steps=3, fused_loss=fused))
+        with caplog.at_level("INFO", logger="mindformers_py.trainer.loss_mixin"):
+            trainer.train()
+            runs.append((train_losses(trainer.state), trainer.evaluate()["eval_loss"]))
+    assert "causal-LM loss: fused linear cross-entropy (in the model's forward)" in caplog.text
+    for step, loss in runs[0][0].items():
+        assert math.isclose(loss, runs[1][0][step], rel_tol=1e-5), step
+    assert math.isclose(runs[0][1], runs[1][1], rel_tol=1e-5)
+
+
 # -- callbacks ----------------------------------------------------------------------------------------------------
 
 

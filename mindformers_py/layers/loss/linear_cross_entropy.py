@@ -35,16 +35,19 @@ class LinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         device_type = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-        need_grad = any(ctx.needs_input_grad[:3])
+        # Only the gradients asked for are made: a frozen head (LoRA, a frozen base) needs none for its weight,
+        # which would be a (vocabulary x hidden) fp32 buffer.
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        need_grad = want_hidden or want_weight or want_bias
         tokens, vocab = hidden.shape[0], weight.shape[0]
         with torch.autocast(device_type, enabled=False):
             w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
-            grad_hidden = torch.empty_like(hidden) if need_grad else None
+            grad_hidden = torch.empty_like(hidden) if want_hidden else None
             # Accumulate the weight gradient in fp32 whatever the compute dtype (as autocast's mm backward would).
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) \
-                if need_grad and bias is not None else None
+                if want_bias and bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             chunk = min(tokens, max(1, _chunk_elements(hidden.device) // vocab))
             logits_buf = torch.empty(chunk, vocab, dtype=torch.float32, device=hidden.device)
@@ -69,29 +72,29 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = logp.exp_()  # softmax
                 g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))  # - one_hot(target)
                 g = g.to(compute_dtype)
-                grad_hidden[start:stop] = (g @ w).mul_(row_weight).to(hidden.dtype)
-                weighted_h = h * row_weight.to(compute_dtype)
-                if compute_dtype == torch.float32:
-                    grad_weight.addmm_(g.t(), weighted_h)
-                else:
-                    grad_weight += (g.t() @ weighted_h).float()
+                if grad_hidden is not None:
+                    grad_hidden[start:stop] = (g @ w).mul_(row_weight).to(hidden.dtype)
+                if grad_weight is not None:
+                    weighted_h = h * row_weight.to(compute_dtype)
+                    if compute_dtype == torch.float32:
+                        grad_weight.addmm_(g.t(), weighted_h)
+                    else:
+                        grad_weight += (g.t() @ weighted_h).float()
                 if grad_bias is not None:
                     grad_bias += (row_weight.t() @ g.float()).squeeze(0)
         if need_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                                   grad_bias.to(bias.dtype) if grad_bias is not None else None)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        grads = ctx.saved_tensors
         # The usual upstream gradient is exactly 1 (loss.backward()); on CPU checking costs nothing and saves
         # a pass over the weight-sized gradient.
         if grad_output.device.type == "cpu" and float(grad_output) == 1.0:
-            return grad_hidden, grad_weight, grad_bias, None, None
-        grad_output = grad_output.to(grad_hidden.dtype)
-        return (grad_hidden * grad_output, grad_weight * grad_output,
-                grad_bias * grad_output if grad_bias is not None else None, None, None)
+            return (*grads, None, None)
+        return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), None, None)
 
 
 def _chunk_elements(device: torch.device) -> int:

@@ -37,7 +37,8 @@ from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBloc
 from ...layers.heads import SequenceSummary
 from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
-from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
+from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, linear_cross_entropy, shift_labels as next_token_targets
+from ...layers.loss.fused_head import fusable_head
 from ...layers.moe.layer import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -275,6 +276,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
             config.num_hidden_layers, moe.expert_num, moe.num_experts_chosen, config.moe_layers(), moe.routing_policy == "topk",
             moe.z_loss_factor > 0)
         self.mtp_metrics = MTPMetrics() if self.mtp is not None else None
+        # set by the Trainer's fused loss for a call (layers.loss.fused_head.loss_without_logits)
+        self.fuse_loss_with_head, self.fused_loss_taken = False, False
         trackers = [t for t in (self.router_metrics, self.mtp_metrics) if t is not None]
         self.training_metrics = trackers[0] if len(trackers) == 1 else MetricsGroup(*trackers) if trackers else None
         self.post_init()
@@ -325,9 +328,15 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
         hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden)  # (B, T, V)
         loss = mtp = mtp_logits = None
-        if labels is not None:
+        if self._fuses_head_now(labels, predicts_ahead, logits_to_keep):
+            # (TrainingArguments.fused_loss: the loss straight from the hidden states, no logits made or returned)
+            targets = shifted if shifted is not None else labels
+            logits, loss = None, linear_cross_entropy(hidden, self.lm_head.weight, targets, num_items_in_batch,
+                                                      self.lm_head.bias, shift=shifted is None)
+        else:
+            logits = self.lm_head(hidden)  # (B, T, V)
+        if labels is not None and logits is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         if predicts_ahead:
             mtp_logits = multi_token_logits(self, out.mtp_inputs, input_ids, ahead_ids)
@@ -338,6 +347,17 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         if mtp_logits_wanted:
             output.mtp_logits = torch.stack(mtp_logits, dim=1)  # an attribute, not a field: (B, D, T, V)
         return output
+
+    def _fuses_head_now(self, labels: torch.Tensor | None, predicts_ahead: bool,
+                        logits_to_keep: int | torch.Tensor) -> bool:
+        """Whether this call computes its loss with the head fused (see :mod:`~mindformers_py.layers.loss.fused_head`):
+        asked for, labels given, every position scored, no multi-token prediction (its modules read the logits'
+        inputs their own way), and a head :func:`fusable_head` allows. Recorded in ``fused_loss_taken``."""
+        if not self.fuse_loss_with_head or labels is None:
+            return False
+        self.fused_loss_taken = (not predicts_ahead and isinstance(logits_to_keep, int) and logits_to_keep == 0
+                                 and fusable_head(self.lm_head))
+        return self.fused_loss_taken
 
     @property
     def tokens_ahead(self) -> int:

@@ -1,0 +1,57 @@
+"""A causal LM's head fused with its loss inside the model's own forward (``TrainingArguments.fused_loss``).
+
+Within :func:`loss_without_logits`, a model that supports it (an attribute ``fuse_loss_with_head``: the GPT
+family's causal LM) called with labels computes its next-token loss with
+:func:`~mindformers_py.layers.loss.linear_cross_entropy.linear_cross_entropy` and returns no logits, so the
+(tokens x vocabulary) logits, their fp32 copy and their gradient never exist. Because the model is still called
+whole, this works where a loss computed from outside the model cannot: under FSDP2 / replicate, whose hooks live on
+the modules they wrap, and on every data-, expert- and context-parallel rank. A head that is itself sharded (its
+weight a DTensor: vocabulary-parallel tensor parallelism, or a head made an FSDP unit of its own) keeps the model's
+own loss; :func:`fusable_head` says which.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+FLAG = "fuse_loss_with_head"
+"""The attribute a model sets (False) to say it can fuse its head with its loss; :func:`loss_without_logits` sets it
+True for the duration of a call."""
+TAKEN = "fused_loss_taken"
+"""The attribute such a model sets after each call with labels under the flag: whether its head was fused."""
+
+
+def fusable_head(head: nn.Module | None) -> bool:
+    """Whether ``head`` can be folded into the loss: an ``nn.Linear`` (not a peft adapter over one) whose weight is
+    a whole local tensor at this moment. A head FSDP2 wraps as a unit of its own qualifies only when frozen: its
+    module's hooks, which reduce a trained weight's gradient, do not run when its forward is skipped."""
+    if not isinstance(head, nn.Linear) or isinstance(head.weight, DTensor):
+        return False
+    return type(head) is nn.Linear or not head.weight.requires_grad
+
+
+def fusing_modules(model: nn.Module) -> list[nn.Module]:
+    """The submodules of ``model`` (itself included) that can fuse their head with their loss."""
+    return [m for m in model.modules() if hasattr(m, FLAG)]
+
+
+@contextmanager
+def loss_without_logits(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Within, every module of :func:`fusing_modules` computes its loss with labels from its hidden states and head
+    weight directly and returns ``logits=None``; yields those modules (their :data:`TAKEN` says afterwards
+    whether each one did)."""
+    modules = fusing_modules(model)
+    for module in modules:
+        setattr(module, FLAG, True)
+    try:
+        yield modules
+    finally:
+        for module in modules:
+            setattr(module, FLAG, False)
+
+
+__all__ = ["FLAG", "TAKEN", "fusable_head", "fusing_modules", "loss_without_logits"]
