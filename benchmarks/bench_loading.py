@@ -299,8 +299,8 @@ def run_recipe(folder: Path, layout: str, out_root: Path, checkpoint: str = "lla
 def planner_estimate(folder: Path, layout: str, checkpoint: str = "llama_1b") -> float:
     """The planner's estimate (bytes, :func:`mindformers_py.planner.cost_model.estimate_memory`) of the busiest rank
     of ``layout`` for this recipe: the bf16 base, the recipe's LoRA adapter, batch 1 x 32 tokens, the activation
-    dtype the run uses (bf16 where the CPU has it natively) and the process's runtime (the CPU's, as
-    ``DeviceSpec.detect`` gives it)."""
+    dtype the run uses (bf16 where the CPU has it natively), the recipe's ``fused_loss`` and the process's runtime
+    (the CPU's, as ``DeviceSpec.detect`` gives it)."""
     import yaml
 
     from mindformers_py.adapters.config import recipe_peft_config
@@ -326,7 +326,8 @@ def planner_estimate(folder: Path, layout: str, checkpoint: str = "llama_1b") ->
     device = DeviceSpec.detect("cpu")
     estimate = estimate_memory(config, parallel, per_device_batch=batch, seq_length=32,
                                act_bytes=2 if native_bf16("cpu") else 4, trainable_params=trainable, param_bytes=2,
-                               runtime_bytes=device.runtime_bytes, mapped_embedding=device.maps_frozen_weights)
+                               runtime_bytes=device.runtime_bytes, mapped_embedding=device.maps_frozen_weights,
+                               fused_loss=bool((recipe.get("training") or {}).get("fused_loss", False)))
     return float(estimate.total)
 
 

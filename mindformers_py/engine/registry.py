@@ -58,20 +58,20 @@ def current_world_size() -> int:
 
 def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: int, per_device_batch: int,
                 seq_length: int | None = None, summary: list[str] | None = None,
-                trainable_params: int | None = None) -> ParallelConfig:
+                trainable_params: int | None = None, fused_loss: bool = False) -> ParallelConfig:
     """The layout an ``auto_parallel`` config runs with on ``world_size`` processes for ``model_config``
     (:func:`~mindformers_py.planner.search.auto_parallel`: the fastest that fits, logged as a table; under a
     running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
     ``summary``), as a fixed config that :meth:`~ParallelConfig.resolve` turns into the run's ``Layout``; other modes
     are returned unchanged. ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those
-    alone). A plan for one process is a ``stand_alone`` layout (no process group to join: what an ``auto_parallel``
+    alone); ``fused_loss`` the run's ``TrainingArguments.fused_loss``. A plan for one process is a ``stand_alone`` layout (no process group to join: what an ``auto_parallel``
     run on a machine without GPUs and without size hints gets)."""
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
     from ..planner.search import auto_parallel
 
     layout = auto_parallel(parallel_config, model_config, world_size, per_device_batch, seq_length, summary=summary,
-                           trainable_params=trainable_params)
+                           trainable_params=trainable_params, fused_loss=fused_loss)
     if world_size == 1:
         layout = ParallelConfig.from_dict({**layout.to_dict(), "parallel_mode": "stand_alone"})
     return layout

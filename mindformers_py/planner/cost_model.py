@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..layers.loss.linear_cross_entropy import GPU_CHUNK_ELEMENTS
 from ..parallel.config import ParallelConfig
 from .context_cost import context_buffer_bytes
 from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, recomputed_share
@@ -151,7 +152,7 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
                     act_bytes: int = FP32_BYTES, attention_scores: bool = False,
                     kv_exchange: str = "ring", trainable_params: int | None = None,
                     param_bytes: int = FP32_BYTES, runtime_bytes: int = 0,
-                    mapped_embedding: bool = False) -> MemoryEstimate:
+                    mapped_embedding: bool = False, fused_loss: bool = False) -> MemoryEstimate:
     """Peak bytes on the busiest rank of ``parallel_config`` for a data-parallel rank batch of
     ``per_device_batch`` sequences of ``seq_length`` tokens, fp32 parameters and AdamW.
 
@@ -170,7 +171,10 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     view of the checkpoint's mapped file (:attr:`~.device_spec.DeviceSpec.maps_frozen_weights`), so only the rows a
     step looks up are resident; counted so for an adapter's run where the table is neither sharded by ZeRO-3 (FSDP2
     copies its shard), nor a tensor-parallel DTensor (read out of the file), nor tied to the head (whose product reads
-    every row).
+    every row). ``fused_loss`` (``TrainingArguments.fused_loss``): where the model can fold its head into the loss
+    (a language-model head, whole on one pipeline stage, not vocabulary-parallel, and not a trained head ZeRO-3 makes
+    a unit of its own: :mod:`~mindformers_py.layers.loss.fused_head`), one chunk of logits exists instead of all of
+    them and their gradient.
 
     Under ZeRO-3 the busiest moment of a rank is FSDP2 making its largest unit whole (a layer, or the input
     embedding or output head, which are units of their own): the gathered buffer and the parameter copied out of it
@@ -187,6 +191,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     tokens = per_device_batch // micro * seq_length // pc.cp  # a context-parallel rank's share of each sequence
     recompute = pc.recompute
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
+    head_fused = (fused_loss and shape.head == "lm" and pp == 1 and vocab_tp == 1
+                  and (trainable_params is not None or pc.zero_stage < 3 or dp == 1))
     layer_params = shape.layer_params(tp, ep)
     layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
 
@@ -211,7 +217,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
         if last:
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
-            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes) * (1 + shape.mtp_layers)
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes, head_fused) \
+                * (1 + shape.mtp_layers)
             if shape.mtp_layers:  # each module's layer, its input norms and projection (2·hidden in, hidden out)
                 mtp_layer = layer_activation_bytes(shape, tokens, tp, pc.sequence_parallel, False, (), act_bytes,
                                                    attention_scores, seq_length, kind=shape.mtp_layer_kind())
@@ -232,7 +239,7 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         if mapped_embedding and first and trainable_params is not None:
             estimate.parameters -= _unread_embedding_bytes(shape, pc, per_device_batch * seq_length // pc.cp, last,
                                                            param_bytes)
-        if last and shape.head != "classifier":
+        if last and shape.head != "classifier" and not head_fused:
             estimate.logits_gradient = tokens * shape.vocab // vocab_tp * (FP32_BYTES + act_bytes)
         if best is None or estimate.total > best.total:
             best = estimate
@@ -250,12 +257,16 @@ def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, tokens: int, 
     return max(shape.vocab - tokens, 0) * shape.hidden * param_bytes  # the whole table: no tensor parallelism here
 
 
-def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int) -> int:
+def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int, fused: bool = False) -> int:
     """What the last stage keeps for the head: the final norm (its output is the head's input), BERT's dense +
-    norm transform, and the fp32 log-softmax over the vocabulary."""
+    norm transform, and the fp32 log-softmax over the vocabulary; with the head ``fused`` into the loss, one chunk
+    of fp32 logits and the hidden states' gradient instead (:mod:`~mindformers_py.layers.loss.linear_cross_entropy`)."""
     norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
     if shape.head == "classifier":
         return norm
+    if fused:
+        chunk = min(tokens, max(1, GPU_CHUNK_ELEMENTS // shape.vocab))  # (the larger of the kernel's chunks)
+        return norm + chunk * shape.vocab * FP32_BYTES + tokens * shape.hidden * act_bytes
     transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0
     return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
 

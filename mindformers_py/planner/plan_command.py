@@ -54,6 +54,8 @@ class ModelSource:
     trainable_params: int | None = None
     """The parameters a recipe's peft adapter trains (gradients and optimizer state are counted for those alone);
     None trains the whole model."""
+    fused_loss: bool = False
+    """The recipe's ``training.fused_loss``: no whole logits where the head can be fused into the loss."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -97,7 +99,8 @@ def _from_recipe(path: Path) -> ModelSource:
         + f" x {dp} data-parallel rank{'s' if dp > 1 else ''}"
     return ModelSource(shape_from_config(config), f"{path} ({name})", global_batch=per_device * accumulation * dp,
                        batch_origin=origin, seq_length=int(seq) if seq else None, base=base,
-                       trainable_params=_adapter_parameters(recipe, config))
+                       trainable_params=_adapter_parameters(recipe, config),
+                       fused_loss=bool(training.get("fused_loss", False)))
 
 
 def _adapter_parameters(recipe: dict[str, Any], config: Any) -> int | None:
@@ -193,6 +196,8 @@ class PlanReport:
             lines.append(f"peft adapter: {self.model.trainable_params:,} trainable parameters "
                          f"({self.model.trainable_params / shape.total_params():.3%} of the model); gradients and "
                          "AdamW state for those alone, the frozen base held as usual")
+        if self.model.fused_loss:
+            lines.append("fused_loss: one chunk of logits at a time where the head is whole on its rank")
         cols = ["", "layout", "mem/rank", "compute", "mem-bound", "TP", "EP", "DP", "PP", "bubble", "step",
                 "tokens/s", "MFU"]
         rows = []
@@ -346,7 +351,7 @@ def run_plan(source: str, devices: int, device: str = DEFAULT_DEVICE, devices_pe
         global_batch, origin = devices, "one per device; --global_batch to change"
     result = plan(shape, devices, None, seq, global_batch=global_batch, device=spec,
                   base=model.base, act_bytes=BF16_BYTES, runtime=runtime, full_search=True,
-                  trainable_params=model.trainable_params)
+                  trainable_params=model.trainable_params, fused_loss=model.fused_loss)
     return PlanReport(result, model, spec, devices, seq, global_batch, origin)
 
 

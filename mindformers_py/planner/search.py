@@ -264,6 +264,7 @@ def plan(
     runtime: Runtime | None = None,
     full_search: bool = False,
     trainable_params: int | None = None,
+    fused_loss: bool = False,
 ) -> AutoParallelPlan:
     """Choose a layout for ``world_size`` ranks (see the module docstring).
 
@@ -286,6 +287,7 @@ def plan(
             sequence and vocabulary parallelism with tensor parallelism (the ``plan`` command's search).
         trainable_params: a peft adapter's trainable parameters: gradients and optimizer state are counted for
             those alone (the frozen base model is held as usual).
+        fused_loss: the run's ``TrainingArguments.fused_loss`` (no whole logits where the head can be fused).
 
     Raises:
         ConfigError: no layout is valid for this world, model and batch, or none fits (with ``require_fit``).
@@ -301,7 +303,7 @@ def plan(
     if not seq_length:
         raise ConfigError("seq_length is required: the model config has no max_position_embeddings")
     search = _Search(base, shape, model_config, world_size, seq_length, device, act_bytes, runtime or Runtime(),
-                     full_search, trainable_params)
+                     full_search, trainable_params, fused_loss)
 
     candidates: list[LayoutEstimate] = []
     excluded: list[tuple[str, str]] = []
@@ -362,6 +364,7 @@ class _Search:
     runtime: Runtime
     full_search: bool
     trainable_params: int | None = None
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         self.flops_per_token = self.shape.flops_per_token(self.seq)
@@ -472,7 +475,7 @@ class _Search:
                                  attention_scores=self.runtime.attention == "materialized",
                                  kv_exchange=self.runtime.context_kv, trainable_params=self.trainable_params,
                                  runtime_bytes=self.device.runtime_bytes,
-                                 mapped_embedding=self.device.maps_frozen_weights)
+                                 mapped_embedding=self.device.maps_frozen_weights, fused_loss=self.fused_loss)
         time = estimate_step_time(self.shape, config, batch, self.seq, self.device, self.act_bytes, self.runtime)
         return LayoutEstimate(config, batch, memory, time, memory.total <= self.device.usable_bytes, changes,
                               self.seq, self.flops_per_token)
@@ -538,6 +541,7 @@ def auto_parallel(
     log: logging.Logger | None = None,
     summary: list[str] | None = None,
     trainable_params: int | None = None,
+    fused_loss: bool = False,
 ) -> ParallelConfig:
     """The layout to run an ``auto_parallel`` config with: :func:`plan`, logged as a table; other modes are
     returned unchanged.
@@ -546,7 +550,8 @@ def auto_parallel(
     device assumptions. When a process group is already running, rank 0 plans (free memory differs a little
     between devices, and every rank must run the same layout) and the others receive its answer. The rank that
     planned appends the plan's one-line reason (:meth:`AutoParallelPlan.summary`) to ``summary`` when given.
-    ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those alone).
+    ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those alone); ``fused_loss``
+    the run's ``TrainingArguments.fused_loss``.
     """
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
@@ -559,7 +564,7 @@ def auto_parallel(
             device = dataclasses.replace(device, memory_bytes=parse_bytes(memory_budget))
         try:
             result = plan(model_config, world_size, per_device_batch, seq_length, device=device, base=parallel_config,
-                          act_bytes=act_bytes, trainable_params=trainable_params)
+                          act_bytes=act_bytes, trainable_params=trainable_params, fused_loss=fused_loss)
             (log or logger).info("%s", result.table())
             answer = [result.config.to_dict()]
             if summary is not None:

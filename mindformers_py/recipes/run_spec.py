@@ -176,7 +176,8 @@ def resolve_recipe(recipe: dict[str, Any], overrides: list[str] | None = None) -
         from ..engine.registry import plan_layout  # the engines' modules: after the checks above, which need none
 
         trainable = adapter_parameter_count(peft_config, config, task.name) if peft_config is not None else None
-        planned = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable)
+        planned = plan_layout(parallel, config, world, per_device_batch, seq_length, trainable_params=trainable,
+                              fused_loss=bool(args.fused_loss))
         if planned is not parallel:
             parallel, args = planned, args.with_layout(planned)
         checked_config = config

@@ -97,10 +97,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), None, None)
 
 
+CPU_CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS = 2**23, 2**26
+"""Logits elements per chunk: 2**23 (32 MiB fp32) keeps a CPU chunk near the cache; a GPU takes 2**26 to keep its
+kernels large."""
+
+
 def _chunk_elements(device: torch.device) -> int:
-    """Logits elements per chunk: 2**23 (32 MiB fp32) keeps a CPU chunk near the cache; a GPU takes 2**26 to
-    keep its kernels large."""
-    return 2**23 if device.type == "cpu" else 2**26
+    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
