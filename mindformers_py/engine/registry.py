@@ -64,8 +64,9 @@ def plan_layout(parallel_config: ParallelConfig, model_config: Any, world_size: 
     running process group every rank gets rank 0's plan; the rank that planned appends the plan's one-line reason to
     ``summary``), as a fixed config that :meth:`~ParallelConfig.resolve` turns into the run's ``Layout``; other modes
     are returned unchanged. ``trainable_params`` is a peft adapter's count (gradients and optimizer state for those
-    alone); ``fused_loss`` the run's ``TrainingArguments.fused_loss``. A plan for one process is a ``stand_alone`` layout (no process group to join: what an ``auto_parallel``
-    run on a machine without GPUs and without size hints gets)."""
+    alone); ``fused_loss`` the run's ``TrainingArguments.fused_loss``. A plan for one process is a ``stand_alone``
+    layout (no process group to join: what an ``auto_parallel`` run on a machine without GPUs and without size hints
+    gets)."""
     if parallel_config.parallel_mode != "auto_parallel":
         return parallel_config
     from ..planner.search import auto_parallel

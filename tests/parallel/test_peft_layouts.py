@@ -188,12 +188,13 @@ DEEPSEEK_GRADIENT_LAYOUTS = {
     "tp2": _semi(model_parallel=2),
 }
 # The output head fused with the loss in the model's forward, called whole under FSDP2 / replicate: a frozen head
-# (LoRA) under ep2 and under dp2; a trained head that ZeRO-3 makes a unit of its own declines (its hooks, which
-# reduce the head's gradient, would not run) and the model's own loss is taken
+# (LoRA) under ep2 and under dp2; a head ZeRO-3 makes a unit of its own declines (sharded, or, trained, its hooks
+# that reduce the gradient would not run) and the model's own loss is taken
 FUSED_GRADIENT_LAYOUTS = {
     "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, _fused_loss),
     "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, _fused_loss),
     "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
+    "zero3_lora_declines": (_dp(optimizer_shard=3), peft_model, _declined_fused_loss),
 }
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
