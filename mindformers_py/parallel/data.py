@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -112,6 +113,22 @@ def vocabulary_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | No
 def _wrapped_name(module: nn.Module) -> str:
     inner = getattr(module, "_checkpoint_wrapped_module", None)
     return type(inner).__name__ if inner is not None else ""
+
+
+@contextmanager
+def frozen_while_wrapped(model: nn.Module) -> Iterator[None]:
+    """Within, every parameter of ``model`` is frozen, so a layout wrapping it for evaluation only leaves them out of
+    data parallelism's replicated copies (:func:`frozen_params`); afterwards each takes back its ``requires_grad``,
+    found by name (wrapping may replace a parameter: a ZeRO-3 shard, an expert-parallel slice)."""
+    trained = {name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters()
+               if p.requires_grad}
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for name, param in model.named_parameters():
+            if name.replace("_checkpoint_wrapped_module.", "") in trained:
+                param.requires_grad_(True)
 
 
 def frozen_params(module: nn.Module, param_dtype: torch.dtype | None = None) -> set[nn.Parameter]:

@@ -7,6 +7,7 @@ check stay on the device in between. Everything that depends on the parallel lay
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -29,6 +30,7 @@ from ..engine.cpu_memory import return_freed_cpu_memory
 from ..engine.step_loss import accepts_loss_kwargs, initial_mode
 from ..errors import ConfigError, MindFormersError
 from ..launcher.restarts import RestartInfo, restart_info
+from ..parallel.data import frozen_while_wrapped
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import drop_unused_columns, forward_columns, is_stream, map_style_length, read_step
@@ -128,6 +130,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         self.label_names = list(self.args.label_names or find_labels(type(model))
                                 or (self.task_spec.label_names if self.task_spec else ["labels"]))
         self.model = model
+        self.train_dataset = train_dataset  # (read by _setup_engine: without one, the model is prepared for evaluation)
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
         seq_length = first_input_length(train_dataset, model)
@@ -147,7 +150,6 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         if ignored and self.engine.is_main_process:
             logger.warning("%s", ignored)
         self.data_collator = data_collator or default_collator(self.task_spec, self.processing_class)
-        self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
@@ -182,7 +184,12 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
                                    task=self.task)
         self.engine.setup()
         set_seed(self.args.seed)
-        self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)
+        # Without a train_dataset nothing trains: as transformers wraps a model for training only, its weights stay
+        # out of data parallelism's replicated copies (a Qwen3-MoE slice's evaluation under ep2 held 10.5 GiB a rank
+        # with them, 3.5 without); train() refuses this Trainer afterwards
+        self._evaluation_only = self.train_dataset is None and self.engine.world_size > 1
+        with frozen_while_wrapped(self.model) if self._evaluation_only else contextlib.nullcontext():
+            self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)
         if self.engine.device.type == "cpu":
             # Loading and placing the weights freed temporaries (per-expert tensors stacked, shards sliced) that
             # training never allocates again in those sizes; kept in the heap (cpu_keep_freed_memory) they would
@@ -232,6 +239,11 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
+        if getattr(self, "_evaluation_only", False):
+            raise MindFormersError(
+                f"this Trainer was made without a train_dataset, so its model was prepared under the layout's "
+                f"{self.engine.world_size} processes for evaluation only (its gradients would not be reduced over "
+                "the data-parallel ranks); make a Trainer with train_dataset= to train")
         args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         restart = restart_info()
