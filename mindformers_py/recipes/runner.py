@@ -217,6 +217,10 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
     if generating:
         compute = text_generation_metrics(tokenizer, [m for m in task.metrics if m in AVAILABLE])
     trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
+    if run_mode == "eval":
+        # Nothing is trained: frozen weights stay out of data parallelism's replicated copies (each rank's model is
+        # what it loaded, not that and a second whole buffer of it), as transformers evaluates an unwrapped model.
+        model.requires_grad_(False)
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
                             processing_class=tokenizer, compute_metrics=compute, data_collator=datasets.collator,
                             peft_config=peft_config if run_mode in ("train", "finetune") else None)
