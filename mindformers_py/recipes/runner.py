@@ -218,9 +218,8 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
         compute = text_generation_metrics(tokenizer, [m for m in task.metrics if m in AVAILABLE])
     trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
     if run_mode == "eval":
-        # Nothing is trained, so the model is frozen. The Trainer already keeps an evaluation-only model out of
-        # replicate's copies, but a Qwen3-MoE slice's evaluation under ep2 still peaked at 6.4 GiB a rank (36.6 s)
-        # with its weights trainable against 3.5 GiB (8.6 s) frozen (where the difference goes is not found yet).
+        # Nothing is trained, so the model is frozen for good (the Trainer, given no train_dataset, freezes it only
+        # while it wraps and evaluates it: trainable under ep2, a Qwen3-MoE slice's evaluation held 10.5 GiB a rank).
         model.requires_grad_(False)
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
                             processing_class=tokenizer, compute_metrics=compute, data_collator=datasets.collator,
