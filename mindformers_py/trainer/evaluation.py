@@ -21,7 +21,7 @@ from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, speed_metrics
 
 from ..errors import MindFormersError
-from ..parallel.data import frozen_while_wrapped
+from ..parallel.data import held_frozen
 from ..utils.batch_rows import first_rows
 from .batching import GlobalBatchSampler, build_dataloader, is_stream, map_style_length
 from .fused_loss import FusedCausalLMLoss
@@ -122,7 +122,7 @@ class EvaluationMixin:
         model.eval()
         # An evaluation-only Trainer under a layout (no train_dataset) also evaluates with its weights frozen: under
         # ep2 a Qwen3-MoE slice's trainable weights held 6.4 GiB a rank through a no-grad evaluation, frozen 3.5 GiB
-        frozen = frozen_while_wrapped(self.model) if getattr(self, "_evaluation_only", False) else nullcontext()
+        frozen = held_frozen(self.model) if self._evaluation_only else nullcontext()
         start = time.time()
         loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0

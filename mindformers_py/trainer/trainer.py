@@ -30,7 +30,7 @@ from ..engine.cpu_memory import return_freed_cpu_memory
 from ..engine.step_loss import accepts_loss_kwargs, initial_mode
 from ..errors import ConfigError, MindFormersError
 from ..launcher.restarts import RestartInfo, restart_info
-from ..parallel.data import frozen_while_wrapped
+from ..parallel.data import held_frozen
 from ..task_registry import TaskSpec, get_task, task_of_model
 from .arguments import TrainingArguments
 from .batching import drop_unused_columns, forward_columns, is_stream, map_style_length, read_step
@@ -131,6 +131,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
                                 or (self.task_spec.label_names if self.task_spec else ["labels"]))
         self.model = model
         self.train_dataset = train_dataset  # (read by _setup_engine: without one, the model is prepared for evaluation)
+        self._evaluation_only = False  # (set by _setup_engine; the parent of local workers prepares no model)
         # A layout needing more processes than this program has: train/evaluate/predict start them (local_workers),
         # and this process builds no engine and joins no process group.
         seq_length = first_input_length(train_dataset, model)
@@ -188,7 +189,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         # out of data parallelism's replicated copies (a Qwen3-MoE slice's evaluation under ep2 held 10.5 GiB a rank
         # with them, 3.5 without); train() refuses this Trainer afterwards
         self._evaluation_only = self.train_dataset is None and self.engine.world_size > 1
-        with frozen_while_wrapped(self.model) if self._evaluation_only else contextlib.nullcontext():
+        with held_frozen(self.model) if self._evaluation_only else contextlib.nullcontext():
             self.model_wrapped = self.engine.prepare_model(self.model, task=self.task_spec)
         if self.engine.device.type == "cpu":
             # Loading and placing the weights freed temporaries (per-expert tensors stacked, shards sliced) that
@@ -239,7 +240,7 @@ class Trainer(TrainingLossMixin, EvaluationMixin):
         """
         if self.train_dataset is None:
             raise MindFormersError("Trainer.train needs a train_dataset")
-        if getattr(self, "_evaluation_only", False):
+        if self._evaluation_only:
             raise MindFormersError(
                 f"this Trainer was made without a train_dataset, so its model was prepared under the layout's "
                 f"{self.engine.world_size} processes for evaluation only (its gradients would not be reduced over "
