@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import CheckpointError, ConfigError
 from ..loading.deferred import has_meta_parameters
 from ..parallel.tensor.adapters import adapted_model, is_peft_model
+from ..utils.state_names import state_name
 from .config import SECTION, as_peft_config
 from .experts import with_expert_parameters
 from .files import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, adapter_base, is_adapter_folder
@@ -165,10 +166,6 @@ def _rank_problem(peft_model: nn.Module, name: str) -> str | None:
 
 # -- adapter weights under the wrapped model's names ---------------------------------------------------------------
 
-# Recompute wraps layers in torch's checkpoint wrapper, which adds this to module names but not to state-dict keys.
-_WRAPPER = "_checkpoint_wrapped_module."
-
-
 def _is_prompt_learning(model: nn.Module) -> bool:
     return bool(getattr(model.active_peft_config, "is_prompt_learning", False))
 
@@ -189,7 +186,7 @@ def adapter_names(model: nn.Module) -> dict[str, str]:
     # the base model's config to see whether the vocabulary was resized)
     saved = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=model.active_adapter,
                                       save_embedding_layers=False)
-    return {key.replace(_WRAPPER, ""): names[int(value)].replace(_WRAPPER, "") for key, value in saved.items()}
+    return {state_name(key): state_name(names[int(value)]) for key, value in saved.items()}
 
 
 def adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -53,6 +53,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import CheckpointError
 from ..parallel.tensor.adapters import is_peft_model
+from ..utils.state_names import state_name
 from .safetensors_io import atomic_folder
 from .streamed_safetensors import DEFAULT_MAX_SHARD_SIZE, tensor_bytes
 
@@ -133,7 +134,7 @@ def training_state(
 
 def _frozen_names(model: nn.Module) -> set[str]:
     """Names of ``model``'s parameters that do not train, in every place they are held (state-dict names)."""
-    return {name.replace("_checkpoint_wrapped_module.", "") for name, param in
+    return {state_name(name) for name, param in
             model.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 
@@ -493,6 +494,6 @@ def _tied_sources(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         keys = getattr(module, "_tied_weights_keys", None)
         if isinstance(keys, Mapping):
-            prefix = f"{name.replace('_checkpoint_wrapped_module.', '')}." if name else ""
+            prefix = f"{state_name(name)}." if name else ""
             out.update({prefix + alias: prefix + source for alias, source in keys.items()})
     return out

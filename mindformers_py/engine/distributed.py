@@ -61,6 +61,7 @@ from ..parallel.mesh import ParallelMesh, build_mesh, init_distributed
 from ..parallel.tensor.sequence_padding import SequenceGroup, cut_sequences, pad_sequences
 from ..parallel.parallelize import parallelize
 from ..launcher.watchdog import ProgressWatchdog, collective_timeout
+from ..utils.state_names import state_name
 from .args import EngineArguments
 from .optim import parameter_group_names
 from .base import Engine, _quiet_progress_bars, padded_share
@@ -497,7 +498,7 @@ def _tied_names(model: nn.Module) -> set[str]:
     tied = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
-            tied.add(name.replace("_checkpoint_wrapped_module.", ""))
+            tied.add(state_name(name))
         seen.add(id(param))
     return tied
 

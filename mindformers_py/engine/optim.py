@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import MindFormersError
+from ..utils.state_names import state_name
 from .args import EngineArguments
 
 # Devices whose AdamW has a fused kernel in torch.
@@ -32,7 +33,7 @@ def parameter_group_names(model: nn.Module) -> list[list[str]]:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(name.replace("_checkpoint_wrapped_module.", ""))
+            (decay if param.ndim >= 2 else no_decay).append(state_name(name))
     return [g for g in (decay, no_decay) if g]
 
 

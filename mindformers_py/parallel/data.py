@@ -57,6 +57,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
+from ..utils.state_names import state_name
 from .layout import DDP_ZERO1, NONE, REPLICATE, Layout
 from .gloo_collectives import use_in_place_collectives
 from .mesh import ParallelMesh
@@ -121,14 +122,14 @@ def held_frozen(model: nn.Module) -> Iterator[None]:
     out of data parallelism's replicated copies, :func:`frozen_params`, and evaluation runs on frozen weights);
     afterwards each takes back its ``requires_grad``, found by name (wrapping may replace a parameter: a ZeRO-3
     shard, an expert-parallel slice)."""
-    trained = {name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters()
+    trained = {state_name(name) for name, p in model.named_parameters()
                if p.requires_grad}
     model.requires_grad_(False)
     try:
         yield
     finally:
         for name, param in model.named_parameters():
-            if name.replace("_checkpoint_wrapped_module.", "") in trained:
+            if state_name(name) in trained:
                 param.requires_grad_(True)
 
 
