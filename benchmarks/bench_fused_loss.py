@@ -12,14 +12,20 @@ and the step's wall time, best of the rounds. The sides:
 * ``ours``: our ``GPTForCausalLM`` loaded from the same folder, its own loss;
 * ``ours_fused``: the same inside ``loss_without_logits`` (what the Trainer does with ``fused_loss=True``).
 
+``--zero3``: ours and ours_fused only, on 2 gloo processes under ZeRO-3 (``data_parallel=2, optimizer_shard=3``),
+each rank taking half the batch; the head, frozen, is a sharded FSDP2 unit of its own, gathered for the fused loss
+alone. The rise is the larger of the two ranks'.
+
     python benchmarks/bench_fused_loss.py
     python benchmarks/bench_fused_loss.py --batch 8 --seq 512 --rounds 3
+    python benchmarks/bench_fused_loss.py --zero3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,6 +66,64 @@ print(json.dumps({"side": side, "loss": loss.item(), "seconds": time.perf_counte
                   "rise": status("VmHWM") - before}))
 """
 
+# The same step under ZeRO-3 on 2 gloo processes (run by torchrun from a file): rank 0 prints one JSON line.
+_ZERO3_STEP = r"""
+import ctypes, json, os, sys, time
+import torch
+import torch.distributed as dist
+import mindformers_py as mf
+from mindformers_py.engine import build_engine
+from mindformers_py.layers.loss.fused_head import loss_without_logits
+side, folder, batch, seq, train_head = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+parallel = mf.ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=3)
+args = mf.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], bf16=False, parallel_config=parallel)
+engine = build_engine(parallel, args)
+engine.setup()
+torch.manual_seed(0)
+model = mf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+model.train()
+if not train_head:
+    model.get_output_embeddings().weight.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(False)
+wrapped = engine.prepare_model(model)
+ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+ids = ids[engine.shard_indices(range(batch))]
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+dist.barrier()
+before = status("VmRSS")
+start = time.perf_counter()
+if side == "ours_fused":
+    with loss_without_logits(wrapped):
+        loss = wrapped(input_ids=ids, labels=ids).loss
+else:
+    loss = wrapped(input_ids=ids, labels=ids).loss
+loss.backward()
+seconds = time.perf_counter() - start
+found = [None, None]
+dist.all_gather_object(found, {"loss": loss.item(), "rise": status("VmHWM") - before})
+if dist.get_rank() == 0:
+    print(json.dumps({"side": side, "loss": sum(f["loss"] for f in found) / 2, "seconds": seconds,
+                      "rise": max(f["rise"] for f in found)}))
+dist.destroy_process_group()
+"""
+
+
+def _run_side(side: str, folder: Path, opts: argparse.Namespace) -> dict:
+    """One side's step in a fresh interpreter (two under torchrun with ``--zero3``): its JSON line."""
+    step_args = [side, str(folder), str(opts.batch), str(opts.seq), "1" if opts.train_head else "0"]
+    if opts.zero3:
+        script = folder.parent / "zero3_step.py"
+        script.write_text(_ZERO3_STEP)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(script), *step_args]
+    else:
+        command = [sys.executable, "-c", _STEP, *step_args]
+    out = subprocess.run(command, capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"} if opts.zero3 else None)
+    return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
+
 
 def make_checkpoint(folder: Path) -> None:
     """A small Qwen3 with the real vocabulary, saved by transformers."""
@@ -79,29 +143,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--train-head", action="store_true", help="train the head and input embedding too")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=None)
+    parser.add_argument("--zero3", action="store_true", help="ours and ours_fused on 2 processes under ZeRO-3")
     opts = parser.parse_args(argv)
+    if opts.sides is None:
+        opts.sides = ["ours", "ours_fused"] if opts.zero3 else list(SIDES)
+    if opts.zero3 and "hf" in opts.sides:
+        parser.error("--zero3 runs our sides only (ours, ours_fused)")
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen3_vocab"
         make_checkpoint(folder)
         for round_ in range(opts.rounds):
             for side in opts.sides:
-                out = subprocess.run([sys.executable, "-c", _STEP, side, str(folder), str(opts.batch), str(opts.seq),
-                                      "1" if opts.train_head else "0"], capture_output=True, text=True, check=True)
-                result = json.loads(out.stdout.strip().splitlines()[-1])
+                result = _run_side(side, folder, opts)
                 print(f"round {round_ + 1} {side:10s} loss {result['loss']:.5f}  step {result['seconds']:.2f} s  "
                       f"peak RSS rise {result['rise'] / 2**30:.3f} GiB", flush=True)
                 kept = best.setdefault(side, result)
                 kept["seconds"] = min(kept["seconds"], result["seconds"])
                 kept["rise"] = min(kept["rise"], result["rise"])
-    hf = best.get("hf")
+    base_name = "ours" if opts.zero3 else "hf"
+    base = best.get(base_name)
+    where = "ZeRO-3 on 2 processes, the larger rank's rise" if opts.zero3 else "one process"
     print(f"\n{opts.batch} x {opts.seq} tokens, vocabulary 151,936, fp32, head {'trained' if opts.train_head else 'frozen'}"
-          f" (best of {opts.rounds})")
-    print("| side | step time | peak RSS rise | rise / transformers' | time / transformers' |")
+          f", {where} (best of {opts.rounds})")
+    against = "ours unfused" if opts.zero3 else "transformers'"
+    print(f"| side | step time | peak RSS rise | rise / {against} | time / {against} |")
     print("| --- | --- | --- | --- | --- |")
     for side, r in best.items():
-        ratios = (f"{r['rise'] / hf['rise']:.2f}x | {r['seconds'] / hf['seconds']:.2f}x" if hf else "- | -")
+        ratios = (f"{r['rise'] / base['rise']:.2f}x | {r['seconds'] / base['seconds']:.2f}x" if base else "- | -")
         print(f"| {side} | {r['seconds']:.2f} s | {r['rise'] / 2**30:.3f} GiB | {ratios} |")
     return 0
 

@@ -172,9 +172,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     step looks up are resident; counted so for an adapter's run where the table is neither sharded by ZeRO-3 (FSDP2
     copies its shard), nor a tensor-parallel DTensor (read out of the file), nor tied to the head (whose product reads
     every row). ``fused_loss`` (``TrainingArguments.fused_loss``): where the model can fold its head into the loss
-    (a language-model head, whole on one pipeline stage, sharded neither over the vocabulary nor by ZeRO-3:
-    :mod:`~mindformers_py.layers.loss.fused_head`), one chunk of logits exists instead of all of them and their
-    gradient.
+    (a language-model head, whole on one pipeline stage, not sharded over the vocabulary, and under ZeRO-3 frozen:
+    an adapter's run; :mod:`~mindformers_py.layers.loss.fused_head`), one chunk of logits exists instead of all of
+    them and their gradient.
 
     Under ZeRO-3 the busiest moment of a rank is FSDP2 making its largest unit whole (a layer, or the input
     embedding or output head, which are units of their own): the gathered buffer and the parameter copied out of it
@@ -191,7 +191,9 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     tokens = per_device_batch // micro * seq_length // pc.cp  # a context-parallel rank's share of each sequence
     recompute = pc.recompute
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
-    head_fused = fused_loss and shape.head == "lm" and pp == 1 and vocab_tp == 1 and (pc.zero_stage < 3 or dp == 1)
+    # (a head ZeRO-3 shards is fused when frozen, gathered for the loss alone; trained, its hooks would not run)
+    head_fused = fused_loss and shape.head == "lm" and pp == 1 and vocab_tp == 1 and (
+        pc.zero_stage < 3 or dp == 1 or trainable_params is not None)
     layer_params = shape.layer_params(tp, ep)
     layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
 

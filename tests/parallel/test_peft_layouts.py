@@ -112,6 +112,18 @@ def _declined_fused_loss(model, inputs, num_items):
     return _fused_loss(model, inputs, num_items, taken=False)
 
 
+def _fused_loss_of_a_sharded_head(model, inputs, num_items):
+    """``_fused_loss`` under ZeRO-3, whose frozen head, gathered for the loss alone, is sharded again once the loss
+    returns (the unfused head stays whole from its forward to its backward)."""
+    loss = _fused_loss(model, inputs, num_items)
+    from torch.distributed.tensor import DTensor
+
+    heads = [m.lm_head for m in model.modules() if hasattr(m, "fused_loss_taken")]
+    assert heads and all(isinstance(h.weight, DTensor) and h.weight.to_local().shape[0] < h.weight.shape[0]
+                         for h in heads)
+    return loss
+
+
 def full_model() -> torch.nn.Module:
     """:func:`peft_model`'s base, every weight trained (its untied head too)."""
     torch.manual_seed(0)
@@ -188,13 +200,16 @@ DEEPSEEK_GRADIENT_LAYOUTS = {
     "tp2": _semi(model_parallel=2),
 }
 # The output head fused with the loss in the model's forward, called whole under FSDP2 / replicate: a frozen head
-# (LoRA) under ep2 and under dp2; a head ZeRO-3 makes a unit of its own declines (sharded, or, trained, its hooks
-# that reduce the gradient would not run) and the model's own loss is taken
+# (LoRA) under ep2 and under dp2, and under ZeRO-3 (its own FSDP2 unit, gathered for the loss alone; also with ep2
+# and recompute); a trained head ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the
+# model's own loss is taken
 FUSED_GRADIENT_LAYOUTS = {
     "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, _fused_loss),
     "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, _fused_loss),
+    "zero3_lora": (_dp(optimizer_shard=3), peft_model, _fused_loss_of_a_sharded_head),
+    "ep2_zero3_recompute_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2_zero3_recompute"], moe_peft_model,
+                                     _fused_loss_of_a_sharded_head),
     "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
-    "zero3_lora_declines": (_dp(optimizer_shard=3), peft_model, _declined_fused_loss),
 }
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],

@@ -5,9 +5,14 @@ family's causal LM) called with labels computes its next-token loss with
 :func:`~mindformers_py.layers.loss.linear_cross_entropy.linear_cross_entropy` and returns no logits, so the
 (tokens x vocabulary) logits, their fp32 copy and their gradient never exist. Because the model is still called
 whole, this works where a loss computed from outside the model cannot: under FSDP2 / replicate, whose hooks live on
-the modules they wrap, and on every data-, expert- and context-parallel rank. A head that is itself sharded (its
-weight a DTensor: vocabulary-parallel tensor parallelism, or a head made an FSDP unit of its own) keeps the model's
-own loss; :func:`fusable_head` says which.
+the modules they wrap, and on every data-, expert- and context-parallel rank.
+
+A frozen head that ZeRO-3 shards as an FSDP2 unit of its own is gathered for the loss alone (:func:`head_weights`)
+and sharded again as soon as it returns: the loss makes its gradients in its forward, so backward needs no weight,
+where the unfused head stays gathered from its forward to its backward and its logits are made whole besides. A head
+sharded otherwise (vocabulary-parallel tensor parallelism), or trained while FSDP2 shards it (its module's hooks,
+which reduce the weight's gradient, do not run when its forward is skipped), keeps the model's own loss;
+:func:`fusable_head` says which.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 FLAG = "fuse_loss_with_head"
@@ -27,11 +34,37 @@ TAKEN = "fused_loss_taken"
 
 def fusable_head(head: nn.Module | None) -> bool:
     """Whether ``head`` can be folded into the loss: an ``nn.Linear`` (not a peft adapter over one) whose weight is
-    a whole local tensor at this moment. A head FSDP2 wraps as a unit of its own qualifies only when frozen: its
-    module's hooks, which reduce a trained weight's gradient, do not run when its forward is skipped."""
-    if not isinstance(head, nn.Linear) or isinstance(head.weight, DTensor):
+    a whole local tensor, or becomes one when FSDP2 gathers it. A head FSDP2 wraps as a unit of its own qualifies
+    only when frozen: its module's hooks, which reduce a trained weight's gradient, do not run when its forward is
+    skipped."""
+    if not isinstance(head, nn.Linear):
+        return False
+    if isinstance(head, FSDPModule):
+        return not head.weight.requires_grad and _gathers_whole(head)
+    if isinstance(head.weight, DTensor):
         return False
     return type(head) is nn.Linear or not head.weight.requires_grad
+
+
+def _gathers_whole(head: FSDPModule) -> bool:
+    """Whether FSDP2's gather of ``head`` gives whole local tensors (no tensor-parallel DTensor under its shards)."""
+    groups = head._get_fsdp_state()._fsdp_param_groups  # (torch exposes no public view of a unit's parameters)
+    return all(not param.is_dtensor for group in groups for param in group.fsdp_params)
+
+
+@contextmanager
+def head_weights(head: nn.Linear) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``head``'s weight and bias as whole local tensors, for the length of one fused loss. A head FSDP2 shards as
+    a unit of its own is gathered (its ``unshard``) and sharded again on the way out (``reshard``): the fused loss
+    keeps no weight for backward, so the gathered head lives for the loss alone, not from forward to backward."""
+    if not isinstance(head, FSDPModule):
+        yield head.weight, head.bias
+        return
+    head.unshard()
+    try:
+        yield head.weight, head.bias
+    finally:
+        head.reshard()
 
 
 def fusing_modules(model: nn.Module) -> list[nn.Module]:
@@ -54,4 +87,4 @@ def loss_without_logits(model: nn.Module) -> Iterator[list[nn.Module]]:
             setattr(module, FLAG, False)
 
 
-__all__ = ["FLAG", "TAKEN", "fusable_head", "fusing_modules", "loss_without_logits"]
+__all__ = ["FLAG", "TAKEN", "fusable_head", "fusing_modules", "head_weights", "loss_without_logits"]
