@@ -15,6 +15,7 @@ from typing import Any
 
 from ..layers.loss.linear_cross_entropy import GPU_CHUNK_ELEMENTS
 from ..parallel.config import ParallelConfig
+from ..parallel.layout import FSDP
 from .context_cost import context_buffer_bytes
 from .model_shape import ACTIVATION_SAVED_TENSORS, DEFAULT_ACTIVATION_SAVED, ModelShape, recomputed_share
 from .shape_readers import as_shape
@@ -172,9 +173,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     step looks up are resident; counted so for an adapter's run where the table is neither sharded by ZeRO-3 (FSDP2
     copies its shard), nor a tensor-parallel DTensor (read out of the file), nor tied to the head (whose product reads
     every row). ``fused_loss`` (``TrainingArguments.fused_loss``): where the model can fold its head into the loss
-    (a language-model head, whole on one pipeline stage, not sharded over the vocabulary, and under ZeRO-3 frozen:
-    an adapter's run; :mod:`~mindformers_py.layers.loss.fused_head`), one chunk of logits exists instead of all of
-    them and their gradient.
+    (a language-model head on one pipeline stage: see :func:`_head_fusable`; frozen means an adapter's run), one
+    chunk of logits exists instead of all of them and their gradient.
 
     Under ZeRO-3 the busiest moment of a rank is FSDP2 making its largest unit whole (a layer, or the input
     embedding or output head, which are units of their own): the gathered buffer and the parameter copied out of it
@@ -191,9 +191,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     tokens = per_device_batch // micro * seq_length // pc.cp  # a context-parallel rank's share of each sequence
     recompute = pc.recompute
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
-    # (a head ZeRO-3 shards is fused when frozen, gathered for the loss alone; trained, its hooks would not run)
-    head_fused = fused_loss and shape.head == "lm" and pp == 1 and vocab_tp == 1 and (
-        pc.zero_stage < 3 or dp == 1 or trainable_params is not None)
+    head_fused = fused_loss and shape.head == "lm" and pp == 1 and _head_fusable(pc, dp, vocab_tp,
+                                                                               trainable_params is not None)
     layer_params = shape.layer_params(tp, ep)
     layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
 
@@ -248,6 +247,16 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     return best
 
 
+def _head_fusable(pc: ParallelConfig, dp: int, vocab_tp: int, frozen_head: bool) -> bool:
+    """Whether the model can fold its head into the loss under ``pc`` (:mod:`~mindformers_py.layers.loss.fused_head`):
+    any head but one FSDP2 shards as a unit of its own (ZeRO-2/3 over several data-parallel ranks), which is fused
+    only frozen (gathered for the loss alone; trained, its hooks would not run) and not sharded over the vocabulary
+    besides."""
+    if dp == 1 or pc.data_parallel_engine != FSDP:
+        return True
+    return frozen_head and vocab_tp == 1
+
+
 def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, tokens: int, last: bool, param_bytes: int) -> int:
     """Bytes of a file-mapped token embedding that a step never reads: the table less the rows ``tokens`` look
     up (one page of a row each at most). Nothing when the table is read into memory: ZeRO-3 shards it (FSDP2 copies
@@ -265,9 +274,10 @@ def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_by
     norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
     if shape.head == "classifier":
         return norm
-    if fused:
-        chunk = min(tokens, max(1, GPU_CHUNK_ELEMENTS // shape.vocab))  # (the larger of the kernel's chunks)
-        return norm + chunk * shape.vocab * FP32_BYTES + tokens * shape.hidden * act_bytes
+    if fused:  # (a vocabulary-parallel rank's chunk spans its own columns)
+        columns = shape.vocab // vocab_tp
+        chunk = min(tokens, max(1, GPU_CHUNK_ELEMENTS // columns))  # (the larger of the kernel's chunks)
+        return norm + chunk * columns * FP32_BYTES + tokens * shape.hidden * act_bytes
     transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0
     return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
 

@@ -213,8 +213,9 @@ class TrainingArguments:
     """Compute the causal-LM loss with a chunked linear + cross-entropy that never holds the full (tokens x
     vocabulary) logits or their gradient: a memory saver for large vocabularies, in training and in loss-only
     evaluation. Our models do it in their own forward, under every layout but pipeline stages, wherever their output
-    head is a whole local ``nn.Linear`` or a frozen one ZeRO-3 shards (gathered for the loss alone), not one sharded
-    over the vocabulary, trained under ZeRO-3 or adapted (the log says which it was); another model gets it from outside, stand-alone only, after a check on the first batch that the
+    head is an ``nn.Linear``: whole, sharded over the vocabulary by tensor parallelism (a vocabulary-parallel loss)
+    or, frozen, sharded by ZeRO-2/3 (gathered for the loss alone); not one trained under ZeRO-2/3, one sharded over
+    the vocabulary under ZeRO-2/3, nor an adapted one (the log says which it was); another model gets it from outside, stand-alone only, after a check on the first batch that the
     two losses agree. Off by default: on CPU its step is slower than the model's own loss (1.15x on a 2-layer model
     at a 152k vocabulary, ``benchmarks/bench_fused_loss.py``, where the loss is most of the step)."""
     use_cpu: bool = False

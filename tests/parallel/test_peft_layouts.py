@@ -113,7 +113,7 @@ def _declined_fused_loss(model, inputs, num_items):
 
 
 def _fused_loss_of_a_sharded_head(model, inputs, num_items):
-    """``_fused_loss`` under ZeRO-3, whose frozen head, gathered for the loss alone, is sharded again once the loss
+    """``_fused_loss`` under ZeRO-2/3, whose frozen head, gathered for the loss alone, is sharded again once the loss
     returns (the unfused head stays whole from its forward to its backward)."""
     loss = _fused_loss(model, inputs, num_items)
     from torch.distributed.tensor import DTensor
@@ -200,15 +200,20 @@ DEEPSEEK_GRADIENT_LAYOUTS = {
     "tp2": _semi(model_parallel=2),
 }
 # The output head fused with the loss in the model's forward, called whole under FSDP2 / replicate: a frozen head
-# (LoRA) under ep2 and under dp2, and under ZeRO-3 (its own FSDP2 unit, gathered for the loss alone; also with ep2
-# and recompute); a trained head ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the
-# model's own loss is taken
+# (LoRA) under ep2 and under dp2, and under ZeRO-2/3 (its own FSDP2 unit, gathered for the loss alone; ZeRO-3 also
+# with ep2 and recompute); a head tp2 shards over the vocabulary, frozen (LoRA) or trained and with sequence parallelism
+# (vocabulary-parallel: softmax statistics and the hidden states' gradient summed over the ranks); a trained head
+# ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the model's own loss is taken
 FUSED_GRADIENT_LAYOUTS = {
     "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, _fused_loss),
     "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, _fused_loss),
+    "zero2_lora": (_dp(optimizer_shard=2), peft_model, _fused_loss_of_a_sharded_head),
     "zero3_lora": (_dp(optimizer_shard=3), peft_model, _fused_loss_of_a_sharded_head),
     "ep2_zero3_recompute_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2_zero3_recompute"], moe_peft_model,
                                      _fused_loss_of_a_sharded_head),
+    "tp2_vocab_lora": (_semi(model_parallel=2, vocab_emb_dp=False), peft_model, _fused_loss),
+    "tp2_sp_vocab_full": (_semi(model_parallel=2, vocab_emb_dp=False, use_seq_parallel=True), full_model,
+                          _fused_loss),
     "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
 }
 RECIPE_LAYOUTS = {

@@ -308,9 +308,10 @@ def test_ranks_of_a_job_run_rank_zeros_plan():
 
 def test_fused_loss_counts_one_chunk_of_logits_where_the_head_can_be_fused():
     """``fused_loss``: the model folds its head into the loss (no whole logits, nor their gradient) where the head is
-    whole on its rank or, frozen (an adapter's run), gathered by ZeRO-3 for the loss alone; the estimate drops by
-    those terms there, and not under vocabulary parallelism, pipeline stages (the schedule takes the loss from the
-    logits) or ZeRO-3 with the head trained (its gradient hooks would not run)."""
+    whole on its rank, sharded over the vocabulary by tensor parallelism (a vocabulary-parallel loss) or, frozen (an
+    adapter's run), gathered by ZeRO-2/3 for the loss alone; the estimate drops by those terms there, and not under
+    pipeline stages (the schedule takes the loss from the logits), ZeRO-2/3 with the head trained (its gradient
+    hooks would not run) or ZeRO-3 over a vocabulary-parallel head."""
     cfg, batch, seq = tiny("llama", vocab_size=32000, num_key_value_heads=2), 4, 256
 
     def saving(parallel, trainable=None):
@@ -325,5 +326,11 @@ def test_fused_loss_counts_one_chunk_of_logits_where_the_head_can_be_fused():
     assert saving(ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=3)) == 0
     assert saving(ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=3), trainable=1000) \
         > 1.5 * whole_logits
-    assert saving(ParallelConfig(parallel_mode="semi_auto_parallel", model_parallel=2, vocab_emb_dp=False)) == 0
+    assert saving(ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=2)) == 0
+    assert saving(ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=2), trainable=1000) \
+        > 1.5 * whole_logits
+    vocab_tp2 = dict(parallel_mode="semi_auto_parallel", model_parallel=2, vocab_emb_dp=False)
+    assert saving(ParallelConfig(**vocab_tp2)) > 1.5 * whole_logits / 2  # each rank's half of the vocabulary
+    assert saving(ParallelConfig(**vocab_tp2, data_parallel=2)) > 1.5 * whole_logits / 2
+    assert saving(ParallelConfig(**vocab_tp2, data_parallel=2, optimizer_shard=3), trainable=1000) == 0
     assert saving(ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2)) == 0

@@ -10,9 +10,10 @@ the modules they wrap, and on every data-, expert- and context-parallel rank.
 A frozen head that ZeRO-3 shards as an FSDP2 unit of its own is gathered for the loss alone (:func:`head_weights`)
 and sharded again as soon as it returns: the loss makes its gradients in its forward, so backward needs no weight,
 where the unfused head stays gathered from its forward to its backward and its logits are made whole besides. A head
-sharded otherwise (vocabulary-parallel tensor parallelism), or trained while FSDP2 shards it (its module's hooks,
-which reduce the weight's gradient, do not run when its forward is skipped), keeps the model's own loss;
-:func:`fusable_head` says which.
+tensor parallelism shards over the vocabulary (rows split over a 1-D mesh, no bias) runs the loss
+vocabulary-parallel, as ``loss_parallel`` does for its logits: each rank's chunk of logits covers its rows only.
+A head trained while FSDP2 shards it (its module's hooks, which reduce the weight's gradient, do not run when its
+forward is skipped) or sharded otherwise keeps the model's own loss; :func:`fusable_head` says which.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ from typing import Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from .linear_cross_entropy import linear_cross_entropy, vocab_parallel_linear_cross_entropy
 
 FLAG = "fuse_loss_with_head"
 """The attribute a model sets (False) to say it can fuse its head with its loss; :func:`loss_without_logits` sets it
 True for the duration of a call."""
 TAKEN = "fused_loss_taken"
 """The attribute such a model sets after each call with labels under the flag: whether its head was fused."""
+SEQUENCE_SHARDED_INPUT = "vocab_parallel_input_sharded"
+"""The attribute tensor parallelism sets on a head it shards over the vocabulary: True when the head's input is this
+rank's part of the sequence (sequence parallelism), False when it is the whole sequence."""
 
 
 def fusable_head(head: nn.Module | None) -> bool:
@@ -41,9 +47,27 @@ def fusable_head(head: nn.Module | None) -> bool:
         return False
     if isinstance(head, FSDPModule):
         return not head.weight.requires_grad and _gathers_whole(head)
-    if isinstance(head.weight, DTensor):
+    if isinstance(head.weight, DTensor) and not _vocabulary_parallel(head):
         return False
     return type(head) is nn.Linear or not head.weight.requires_grad
+
+
+def _vocabulary_parallel(head: nn.Linear) -> bool:
+    """Whether tensor parallelism shards ``head`` over the vocabulary alone: rows split over a 1-D mesh, no bias."""
+    weight = head.weight
+    return (isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
+            and head.bias is None and hasattr(head, SEQUENCE_SHARDED_INPUT))
+
+
+def fused_head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor,
+                    num_items_in_batch: int | torch.Tensor | None = None, shift: bool = True) -> torch.Tensor:
+    """The next-token loss of ``head`` (one :func:`fusable_head` allows) over ``hidden``, without logits:
+    vocabulary-parallel for a head tensor parallelism shards, else on the whole weight (:func:`head_weights`)."""
+    if _vocabulary_parallel(head) and not isinstance(head, FSDPModule):
+        return vocab_parallel_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift,
+                                                   getattr(head, SEQUENCE_SHARDED_INPUT))
+    with head_weights(head) as (weight, bias):
+        return linear_cross_entropy(hidden, weight, labels, num_items_in_batch, bias, shift=shift)
 
 
 def _gathers_whole(head: FSDPModule) -> bool:
@@ -87,4 +111,5 @@ def loss_without_logits(model: nn.Module) -> Iterator[list[nn.Module]]:
             setattr(module, FLAG, False)
 
 
-__all__ = ["FLAG", "TAKEN", "fusable_head", "fusing_modules", "head_weights", "loss_without_logits"]
+__all__ = ["FLAG", "SEQUENCE_SHARDED_INPUT", "TAKEN", "fusable_head", "fused_head_loss", "fusing_modules",
+           "head_weights", "loss_without_logits"]

@@ -28,11 +28,17 @@ class LinearCrossEntropy(torch.autograd.Function):
     Per chunk: one buffer receives the logits, becomes their log-softmax (the loss reads the targets' entries),
     then ``softmax - one_hot`` in place. The per-row weight (1/denominator, or 0 for an ignored target) is
     applied to the small operands of the two gradient products rather than to the chunk itself.
+
+    Vocabulary-parallel (``group`` given: tensor parallelism's head, each rank holding the rows from ``vocab_start``
+    of the weight and every token): each chunk's softmax is normalised over all ranks' rows (the rows' maxima and
+    sums of exponentials are reduced over ``group``), the loss is every rank's, and the hidden states' gradient,
+    a partial sum over each rank's rows, is summed over ``group``; the weight's gradient is this rank's rows'.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+                targets: torch.Tensor, denominator: torch.Tensor, group: Any = None,
+                vocab_start: int = 0) -> torch.Tensor:
         device_type = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         # Only the gradients asked for are made: a frozen head (LoRA, a frozen base) needs none for its weight,
@@ -54,23 +60,36 @@ class LinearCrossEntropy(torch.autograd.Function):
             # CPU's row-wise log-softmax may write over its input; elsewhere it gets its own buffer.
             logp_buf = logits_buf if device_type == "cpu" else torch.empty_like(logits_buf)
             row_weight_all = (targets != IGNORE_INDEX).to(torch.float32) / denominator.float()
+            # This rank's rows of the vocabulary (all of them without a group): each target's column in them, and
+            # whether it is here at all
+            local = targets - vocab_start
+            held_all = (local >= 0) & (local < vocab)
             for start in range(0, tokens, chunk):
                 stop = min(start + chunk, tokens)
                 h = hidden[start:stop].to(compute_dtype)
                 row_weight = row_weight_all[start:stop].unsqueeze(1)  # (n, 1)
-                index = targets[start:stop].clamp(min=0).unsqueeze(1)  # ignored rows point anywhere: weight 0
+                # ignored rows, and targets on other ranks' rows, point anywhere: weight 0 / not held
+                index = torch.where(held_all[start:stop], local[start:stop], 0).unsqueeze(1)
                 if compute_dtype == torch.float32:
                     logits = torch.mm(h, w.t(), out=logits_buf[:stop - start])
                 else:
                     logits = logits_buf[:stop - start].copy_(h @ w.t())
                 if b is not None:
                     logits += b
-                logp = torch.log_softmax(logits, 1, out=logp_buf[:stop - start])
-                total -= (logp.gather(1, index) * row_weight).sum()
-                if not need_grad:
-                    continue
-                g = logp.exp_()  # softmax
-                g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))  # - one_hot(target)
+                if group is None:
+                    logp = torch.log_softmax(logits, 1, out=logp_buf[:stop - start])
+                    total -= (logp.gather(1, index) * row_weight).sum()
+                    if not need_grad:
+                        continue
+                    g = logp.exp_()  # softmax
+                    g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))  # - one_hot(target)
+                else:
+                    held = held_all[start:stop].unsqueeze(1)
+                    g, row_loss = _softmax_over_ranks(logits, index, held, group)
+                    total += (row_loss.unsqueeze(1) * row_weight).sum()
+                    if not need_grad:
+                        continue
+                    g.scatter_add_(1, index, -held.to(g.dtype))  # - one_hot(target), on the rank holding it
                 g = g.to(compute_dtype)
                 if grad_hidden is not None:
                     grad_hidden[start:stop] = (g @ w).mul_(row_weight).to(hidden.dtype)
@@ -82,6 +101,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                         grad_weight += (g.t() @ weighted_h).float()
                 if grad_bias is not None:
                     grad_bias += (row_weight.t() @ g.float()).squeeze(0)
+        if group is not None and grad_hidden is not None:  # every rank's rows' share of each token's gradient
+            torch.distributed.all_reduce(grad_hidden, group=group)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                                   grad_bias.to(bias.dtype) if grad_bias is not None else None)
@@ -93,8 +114,24 @@ class LinearCrossEntropy(torch.autograd.Function):
         # The usual upstream gradient is exactly 1 (loss.backward()); on CPU checking costs nothing and saves
         # a pass over the weight-sized gradient.
         if grad_output.device.type == "cpu" and float(grad_output) == 1.0:
-            return (*grads, None, None)
-        return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), None, None)
+            return (*grads, None, None, None, None)
+        return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), None, None, None, None)
+
+
+def _softmax_over_ranks(logits: torch.Tensor, index: torch.Tensor, held: torch.Tensor,
+                        group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of vocabulary-parallel logits (this rank's columns) turned, in place, into their softmax over every
+    rank's columns; and each row's cross-entropy (``index``: the target's column here, where ``held``)."""
+    import torch.distributed as dist
+
+    peak = logits.amax(1, keepdim=True)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    logits.sub_(peak)
+    stats = torch.stack([torch.zeros_like(peak[:, 0]), (logits.gather(1, index) * held).squeeze(1)])
+    stats[0] = logits.exp_().sum(1)
+    dist.all_reduce(stats, group=group)  # (sum of exponentials, target's logit) over every rank's columns
+    logits.div_(stats[0].unsqueeze(1))
+    return logits, stats[0].log() - stats[1]
 
 
 CPU_CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS = 2**23, 2**26
@@ -120,4 +157,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets, denominator)
 
 
-__all__ = ["LinearCrossEntropy", "linear_cross_entropy"]
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: Any, labels: torch.Tensor,
+                                        num_items_in_batch: int | torch.Tensor | None = None, shift: bool = True,
+                                        sequence_sharded: bool = False) -> torch.Tensor:
+    """:func:`linear_cross_entropy` with a head sharded over the vocabulary by tensor parallelism: ``weight`` a
+    DTensor split by rows (``Shard(0)``) over a 1-D mesh, no bias. ``hidden`` is the whole sequence on every rank,
+    or with ``sequence_sharded`` this rank's part of it (sequence parallelism: gathered here, and its gradient
+    handed back as that part). The loss is the whole batch's on every rank; the weight's gradient is this rank's
+    rows' (a DTensor like the weight)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    if sequence_sharded:  # the whole sequence (its gradient, made whole on every rank, is cut back to this part)
+        hidden = DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(
+            mesh, [Replicate()]).to_local()
+    targets = (shift_labels(labels) if shift else labels).reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        denominator = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    else:
+        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight.to_local(), None, targets,
+                                    denominator, mesh.get_group(), int(offset[0]))
+
+
+__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]

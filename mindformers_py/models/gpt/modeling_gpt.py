@@ -37,8 +37,8 @@ from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBloc
 from ...layers.heads import SequenceSummary
 from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
-from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, linear_cross_entropy, shift_labels as next_token_targets
-from ...layers.loss.fused_head import fusable_head, head_weights
+from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
+from ...layers.loss.fused_head import fusable_head, fused_head_loss
 from ...layers.moe.layer import MoE, GroupedExperts, Router, RouterMetrics, router_losses, stat_width
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
 from ..modeling_base import MindFormersPreTrainedModel
@@ -332,9 +332,8 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
         if self._fuses_head_now(labels, predicts_ahead, logits_to_keep):
             # (TrainingArguments.fused_loss: the loss straight from the hidden states, no logits made or returned)
             targets = shifted if shifted is not None else labels
-            with head_weights(self.lm_head) as (weight, bias):  # (a head ZeRO-3 shards: gathered for the loss alone)
-                logits, loss = None, linear_cross_entropy(hidden, weight, targets, num_items_in_batch, bias,
-                                                          shift=shifted is None)
+            logits, loss = None, fused_head_loss(self.lm_head, hidden, targets, num_items_in_batch,
+                                                 shift=shifted is None)
         else:
             logits = self.lm_head(hidden)  # (B, T, V)
         if labels is not None and logits is not None:

@@ -68,6 +68,7 @@ from torch.distributed.tensor.parallel import (
 
 from ...errors import ConfigError, invalid_choice
 from ...layers import RMSNorm
+from ...layers.loss.fused_head import SEQUENCE_SHARDED_INPUT
 from .adapters import adapter_styles
 
 PLAN_STYLES = ("colwise", "colwise_rep", "rowwise", "embedding_rowwise", "colwise_gather_output",
@@ -280,6 +281,9 @@ def apply_tensor_parallel(
                             param.register_hook(functools.partial(_to_placements, placements=param.placements))
                 elif kind == "colwise_gather_output" and not gather_logits:
                     module.register_forward_hook(_full_logits_outside_training)
+                    # (what a fused loss reading the head's weight needs to know of its input: layers/loss/fused_head)
+                    setattr(module, SEQUENCE_SHARDED_INPUT, sequence_parallel and not any(
+                        name.startswith(f"{w}.") for w in _whole_sequence_modules(model)))
     return model
 
 
