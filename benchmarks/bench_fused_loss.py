@@ -12,13 +12,16 @@ and the step's wall time, best of the rounds. The sides:
 * ``ours``: our ``GPTForCausalLM`` loaded from the same folder, its own loss;
 * ``ours_fused``: the same inside ``loss_without_logits`` (what the Trainer does with ``fused_loss=True``).
 
-``--zero3``: ours and ours_fused only, on 2 gloo processes under ZeRO-3 (``data_parallel=2, optimizer_shard=3``),
-each rank taking half the batch; the head, frozen, is a sharded FSDP2 unit of its own, gathered for the fused loss
-alone. The rise is the larger of the two ranks'.
+``--layout zero3`` / ``--layout tp2``: ours and ours_fused only, on 2 gloo processes. ``zero3``
+(``data_parallel=2, optimizer_shard=3``): each rank takes half the batch; the head, frozen, is a sharded FSDP2 unit
+of its own, gathered for the fused loss alone. ``tp2`` (``model_parallel=2, vocab_emb_dp=False``): both ranks take
+the whole batch, the head's vocabulary split between them (the fused loss runs vocabulary-parallel). The rise is the
+larger of the two ranks'.
 
     python benchmarks/bench_fused_loss.py
     python benchmarks/bench_fused_loss.py --batch 8 --seq 512 --rounds 3
-    python benchmarks/bench_fused_loss.py --zero3
+    python benchmarks/bench_fused_loss.py --layout zero3
+    python benchmarks/bench_fused_loss.py --layout tp2
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import tempfile
 from pathlib import Path
 
 SIDES = ("hf", "ours", "ours_fused")
+# --layout: the ParallelConfig of each 2-process comparison
+LAYOUTS = {"zero3": {"parallel_mode": "data_parallel", "data_parallel": 2, "optimizer_shard": 3},
+           "tp2": {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "vocab_emb_dp": False}}
 
 # One side of the comparison, in a fresh interpreter: prints one JSON line.
 _STEP = r"""
@@ -66,8 +72,8 @@ print(json.dumps({"side": side, "loss": loss.item(), "seconds": time.perf_counte
                   "rise": status("VmHWM") - before}))
 """
 
-# The same step under ZeRO-3 on 2 gloo processes (run by torchrun from a file): rank 0 prints one JSON line.
-_ZERO3_STEP = r"""
+# The same step under a 2-process layout (run by torchrun from a file): rank 0 prints one JSON line.
+_LAYOUT_STEP = r"""
 import ctypes, json, os, sys, time
 import torch
 import torch.distributed as dist
@@ -75,7 +81,7 @@ import mindformers_py as mf
 from mindformers_py.engine import build_engine
 from mindformers_py.layers.loss.fused_head import loss_without_logits
 side, folder, batch, seq, train_head = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-parallel = mf.ParallelConfig(parallel_mode="data_parallel", data_parallel=2, optimizer_shard=3)
+parallel = mf.ParallelConfig(**json.loads(sys.argv[6]))
 args = mf.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], bf16=False, parallel_config=parallel)
 engine = build_engine(parallel, args)
 engine.setup()
@@ -94,12 +100,13 @@ ctypes.CDLL("libc.so.6").malloc_trim(0)
 dist.barrier()
 before = status("VmRSS")
 start = time.perf_counter()
-if side == "ours_fused":
-    with loss_without_logits(wrapped):
+with engine.loss_context():  # (tp2's sharded logits: loss_parallel, as the Trainer runs it)
+    if side == "ours_fused":
+        with loss_without_logits(wrapped):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+    else:
         loss = wrapped(input_ids=ids, labels=ids).loss
-else:
-    loss = wrapped(input_ids=ids, labels=ids).loss
-loss.backward()
+    loss.backward()
 seconds = time.perf_counter() - start
 found = [None, None]
 dist.all_gather_object(found, {"loss": loss.item(), "rise": status("VmHWM") - before})
@@ -111,17 +118,17 @@ dist.destroy_process_group()
 
 
 def _run_side(side: str, folder: Path, opts: argparse.Namespace) -> dict:
-    """One side's step in a fresh interpreter (two under torchrun with ``--zero3``): its JSON line."""
+    """One side's step in a fresh interpreter (two under torchrun with ``--layout``): its JSON line."""
     step_args = [side, str(folder), str(opts.batch), str(opts.seq), "1" if opts.train_head else "0"]
-    if opts.zero3:
-        script = folder.parent / "zero3_step.py"
-        script.write_text(_ZERO3_STEP)
+    if opts.layout:
+        script = folder.parent / "layout_step.py"
+        script.write_text(_LAYOUT_STEP)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(script), *step_args]
+                   str(script), *step_args, json.dumps(LAYOUTS[opts.layout])]
     else:
         command = [sys.executable, "-c", _STEP, *step_args]
     out = subprocess.run(command, capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"} if opts.zero3 else None)
+                         env={**os.environ, "OMP_NUM_THREADS": "1"} if opts.layout else None)
     return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
 
 
@@ -144,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--train-head", action="store_true", help="train the head and input embedding too")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=None)
-    parser.add_argument("--zero3", action="store_true", help="ours and ours_fused on 2 processes under ZeRO-3")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help="ours and ours_fused on 2 processes")
     opts = parser.parse_args(argv)
     if opts.sides is None:
-        opts.sides = ["ours", "ours_fused"] if opts.zero3 else list(SIDES)
-    if opts.zero3 and "hf" in opts.sides:
-        parser.error("--zero3 runs our sides only (ours, ours_fused)")
+        opts.sides = ["ours", "ours_fused"] if opts.layout else list(SIDES)
+    if opts.layout and "hf" in opts.sides:
+        parser.error("--layout runs our sides only (ours, ours_fused)")
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen3_vocab"
@@ -162,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 kept = best.setdefault(side, result)
                 kept["seconds"] = min(kept["seconds"], result["seconds"])
                 kept["rise"] = min(kept["rise"], result["rise"])
-    base_name = "ours" if opts.zero3 else "hf"
+    base_name = "ours" if opts.layout else "hf"
     base = best.get(base_name)
-    where = "ZeRO-3 on 2 processes, the larger rank's rise" if opts.zero3 else "one process"
+    where = f"{opts.layout} on 2 processes, the larger rank's rise" if opts.layout else "one process"
     print(f"\n{opts.batch} x {opts.seq} tokens, vocabulary 151,936, fp32, head {'trained' if opts.train_head else 'frozen'}"
           f", {where} (best of {opts.rounds})")
-    against = "ours unfused" if opts.zero3 else "transformers'"
+    against = "ours unfused" if opts.layout else "transformers'"
     print(f"| side | step time | peak RSS rise | rise / {against} | time / {against} |")
     print("| --- | --- | --- | --- | --- |")
     for side, r in best.items():
