@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from contextlib import nullcontext
 from typing import Any, Mapping
 
 import torch
@@ -21,7 +20,6 @@ from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, PredictionOutput, speed_metrics
 
 from ..errors import MindFormersError
-from ..parallel.data import held_frozen
 from ..utils.batch_rows import first_rows
 from .batching import GlobalBatchSampler, build_dataloader, is_stream, map_style_length
 from .fused_loss import FusedCausalLMLoss
@@ -120,16 +118,13 @@ class EvaluationMixin:
         model = self.model_wrapped
         was_training = model.training
         model.eval()
-        # An evaluation-only Trainer under a layout (no train_dataset) also evaluates with its weights frozen: under
-        # ep2 a Qwen3-MoE slice's trainable weights held 6.4 GiB a rank through a no-grad evaluation, frozen 3.5 GiB
-        frozen = held_frozen(self.model) if self._evaluation_only else nullcontext()
         start = time.time()
         loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
         items = 0
         predictions: Any = None
         label_ids: Any = None
         try:
-            with torch.no_grad(), frozen:
+            with torch.no_grad():
                 # A rank without a share of the last batch runs its padding row (for the layout's collectives) and
                 # keeps nothing of it: the loss, the counts and the gathered predictions are of the real rows only.
                 for batch, real in zip(loader, sampler.real_rows()):

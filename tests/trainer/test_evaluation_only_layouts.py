@@ -1,15 +1,12 @@
 """A Trainer made without a train_dataset under a multi-process layout prepares its model for evaluation only, as
 transformers wraps a model for training only: data parallelism's replicate manages none of its weights (it would hold
 a second whole copy of each: a Qwen3-MoE slice's evaluation under ep2 peaked at 10.5 GiB a rank, 3.5 GiB without);
-the evaluation equals stand-alone's and runs with the weights frozen (trainable, the slice's ep2 evaluation held 6.4
-GiB a rank); the weights keep their ``requires_grad`` afterwards; and ``train()`` is refused in one line if a
-train_dataset is set afterwards. On 2 gloo processes, under dp2, ep2 (an MoE) and ZeRO-3."""
+the evaluation equals stand-alone's; the weights keep their ``requires_grad``; and ``train()`` is refused in one line
+if a train_dataset is set afterwards. On 2 gloo processes, under dp2, ep2 (an MoE) and ZeRO-3."""
 
 from __future__ import annotations
 
 import pytest
-
-from transformers import TrainerCallback
 
 import mindformers_py as mf
 from mindformers_py.errors import MindFormersError
@@ -23,21 +20,11 @@ LAYOUTS = {
 }
 
 
-class TrainableSeen(TrainerCallback):
-    """Whether any weight of the model required a gradient at each prediction step."""
-
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
-
-    def on_prediction_step(self, args, state, control, model=None, **kwargs):
-        self.seen.append(any(p.requires_grad for p in model.parameters()))
-
-
 def _evaluate(head: str, folder: str, parallel: dict | None) -> tuple[mf.Trainer, float]:
     args = mf.TrainingArguments(output_dir=folder, use_cpu=True, report_to="none", bf16=False,
                                 per_device_eval_batch_size=2,
                                 **({"parallel_config": mf.ParallelConfig(**parallel)} if parallel else {}))
-    trainer = mf.Trainer(model=make_model(head), args=args, eval_dataset=make_data(head), callbacks=[TrainableSeen()])
+    trainer = mf.Trainer(model=make_model(head), args=args, eval_dataset=make_data(head))
     return trainer, trainer.evaluate()["eval_loss"]
 
 
@@ -52,8 +39,7 @@ def _job(rank: int, world: int, folder: str) -> dict:
             refusal = None
         except MindFormersError as err:
             refusal = str(err)
-        seen = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainableSeen)).seen
-        out[name] = {"loss": loss, "managed": _fsdp_managed(trainer.model), "frozen_while_evaluating": not any(seen),
+        out[name] = {"loss": loss, "managed": _fsdp_managed(trainer.model),
                      "trainable": all(p.requires_grad for _, p in params), "refusal": refusal}
     return out
 
@@ -80,6 +66,6 @@ def test_evaluation_only_trainer_keeps_weights_out_of_replicate_and_refuses_trai
     assert got["loss"] == pytest.approx(_evaluate(head, str(tmp_path), None)[1], rel=1e-5)
     # replicate (dp2; ep2's dense part and experts) manages none (it held 21 and 23 before); ZeRO-3 keeps its shards
     assert (got["managed"] > 0) == (name == "zero3")
-    assert got["frozen_while_evaluating"] and got["trainable"]  # frozen through the evaluation, trainable after
+    assert got["trainable"]  # frozen only while the layout wrapped them
     assert got["refusal"] is not None and "made without a train_dataset" in got["refusal"] \
         and "make a Trainer with train_dataset=" in got["refusal"]
