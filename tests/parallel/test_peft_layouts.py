@@ -6,7 +6,9 @@ compared with stand-alone's (fp32; the LoRA matrices start random so both A and 
 Qwen3-MoE whose experts' projections ``target_modules`` names (peft's LoRA on the stacked expert weights) under dp2,
 ZeRO-3, ep2, ep2 with ZeRO-3, tp2 and pp2 (dp2 x tp2 x ep2 runs in test_moe_parallel.py's 4-process job); the same
 for the whole DeepSeek-V3 shape with multi-token prediction, LoRA on its latent attention's projections, the MTP
-module's ``eh_proj`` and the experts', under dp2 x ep2 and tp2; then the LoRA
+module's ``eh_proj`` and the experts', under dp2 x ep2 and tp2; the output head fused with the loss
+(``fused_loss``) under ep2, dp2, ZeRO-2/3 and tp2 over the vocabulary, or declined, with the unfused stand-alone
+gradients; then the LoRA
 recipe (``tasks/gpt/finetune_lora.yaml`` at test size, by the recipe runner the CLI calls) under dp2 with ZeRO-3,
 tp2 and pp2 (GPT-2 flavour, biases and a tied head), whose per-step losses must be stand-alone's (run through the CLI); and a ZeRO-3 run's adapter and
 checkpoint, which a stand-alone run loads and resumes.
