@@ -7,7 +7,7 @@ family's causal LM) called with labels computes its next-token loss with
 whole, this works where a loss computed from outside the model cannot: under FSDP2 / replicate, whose hooks live on
 the modules they wrap, and on every data-, expert- and context-parallel rank.
 
-A frozen head that ZeRO-3 shards as an FSDP2 unit of its own is gathered for the loss alone (:func:`head_weights`)
+A frozen head that ZeRO-2/3 shards as an FSDP2 unit of its own is gathered for the loss alone (:func:`head_weights`)
 and sharded again as soon as it returns: the loss makes its gradients in its forward, so backward needs no weight,
 where the unfused head stays gathered from its forward to its backward and its logits are made whole besides. A head
 tensor parallelism shards over the vocabulary (rows split over a 1-D mesh, no bias) runs the loss
