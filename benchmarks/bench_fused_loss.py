@@ -39,11 +39,21 @@ SIDES = ("hf", "ours", "ours_fused")
 LAYOUTS = {"zero3": {"parallel_mode": "data_parallel", "data_parallel": 2, "optimizer_shard": 3},
            "tp2": {"parallel_mode": "semi_auto_parallel", "model_parallel": 2, "vocab_emb_dp": False}}
 
-# One side of the comparison, in a fresh interpreter: prints one JSON line.
+# One side of the comparison, in a fresh interpreter (two under torchrun with a layout, the ParallelConfig's fields
+# as a 6th argument): prints one JSON line (rank 0: the loss of both ranks' batches, the larger rank's rise).
 _STEP = r"""
-import ctypes, json, sys, time
+import contextlib, ctypes, json, sys, time
 import torch
 side, folder, batch, seq, train_head = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+layout = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+if layout:
+    import torch.distributed as dist
+    import mindformers_py as mf
+    from mindformers_py.engine import build_engine
+    parallel = mf.ParallelConfig(**layout)
+    engine = build_engine(parallel, mf.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], bf16=False,
+                                                         parallel_config=parallel))
+    engine.setup()
 torch.manual_seed(0)
 if side == "hf":
     from transformers import Qwen3ForCausalLM
@@ -56,64 +66,32 @@ if not train_head:
     model.get_output_embeddings().weight.requires_grad_(False)
     model.get_input_embeddings().weight.requires_grad_(False)
 ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+wrapped, loss_context = model, contextlib.nullcontext()
+if layout:  # this rank's rows; tp2's sharded logits take loss_parallel, as the Trainer runs them
+    wrapped, loss_context = engine.prepare_model(model), engine.loss_context()
+    ids = ids[engine.shard_indices(range(batch))]
 def status(key):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 ctypes.CDLL("libc.so.6").malloc_trim(0)
+if layout:
+    dist.barrier()
 before = status("VmRSS")
 start = time.perf_counter()
-if side == "ours_fused":
-    from mindformers_py.layers.loss.fused_head import loss_without_logits
-    with loss_without_logits(model):
-        loss = model(input_ids=ids, labels=ids).loss
-else:
-    loss = model(input_ids=ids, labels=ids).loss
-loss.backward()
-print(json.dumps({"side": side, "loss": loss.item(), "seconds": time.perf_counter() - start,
-                  "rise": status("VmHWM") - before}))
-"""
-
-# The same step under a 2-process layout (run by torchrun from a file): rank 0 prints one JSON line.
-_LAYOUT_STEP = r"""
-import ctypes, json, os, sys, time
-import torch
-import torch.distributed as dist
-import mindformers_py as mf
-from mindformers_py.engine import build_engine
-from mindformers_py.layers.loss.fused_head import loss_without_logits
-side, folder, batch, seq, train_head = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-parallel = mf.ParallelConfig(**json.loads(sys.argv[6]))
-args = mf.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], bf16=False, parallel_config=parallel)
-engine = build_engine(parallel, args)
-engine.setup()
-torch.manual_seed(0)
-model = mf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-model.train()
-if not train_head:
-    model.get_output_embeddings().weight.requires_grad_(False)
-    model.get_input_embeddings().weight.requires_grad_(False)
-wrapped = engine.prepare_model(model)
-ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-ids = ids[engine.shard_indices(range(batch))]
-def status(key):
-    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-dist.barrier()
-before = status("VmRSS")
-start = time.perf_counter()
-with engine.loss_context():  # (tp2's sharded logits: loss_parallel, as the Trainer runs it)
+with loss_context:
     if side == "ours_fused":
+        from mindformers_py.layers.loss.fused_head import loss_without_logits
         with loss_without_logits(wrapped):
             loss = wrapped(input_ids=ids, labels=ids).loss
     else:
         loss = wrapped(input_ids=ids, labels=ids).loss
     loss.backward()
-seconds = time.perf_counter() - start
-found = [None, None]
-dist.all_gather_object(found, {"loss": loss.item(), "rise": status("VmHWM") - before})
-if dist.get_rank() == 0:
-    print(json.dumps({"side": side, "loss": sum(f["loss"] for f in found) / 2, "seconds": seconds,
-                      "rise": max(f["rise"] for f in found)}))
-dist.destroy_process_group()
+result = {"side": side, "loss": loss.item(), "seconds": time.perf_counter() - start, "rise": status("VmHWM") - before}
+if layout:
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, result)
+    result = {**result, "loss": sum(f["loss"] for f in found) / len(found), "rise": max(f["rise"] for f in found)}
+if not layout or dist.get_rank() == 0:
+    print(json.dumps(result))
 """
 
 
@@ -121,8 +99,8 @@ def _run_side(side: str, folder: Path, opts: argparse.Namespace) -> dict:
     """One side's step in a fresh interpreter (two under torchrun with ``--layout``): its JSON line."""
     step_args = [side, str(folder), str(opts.batch), str(opts.seq), "1" if opts.train_head else "0"]
     if opts.layout:
-        script = folder.parent / "layout_step.py"
-        script.write_text(_LAYOUT_STEP)
+        script = folder.parent / "step.py"
+        script.write_text(_STEP)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), *step_args, json.dumps(LAYOUTS[opts.layout])]
     else:
