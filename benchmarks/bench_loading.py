@@ -50,6 +50,11 @@ recipe and flags, its LoRA on latent attention's projections (``q_proj``, ``kv_a
     python benchmarks/bench_loading.py --layouts dp2_zero3 # one layout
     python benchmarks/bench_loading.py --checkpoint qwen3_moe_slice   # the expert-heavy checkpoint
     python benchmarks/bench_loading.py --checkpoint deepseek_v3_slice # DeepSeek-V3's architecture
+
+``--layers N`` makes and measures the checkpoint with N layers instead of its own (in
+``runs/bench_loading/<checkpoint>_<N>layers``): how a ratio changes with depth, e.g. ``--checkpoint qwen3_moe_slice
+--layers 8 --skip-load --layouts stand_alone ep2`` (12 GB on disk; the load comparison at 8 layers would need about
+18 GiB for transformers' side).
 """
 
 from __future__ import annotations
@@ -141,14 +146,16 @@ print(json.dumps({"load_s": loaded, "load_peak": loaded_peak, "forward_s": time.
 """
 
 
-def make_checkpoint(folder: Path, name: str = "llama_1b") -> None:
-    """The checkpoint ``name`` (:data:`CHECKPOINTS`) in bf16 shards, written by transformers (once)."""
+def make_checkpoint(folder: Path, name: str = "llama_1b", layers: int | None = None) -> None:
+    """The checkpoint ``name`` (:data:`CHECKPOINTS`) in bf16 shards, written by transformers (once); ``layers``
+    instead of its own number of layers when given."""
     if (folder / "model.safetensors.index.json").is_file():
         return
     import torch
     import transformers
 
     config_class, model_class, fields, shard_size = CHECKPOINTS[name][:4]
+    fields = {**fields, "num_hidden_layers": layers} if layers else fields
     print(f"making the checkpoint in {folder} (once) ...", flush=True)
     config = getattr(transformers, config_class)(**fields, dtype="bfloat16")
     default = torch.get_default_dtype()
@@ -363,11 +370,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: every layout of the checkpoint's recipe")
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-recipe", action="store_true")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the checkpoint with this many layers instead of its own (default folder: "
+                             "runs/bench_loading/<checkpoint>_<N>layers)")
     opts = parser.parse_args(argv)
-    folder = opts.folder or ROOT / "runs" / "bench_loading" / opts.checkpoint
+    if opts.layers is not None and opts.layers < 1:
+        parser.error(f"--layers must be at least 1, got {opts.layers}")
+    default_name = opts.checkpoint + (f"_{opts.layers}layers" if opts.layers else "")
+    folder = opts.folder or ROOT / "runs" / "bench_loading" / default_name
     own = CHECKPOINTS[opts.checkpoint][5]
     layouts = opts.layouts or [name for name in own if own is LAYOUTS or name not in ON_REQUEST]
-    make_checkpoint(folder, opts.checkpoint)
+    make_checkpoint(folder, opts.checkpoint, opts.layers)
     if not opts.skip_load:
         compare_loading(folder, opts.rounds)
     if not opts.skip_recipe:
