@@ -4,6 +4,7 @@ parallel, recompute, dp2×tp2 and HSDP; checkpoints resume across layouts and co
 Multi-head latent attention's gradients under tp2 (with and without sequence parallelism) and context parallelism
 (ring and Ulysses over 2 ranks, hybrid over 4: its values narrower than its keys) equal stand-alone's (its
 replicated latent projections: a gradient summed once too often is a constant factor AdamW's losses would hide).
+``fused_loss``'s vocabulary-parallel head under dp2 x tp2, trained, gives stand-alone's unfused gradients.
 
 Each spawned job runs several layouts one after the other, so the whole file starts only three process groups.
 """
@@ -65,6 +66,16 @@ def training_args(parallel: ParallelConfig, folder: str = "unused", bf16: bool =
 
 def _loss_fn(model, batch, num_items):
     return model(**batch, num_items_in_batch=num_items).loss
+
+
+def _fused_loss_fn(model, batch, num_items):
+    """The loss with the head folded into it (``fused_loss``), which must be taken: no logits."""
+    from mindformers_py.layers.loss.fused_head import loss_without_logits
+
+    with loss_without_logits(model) as heads:
+        output = model(**batch, num_items_in_batch=num_items)
+    assert heads and all(h.fused_loss_taken for h in heads) and output.logits is None
+    return output.loss
 
 
 class Run:
@@ -179,10 +190,14 @@ GRADIENT_LAYOUTS_2 = {
     "cp2_ulysses_mla": ("mla", semi(context_parallel=2, context_parallel_algo="ulysses")),
 }
 GRADIENT_LAYOUTS_4 = {"cp4_hybrid_mla": ("mla", semi(context_parallel=4, context_parallel_algo="hybrid"))}
+# The output head fused with the loss (``fused_loss``), sharded over the vocabulary by tp and trained, under dp2
+FUSED_GRADIENT_LAYOUTS_4 = {"dp2_tp2_vocab_fused": ("llama", semi(data_parallel=2, model_parallel=2,
+                                                                  vocab_emb_dp=False))}
 
 
-def layout_gradients(parallel: ParallelConfig, flavour: str) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient after one forward/backward of the first global batch under ``parallel``."""
+def layout_gradients(parallel: ParallelConfig, flavour: str, fused: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient after one forward/backward of the first global batch under ``parallel``;
+    with ``fused``, the model's head folded into the loss (which must be taken: no logits)."""
     from mindformers_py.engine import build_engine
 
     engine = build_engine(parallel, training_args(parallel)) if parallel.parallel_mode != "stand_alone" else None
@@ -194,10 +209,10 @@ def layout_gradients(parallel: ParallelConfig, flavour: str) -> dict[str, torch.
     batch = global_batches()[0]
     rows = engine.shard_indices(range(GLOBAL_BATCH)) if engine is not None else list(range(GLOBAL_BATCH))
     local = {k: v[rows] for k, v in batch.items()}
-    if parallel.context_parallel > 1:  # each rank its chunks of the sequences, the loss over the whole step's tokens
-        local = engine.shard_batch(local)
+    if parallel.context_parallel > 1 or fused:  # (cp: each rank its chunks) the loss over the whole step's tokens
+        local = engine.shard_batch(local) if parallel.context_parallel > 1 else local
         items = engine.all_reduce_sum(torch.tensor(get_task("causal_lm").count_items(local)))
-        engine.forward_backward(model, [local], items, _loss_fn)
+        engine.forward_backward(model, [local], items, _fused_loss_fn if fused else _loss_fn)
     else:
         model(**local).loss.backward()
     grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
@@ -244,6 +259,11 @@ def test_two_process_layout_gradients_match_stand_alone(two_process_losses, name
 @pytest.mark.parametrize("name", list(GRADIENT_LAYOUTS_4))
 def test_four_process_layout_gradients_match_stand_alone(four_process_results, name):
     _check_gradients(four_process_results, name, GRADIENT_LAYOUTS_4[name][0])
+
+
+@pytest.mark.parametrize("name", list(FUSED_GRADIENT_LAYOUTS_4))
+def test_four_process_fused_head_gradients_match_stand_alone(four_process_results, name):
+    _check_gradients(four_process_results, name, FUSED_GRADIENT_LAYOUTS_4[name][0])
 
 
 def _check_gradients(launch, name, flavour):
@@ -299,6 +319,8 @@ def _four_worker(rank, world_size, layouts, folder, bf16_layouts, gradient_layou
     from mindformers_py.parallel import build_mesh, parallelize
 
     results = _layouts_worker(rank, world_size, layouts, bf16_layouts, gradient_layouts)
+    for name, (flavour, layout) in FUSED_GRADIENT_LAYOUTS_4.items():
+        results[name] = layout_gradients(layout, flavour, fused=True)
     # HSDP: ZeRO-3 sharded within pairs of ranks, replicated across the pairs.
     hsdp = ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_shard=3,
                           optimizer_weight_shard_size=2).resolve(world_size)
