@@ -197,8 +197,8 @@ class PlanReport:
                          f"({self.model.trainable_params / shape.total_params():.3%} of the model); gradients and "
                          "AdamW state for those alone, the frozen base held as usual")
         if self.model.fused_loss:
-            lines.append("fused_loss: one chunk of logits at a time where the head is whole on its rank (or, frozen, "
-                         "gathered by ZeRO-3 for the loss alone)")
+            lines.append("fused_loss: one chunk of logits at a time (of the rank's own vocabulary under vocabulary-"
+                         "parallel tp; a ZeRO-2/3 head only frozen, gathered for the loss alone)")
         cols = ["", "layout", "mem/rank", "compute", "mem-bound", "TP", "EP", "DP", "PP", "bubble", "step",
                 "tokens/s", "MFU"]
         rows = []
