@@ -120,10 +120,8 @@ def _wrapped_name(module: nn.Module) -> str:
 def held_frozen(model: nn.Module) -> Iterator[None]:
     """Within, every parameter of ``model`` is frozen (an evaluation-only model: a layout wrapping it then leaves them
     out of data parallelism's replicated copies, :func:`frozen_params`); afterwards each takes back its
-    ``requires_grad``, found by name (wrapping may replace a parameter: a ZeRO-3
-    shard, an expert-parallel slice)."""
-    trained = {state_name(name) for name, p in model.named_parameters()
-               if p.requires_grad}
+    ``requires_grad``, found by name (wrapping may replace a parameter: a ZeRO-3 shard, an expert-parallel slice)."""
+    trained = {state_name(name) for name, p in model.named_parameters() if p.requires_grad}
     model.requires_grad_(False)
     try:
         yield

@@ -219,7 +219,7 @@ def _train_or_eval(run_mode, recipe, args, model, tokenizer, datasets, task: Tas
     trainer_class = Seq2SeqTrainer if task.name == "seq2seq_lm" else Trainer
     if run_mode == "eval":
         # Nothing is trained, so the model is frozen for good (the Trainer, given no train_dataset, freezes it only
-        # while it wraps and evaluates it: trainable under ep2, a Qwen3-MoE slice's evaluation held 10.5 GiB a rank).
+        # while the layout wraps it: wrapped trainable under ep2, a Qwen3-MoE slice's evaluation held 10.5 GiB a rank).
         model.requires_grad_(False)
     trainer = trainer_class(model=model, args=args, train_dataset=train if run_mode != "eval" else None, eval_dataset=val,
                             processing_class=tokenizer, compute_metrics=compute, data_collator=datasets.collator,

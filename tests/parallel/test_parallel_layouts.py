@@ -20,6 +20,7 @@ import torch
 
 import mindformers_py as mf
 from support.dist_utils import run_workers
+from support.fused_loss import fused_loss
 from mindformers_py.parallel import ParallelConfig, RecomputeConfig
 from mindformers_py.engine import Engine
 from mindformers_py.trainer.arguments import TrainingArguments
@@ -66,16 +67,6 @@ def training_args(parallel: ParallelConfig, folder: str = "unused", bf16: bool =
 
 def _loss_fn(model, batch, num_items):
     return model(**batch, num_items_in_batch=num_items).loss
-
-
-def _fused_loss_fn(model, batch, num_items):
-    """The loss with the head folded into it (``fused_loss``), which must be taken: no logits."""
-    from mindformers_py.layers.loss.fused_head import loss_without_logits
-
-    with loss_without_logits(model) as heads:
-        output = model(**batch, num_items_in_batch=num_items)
-    assert heads and all(h.fused_loss_taken for h in heads) and output.logits is None
-    return output.loss
 
 
 class Run:
@@ -212,7 +203,7 @@ def layout_gradients(parallel: ParallelConfig, flavour: str, fused: bool = False
     if parallel.context_parallel > 1 or fused:  # (cp: each rank its chunks) the loss over the whole step's tokens
         local = engine.shard_batch(local) if parallel.context_parallel > 1 else local
         items = engine.all_reduce_sum(torch.tensor(get_task("causal_lm").count_items(local)))
-        engine.forward_backward(model, [local], items, _fused_loss_fn if fused else _loss_fn)
+        engine.forward_backward(model, [local], items, fused_loss if fused else _loss_fn)
     else:
         model(**local).loss.backward()
     grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()

@@ -24,9 +24,9 @@ import torch
 
 import mindformers_py as mf
 from support.dist_utils import run_workers
+from support.fused_loss import fused_loss
 from mindformers_py.adapters import apply_peft
 from mindformers_py.cli import main
-from mindformers_py.layers.loss.fused_head import loss_without_logits
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
@@ -101,23 +101,14 @@ def _loss(model, inputs, num_items):
     return model(**inputs, num_items_in_batch=num_items).loss
 
 
-def _fused_loss(model, inputs, num_items, taken: bool = True):
-    """The loss with the output head fused into it in the model's forward (``TrainingArguments.fused_loss``): taken
-    (no logits) or, where ``taken`` is False, declined for the model's own loss."""
-    with loss_without_logits(model) as heads:
-        output = model(**inputs, num_items_in_batch=num_items)
-    assert heads and all(h.fused_loss_taken == taken for h in heads) and (output.logits is None) == taken
-    return output.loss
-
-
 def _declined_fused_loss(model, inputs, num_items):
-    return _fused_loss(model, inputs, num_items, taken=False)
+    return fused_loss(model, inputs, num_items, taken=False)
 
 
 def _fused_loss_of_a_sharded_head(model, inputs, num_items):
-    """``_fused_loss`` under ZeRO-2/3, whose frozen head, gathered for the loss alone, is sharded again once the loss
-    returns (the unfused head stays whole from its forward to its backward)."""
-    loss = _fused_loss(model, inputs, num_items)
+    """:func:`fused_loss` under ZeRO-2/3, whose frozen head, gathered for the loss alone, is sharded again once the
+    loss returns (the unfused head stays whole from its forward to its backward)."""
+    loss = fused_loss(model, inputs, num_items)
     from torch.distributed.tensor import DTensor
 
     heads = [m.lm_head for m in model.modules() if hasattr(m, "fused_loss_taken")]
@@ -207,15 +198,15 @@ DEEPSEEK_GRADIENT_LAYOUTS = {
 # (vocabulary-parallel: softmax statistics and the hidden states' gradient summed over the ranks); a trained head
 # ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the model's own loss is taken
 FUSED_GRADIENT_LAYOUTS = {
-    "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, _fused_loss),
-    "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, _fused_loss),
+    "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, fused_loss),
+    "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, fused_loss),
     "zero2_lora": (_dp(optimizer_shard=2), peft_model, _fused_loss_of_a_sharded_head),
     "zero3_lora": (_dp(optimizer_shard=3), peft_model, _fused_loss_of_a_sharded_head),
     "ep2_zero3_recompute_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2_zero3_recompute"], moe_peft_model,
                                      _fused_loss_of_a_sharded_head),
-    "tp2_vocab_lora": (_semi(model_parallel=2, vocab_emb_dp=False), peft_model, _fused_loss),
+    "tp2_vocab_lora": (_semi(model_parallel=2, vocab_emb_dp=False), peft_model, fused_loss),
     "tp2_sp_vocab_full": (_semi(model_parallel=2, vocab_emb_dp=False, use_seq_parallel=True), full_model,
-                          _fused_loss),
+                          fused_loss),
     "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
 }
 RECIPE_LAYOUTS = {
