@@ -83,6 +83,9 @@ LAYOUTS = {
 MOE_LAYOUTS = {
     "stand_alone": [],
     "ep2": ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2"],
+    # the frozen head split by rows over the two ranks too (each reads half of it; the fused loss gathers the tokens)
+    "ep2_head_rows": ["--parallel_mode", "semi_auto_parallel", "--data_parallel", "2", "--expert_parallel", "2",
+                      "--shard_frozen_head", "true"],
     # on request only (--layouts tp2): two processes that shard the dense part too (attention heads, the vocabulary)
     # besides every expert's intermediate width, where ep2 replicates the dense part on both
     "tp2": LAYOUTS["tp2"],

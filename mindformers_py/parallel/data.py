@@ -57,6 +57,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
+from ..layers.loss.fused_head import ROWS_OVER_BATCH
 from ..utils.state_names import state_name
 from .layout import DDP_ZERO1, NONE, REPLICATE, Layout
 from .gloo_collectives import use_in_place_collectives
@@ -135,9 +136,11 @@ def frozen_params(module: nn.Module, param_dtype: torch.dtype | None = None) -> 
     """``module``'s parameters that do not train (``requires_grad`` off: a LoRA run's base weights) and already
     compute in ``param_dtype``: a replicated data-parallel unit leaves them alone. They have no gradient to reduce
     and are the same on every rank, while FSDP2's replicate copies the parameters it manages into a second, whole
-    buffer for every forward and backward, even over one rank: a frozen model would be held twice through each step."""
-    return {p for p in module.parameters()
-            if not p.requires_grad and (param_dtype is None or p.dtype == param_dtype)}
+    buffer for every forward and backward, even over one rank: a frozen model would be held twice through each step.
+    A frozen head split over the data-parallel ranks (:mod:`.frozen_head`) is left alone in any dtype: its rows differ
+    from rank to rank, and it casts them to the compute dtype itself."""
+    return {p for m in module.modules() for p in m.parameters(recurse=False)
+            if not p.requires_grad and (param_dtype is None or p.dtype == param_dtype or getattr(m, ROWS_OVER_BATCH, False))}
 
 
 def apply_data_parallel(

@@ -78,6 +78,9 @@ class Layout:
     """Whether sequence parallelism is applied (``use_seq_parallel`` with ``tp > 1``)."""
     vocab_parallel: bool = False
     """Whether the vocabulary is sharded over the tensor-parallel ranks (``vocab_emb_dp=False`` with ``tp > 1``)."""
+    frozen_head_sharded: bool = False
+    """Whether a frozen output head is split by rows over the ``dp x cp`` ranks (``shard_frozen_head`` with more than
+    one of them)."""
     use_seq_parallel: bool = False
     """What the user asked for sequence parallelism (said in :meth:`describe` when ``tp`` is 1 and it is ignored)."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -118,6 +121,7 @@ class Layout:
             zero_stage=config.optimizer_shard if dp * cp > 1 else 0,
             shard_size=None if size == -1 or size >= dp else size,
             sequence_parallel=config.use_seq_parallel and tp > 1, vocab_parallel=not config.vocab_emb_dp and tp > 1,
+            frozen_head_sharded=config.shard_frozen_head and dp * cp > 1,
             use_seq_parallel=config.use_seq_parallel,
             recompute=config.recompute if recompute is None else recompute)
 
@@ -203,6 +207,8 @@ class Layout:
             parts.append("use_seq_parallel ignored (it splits sequences over model_parallel > 1 ranks)")
         if self.vocab_parallel:
             parts.append("vocabulary sharded")
+        if self.frozen_head_sharded:
+            parts.append(f"frozen head split over {self.dp * self.cp} ranks")
         return ", ".join(parts)
 
     # -- sent to other processes -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 1. tensor parallelism (and sequence / vocabulary parallelism) from the model's declared plans (:mod:`.tensor`);
 2. expert parallelism: MoE experts sharded over the expert (and tensor) parallel ranks, tokens exchanged by
-   all-to-all (:mod:`.expert`);
+   all-to-all (:mod:`.expert`); a frozen output head split by rows over the data-parallel ranks when asked
+   (:mod:`.frozen_head`);
 3. context parallelism: attention over sequences split across ranks (:mod:`.context`);
 4. activation recomputation around whole layers or parts of them (:mod:`.recompute`), which sees the attention
    context parallelism installed;
@@ -29,6 +30,7 @@ from .context.apply import ContextParallel, apply_context_parallel
 from .context.checks import check_compile
 from .data import apply_data_parallel
 from .expert import apply_expert_data_parallel, apply_expert_parallel
+from .frozen_head import shard_frozen_head
 from .mesh import ParallelMesh
 from .recompute import apply_recompute
 from .tensor import apply_tensor_parallel
@@ -73,6 +75,8 @@ def parallelize(
         apply_tensor_parallel(inner, mesh.tp_mesh, sequence_parallel=layout.sequence_parallel,
                               vocab_parallel=layout.vocab_parallel)
     apply_expert_parallel(inner, mesh)
+    if layout.frozen_head_sharded:
+        shard_frozen_head(inner, mesh.batch_mesh)
     context_fn = None
     check_compile(mesh.cp, compile_layers)
     if mesh.cp > 1:

@@ -193,6 +193,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
     select = tuple(recompute.select_recompute) if recompute.recompute == "selective" else ()
     head_fused = fused_loss and shape.head == "lm" and pp == 1 and _head_fusable(pc, dp, vocab_tp,
                                                                                trainable_params is not None)
+    # a frozen head split by rows over the dp x cp ranks (shard_frozen_head: an adapter's run, untied)
+    head_ranks = dp if pc.frozen_head_sharded and trainable_params is not None and not shape.tied_embeddings else 1
     layer_params = shape.layer_params(tp, ep)
     layer_experts = shape.expert_stack_params(tp, ep) / shape.total_layers
 
@@ -204,7 +206,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         params += shape.embedding_params(vocab_tp) if first else 0
         if last:
             tied_single = pp == 1 and shape.tied_embeddings and shape.head != "classifier"
-            params += shape.head_params(vocab_tp) - (shape.vocab * shape.hidden // vocab_tp if tied_single else 0)
+            params += shape.head_params(vocab_tp) // head_ranks \
+                - (shape.vocab * shape.hidden // vocab_tp if tied_single else 0)
             params += shape.mtp_params(tp, ep)
         layer_args = (tokens, tp, pc.sequence_parallel)
         layer_full = _mean_layer_activation_bytes(shape, *layer_args, False, (), act_bytes, attention_scores,
@@ -217,8 +220,10 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
         if last:
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
-            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes, head_fused) \
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes, head_fused, head_ranks) \
                 * (1 + shape.mtp_layers)
+            if head_ranks > 1 and not head_fused:  # the split head's own forward gathers its weight for the call
+                acts += shape.vocab * shape.hidden * param_bytes
             if shape.mtp_layers:  # each module's layer, its input norms and projection (2·hidden in, hidden out)
                 mtp_layer = layer_activation_bytes(shape, tokens, tp, pc.sequence_parallel, False, (), act_bytes,
                                                    attention_scores, seq_length, kind=shape.mtp_layer_kind())
@@ -267,17 +272,21 @@ def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, tokens: int, 
     return max(shape.vocab - tokens, 0) * shape.hidden * param_bytes  # the whole table: no tensor parallelism here
 
 
-def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int, fused: bool = False) -> int:
+def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int, fused: bool = False,
+                           head_ranks: int = 1) -> int:
     """What the last stage keeps for the head: the final norm (its output is the head's input), BERT's dense +
     norm transform, and the fp32 log-softmax over the vocabulary; with the head ``fused`` into the loss, one chunk
-    of fp32 logits and the hidden states' gradient instead (:mod:`~mindformers_py.layers.loss.linear_cross_entropy`)."""
+    of fp32 logits and the hidden states' gradient instead (:mod:`~mindformers_py.layers.loss.linear_cross_entropy`).
+    A fused head split by rows over ``head_ranks`` data-parallel ranks scores every one of those ranks' tokens: their
+    hidden states and those states' gradient, gathered, and a chunk of its rows' columns."""
     norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
     if shape.head == "classifier":
         return norm
     if fused:  # (a vocabulary-parallel rank's chunk spans its own columns)
-        columns = shape.vocab // vocab_tp
-        chunk = min(tokens, max(1, GPU_CHUNK_ELEMENTS // columns))  # (the larger of the kernel's chunks)
-        return norm + chunk * columns * FP32_BYTES + tokens * shape.hidden * act_bytes
+        columns, rows = shape.vocab // (vocab_tp * head_ranks), tokens * head_ranks
+        chunk = min(rows, max(1, GPU_CHUNK_ELEMENTS // columns))  # (the larger of the kernel's chunks)
+        gathered = (2 * rows if head_ranks > 1 else rows) * shape.hidden * act_bytes
+        return norm + chunk * columns * FP32_BYTES + gathered
     transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0
     return norm + transform + tokens * shape.vocab // vocab_tp * FP32_BYTES
 

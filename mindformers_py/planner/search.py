@@ -442,7 +442,9 @@ class _Search:
                 fields: dict[str, Any] = {"micro_batch_num": micro, "pipeline_schedule": schedule,
                                           "virtual_pipeline_stages": vpp, "expert_parallel": ep,
                                           "context_parallel": cp, "context_parallel_algo": algo,
-                                          "ulysses_degree_in_cp": None, **extra}
+                                          "ulysses_degree_in_cp": None, **extra,
+                                          # asked for, a frozen head is split where it can be (no tp, no pp; ZeRO-0)
+                                          "shard_frozen_head": base.shard_frozen_head and tp == 1 and pp == 1}
                 try:
                     layout = base.with_layout(dp, tp, pp, **fields)
                     layout.validate()
@@ -453,7 +455,8 @@ class _Search:
                     continue
                 for zero in zero_levels:
                     for recompute in recomputes:
-                        config = dataclasses.replace(layout, optimizer_shard=zero, recompute=recompute)
+                        config = dataclasses.replace(layout, optimizer_shard=zero, recompute=recompute,
+                                                     shard_frozen_head=layout.shard_frozen_head and zero == 0)
                         out.append(self.estimate(config, batch, int(zero != base.optimizer_shard)
                                                  + int(recompute is not base.recompute)))
         return out, reason

@@ -251,6 +251,12 @@ def test_moe_validate_after_mutation():
      ["expert_parallel=4", "data_parallel=2", "1, 2"]),
     ({"pipeline_stage": 2, "micro_batch_num": 2, "recompute": [1, 1, 1]},
      ["recompute.recompute_num_layers=[1, 1, 1]", "pipeline_stage=2"]),
+    ({"data_parallel": 2, "optimizer_shard": 3, "shard_frozen_head": True},
+     ["shard_frozen_head=True", "optimizer_shard=3", "ZeRO-2/3 shard the head already", "optimizer_shard=0"]),
+    ({"data_parallel": 2, "model_parallel": 2, "shard_frozen_head": "true"},
+     ["shard_frozen_head=True", "model_parallel=2", "vocab_emb_dp=False", "model_parallel=1"]),
+    ({"data_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2, "shard_frozen_head": True},
+     ["shard_frozen_head=True", "pipeline_stage=2", "pipeline_stage=1"]),
 ])
 def test_validate_layout_errors(kw, fragments):
     config_error(lambda: semi(**kw), *fragments)
@@ -439,3 +445,13 @@ def test_optimizer_weight_shard_size_selects_hsdp():
     assert hsdp.shard_size == 2
     with pytest.raises(ConfigError, match="optimizer_weight_shard_size=3 .* 1, 2, 4"):
         ParallelConfig(parallel_mode="data_parallel", data_parallel=4, optimizer_weight_shard_size=3)
+
+
+def test_shard_frozen_head_applies_over_several_data_parallel_ranks_only():
+    """The frozen head is split over data x context parallel ranks when there are several; with one (stand-alone, or
+    a layout of tensor parallelism alone) the field is not applied, and not refused."""
+    split = semi(data_parallel=2, expert_parallel=2, shard_frozen_head=True)
+    assert split.resolve(2).frozen_head_sharded and "frozen head split over 2 ranks" in split.describe()
+    assert not ParallelConfig(data_parallel=2, optimizer_shard=3, shard_frozen_head=True).resolve(1).frozen_head_sharded
+    assert not semi(model_parallel=2, shard_frozen_head=True).resolve(2).frozen_head_sharded
+    config_error(lambda: ParallelConfig(shard_frozen_head="sometimes"), "shard_frozen_head='sometimes'", "true or false")

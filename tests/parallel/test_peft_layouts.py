@@ -27,6 +27,7 @@ from support.dist_utils import run_workers
 from support.fused_loss import fused_loss
 from mindformers_py.adapters import apply_peft
 from mindformers_py.cli import main
+from mindformers_py.layers.loss.fused_head import ROWS_OVER_BATCH
 from mindformers_py.parallel import ParallelConfig
 from mindformers_py.task_registry import get_task
 from mindformers_py.trainer.arguments import TrainingArguments
@@ -117,6 +118,61 @@ def _fused_loss_of_a_sharded_head(model, inputs, num_items):
     return loss
 
 
+def _fused_loss_of_a_row_split_head(model, inputs, num_items):
+    """:func:`fused_loss` with the frozen head split by rows over the data-parallel ranks (``shard_frozen_head``): each
+    rank holds half the rows, and the loss scores both ranks' tokens against them."""
+    _assert_rows_split(model)
+    return fused_loss(model, inputs, num_items)
+
+
+def _unfused_loss_of_a_row_split_head(model, inputs, num_items):
+    """The model's own loss (logits made) with the head split by rows: its forward gathers the weight for the call."""
+    _assert_rows_split(model)
+    output = model(**inputs, num_items_in_batch=num_items)
+    assert output.logits is not None and output.logits.shape[-1] == VOCAB
+    return output.loss
+
+
+def _assert_rows_split(model) -> None:
+    from torch.distributed.tensor import DTensor
+
+    heads = [m.lm_head for m in model.modules() if hasattr(m, "fused_loss_taken")]
+    assert heads and all(getattr(h, ROWS_OVER_BATCH) and isinstance(h.weight, DTensor)
+                         and h.weight.to_local().shape[0] == VOCAB // 2 for h in heads)
+
+
+def token_gathering_case(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rank ``rank``'s tokens for the token-gathering loss: (hidden states, labels, the head, num_items_in_batch),
+    with unequal token counts (10 and 7) and ignored labels on rank 0."""
+    generator = torch.Generator().manual_seed(3)
+    head = torch.randn(VOCAB + 1, 8, generator=generator)  # an odd vocabulary: the ranks hold 33 and 32 rows
+    cases = []
+    for rows, length in ((2, 5), (1, 7)):
+        labels = torch.randint(0, VOCAB + 1, (rows, length), generator=generator)
+        cases.append((torch.randn(rows, length, 8, generator=generator), labels))
+    cases[0][1][0, :3] = -100
+    hidden, labels = cases[rank]
+    return hidden, labels, head, (None if rank == 0 else torch.tensor(11))
+
+
+def token_gathering_loss(rank: int, grad_enabled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, hidden states' gradient of 3x the loss) of rank ``rank``'s tokens through the token-gathering loss over
+    the two ranks, each holding half the head's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mindformers_py.layers.loss.linear_cross_entropy import token_gathering_linear_cross_entropy
+
+    hidden, labels, head, num_items = token_gathering_case(rank)
+    rows = distribute_tensor(head, init_device_mesh("cpu", (2,)), [Shard(0)])
+    hidden.requires_grad_(grad_enabled)
+    with torch.set_grad_enabled(grad_enabled):
+        loss = token_gathering_linear_cross_entropy(hidden, rows, labels, num_items)
+    if grad_enabled:
+        (3 * loss).backward()
+    return loss.detach(), hidden.grad
+
+
 def full_model() -> torch.nn.Module:
     """:func:`peft_model`'s base, every weight trained (its untied head too)."""
     torch.manual_seed(0)
@@ -140,8 +196,11 @@ def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = F
     model = build()
     wrapped = engine.prepare_model(model)
     if engine.layout.data_parallel_engine == "replicate" and engine.layout.ep == 1:
-        # the frozen base stays out of FSDP2's replicate, which would copy it whole into every step
-        managed = [name for name, p in model.named_parameters() if not p.requires_grad and hasattr(p, "placements")]
+        # the frozen base stays out of FSDP2's replicate, which would copy it whole into every step (a head split
+        # over the ranks is a DTensor of its own)
+        managed = [f"{owner}.{name}" for owner, module in model.named_modules() if not getattr(module, ROWS_OVER_BATCH, 0)
+                   for name, p in module.named_parameters(recurse=False)
+                   if not p.requires_grad and hasattr(p, "placements")]
         assert managed == [], f"frozen weights managed by replicate: {managed[:3]}"
     local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
     micro = [{k: v[i::2] for k, v in local.items()} for i in range(2)]
@@ -196,7 +255,9 @@ DEEPSEEK_GRADIENT_LAYOUTS = {
 # (LoRA) under ep2 and under dp2, and under ZeRO-2/3 (its own FSDP2 unit, gathered for the loss alone; ZeRO-3 also
 # with ep2 and recompute); a head tp2 shards over the vocabulary, frozen (LoRA) or trained and with sequence parallelism
 # (vocabulary-parallel: softmax statistics and the hidden states' gradient summed over the ranks); a trained head
-# ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the model's own loss is taken
+# ZeRO-3 shards declines (its hooks that reduce the gradient would not run) and the model's own loss is taken; a frozen
+# head split by rows over the data-parallel ranks (shard_frozen_head) under ep2 and dp2, fused (every rank's tokens
+# against each rank's rows) and unfused (its forward gathers the weight)
 FUSED_GRADIENT_LAYOUTS = {
     "ep2_lora_moe": (EXPERT_GRADIENT_LAYOUTS["ep2"], moe_peft_model, fused_loss),
     "dp2_lora": (GRADIENT_LAYOUTS["dp2"], peft_model, fused_loss),
@@ -208,6 +269,10 @@ FUSED_GRADIENT_LAYOUTS = {
     "tp2_sp_vocab_full": (_semi(model_parallel=2, vocab_emb_dp=False, use_seq_parallel=True), full_model,
                           fused_loss),
     "zero3_full_declines": (_dp(optimizer_shard=3), full_model, _declined_fused_loss),
+    "ep2_head_rows_lora_moe": (_semi(data_parallel=2, expert_parallel=2, shard_frozen_head=True), moe_peft_model,
+                               _fused_loss_of_a_row_split_head),
+    "dp2_head_rows_lora": (_dp(shard_frozen_head=True), peft_model, _fused_loss_of_a_row_split_head),
+    "dp2_head_rows_lora_unfused": (_dp(shard_frozen_head=True), peft_model, _unfused_loss_of_a_row_split_head),
 }
 RECIPE_LAYOUTS = {
     "zero3": ["--parallel_mode", "data_parallel", "--data_parallel", "2", "--optimizer_shard", "3"],
@@ -272,6 +337,11 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
                  "fused_gradients": {name: adapter_gradients(layout, build, loss=loss)
                                      for name, (layout, build, loss) in FUSED_GRADIENT_LAYOUTS.items()}}
     out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
+    import torch.distributed as dist
+
+    out["token_gathering"] = [None, None]  # every rank's (loss, gradient), no-grad loss
+    dist.all_gather_object(out["token_gathering"], (token_gathering_loss(rank),
+                                                    token_gathering_loss(rank, grad_enabled=False)[0]))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
         per_rank = ["--per_device_train_batch_size", "4"] if "--data_parallel" in flags else []
@@ -343,6 +413,23 @@ def test_fused_head_loss_gives_stand_alones_gradients(job, name):
         assert "lm_head.weight" in expected
     for key, grad in expected.items():
         torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_token_gathering_loss_is_each_ranks_own_with_unequal_tokens(job, rank):
+    """A head split by rows over two ranks holding different numbers of tokens (10 and 7), different denominators
+    and different upstream gradients: each rank's loss and hidden-state gradient are those of its tokens against the
+    whole head, with and without grad mode."""
+    from mindformers_py.layers.loss.linear_cross_entropy import linear_cross_entropy
+
+    hidden, labels, head, num_items = token_gathering_case(rank)
+    hidden.requires_grad_(True)
+    expected = linear_cross_entropy(hidden, head, labels, num_items)
+    (3 * expected).backward()
+    (loss, grad), no_grad_loss = job[1]["token_gathering"][rank]
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(no_grad_loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, hidden.grad, rtol=1e-5, atol=1e-6)
 
 
 BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch

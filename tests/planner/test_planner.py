@@ -334,3 +334,40 @@ def test_fused_loss_counts_one_chunk_of_logits_where_the_head_can_be_fused():
     assert saving(ParallelConfig(**vocab_tp2, data_parallel=2)) > 1.5 * whole_logits / 2
     assert saving(ParallelConfig(**vocab_tp2, data_parallel=2, optimizer_shard=3), trainable=1000) == 0
     assert saving(ParallelConfig(parallel_mode="semi_auto_parallel", pipeline_stage=2, micro_batch_num=2)) == 0
+
+
+def test_a_frozen_head_split_over_data_parallel_ranks_counts_its_rows_and_the_gathered_tokens():
+    """``shard_frozen_head`` in an adapter's run: each of the dp ranks holds 1/dp of the head's rows; fused, it keeps
+    every rank's hidden states and their gradient instead of its own (a chunk of its own columns); unfused, its
+    forward gathers the whole weight. A trained head (no adapter) or a tied one is not split."""
+    cfg, batch, seq = tiny("llama", vocab_size=32000, num_key_value_heads=2), 4, 256
+    dp2 = dict(parallel_mode="data_parallel", data_parallel=2)
+
+    def estimate(shard: bool, fused: bool = True, trainable: int | None = 1000, model=cfg) -> int:
+        return estimate_memory(model, ParallelConfig(**dp2, shard_frozen_head=shard), batch, seq, param_bytes=2,
+                               trainable_params=trainable, fused_loss=fused).total
+
+    head, hidden_states = 32000 * 64 * 2, batch * seq * 64 * 4
+    # (within 1%: the adapter's gradient and optimizer state are counted as a share of the parameters held)
+    saved = head // 2 - 3 * hidden_states  # half the rows, less every rank's hidden states and their gradient
+    assert estimate(False) - estimate(True) == pytest.approx(saved, rel=0.01)
+    assert estimate(True, fused=False) - estimate(False, fused=False) == pytest.approx(head // 2, rel=0.01)
+    assert estimate(True, trainable=None) == estimate(False, trainable=None)
+    tied = tiny("llama", vocab_size=32000, num_key_value_heads=2, tie_word_embeddings=True)
+    assert estimate(True, model=tied) == estimate(False, model=tied)
+
+
+def test_the_planner_splits_a_frozen_head_where_the_layout_allows_it():
+    """Asked for with ``auto_parallel``, ``shard_frozen_head`` stays on in the planner's ZeRO-0 layouts without
+    tensor or pipeline parallelism and is dropped from the others rather than ruling them out."""
+    from mindformers_py.planner.search import plan
+
+    base = ParallelConfig(parallel_mode="auto_parallel", shard_frozen_head=True)
+    result = plan(tiny("llama", num_key_value_heads=2), 2, 4, 64, base=base, trainable_params=1000, fused_loss=True,
+                  device=DeviceSpec(memory_bytes=64 * GIB))
+    configs = [candidate.config for candidate in result.candidates]
+    assert {c.model_parallel for c in configs} == {1, 2} and {c.pipeline_stage for c in configs} == {1, 2}
+    for config in configs:
+        allowed = config.model_parallel == 1 and config.pipeline_stage == 1 and config.optimizer_shard == 0
+        assert config.shard_frozen_head == allowed, config.describe()
+    assert any(c.shard_frozen_head for c in configs)

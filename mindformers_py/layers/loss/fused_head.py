@@ -12,7 +12,9 @@ and sharded again as soon as it returns: the loss makes its gradients in its for
 where the unfused head stays gathered from its forward to its backward and its logits are made whole besides. A head
 tensor parallelism shards over the vocabulary (rows split over a 1-D mesh, no bias) runs the loss
 vocabulary-parallel, as ``loss_parallel`` does for its logits: each rank's chunk of logits covers its rows only.
-A head trained while FSDP2 shards it (its module's hooks, which reduce the weight's gradient, do not run when its
+A frozen head split by rows over the data-parallel ranks (``ParallelConfig.shard_frozen_head``) scores every
+rank's tokens against each rank's rows, the hidden states gathered over those ranks. A head trained while FSDP2
+shards it (its module's hooks, which reduce the weight's gradient, do not run when its
 forward is skipped) or sharded otherwise keeps the model's own loss; :func:`fusable_head` says which.
 """
 
@@ -26,7 +28,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from .linear_cross_entropy import linear_cross_entropy, vocab_parallel_linear_cross_entropy
+from .linear_cross_entropy import (linear_cross_entropy, token_gathering_linear_cross_entropy,
+                                   vocab_parallel_linear_cross_entropy)
 
 FLAG = "fuse_loss_with_head"
 """The attribute a model sets (False) to say it can fuse its head with its loss; :func:`loss_without_logits` sets it
@@ -36,6 +39,9 @@ TAKEN = "fused_loss_taken"
 SEQUENCE_SHARDED_INPUT = "vocab_parallel_input_sharded"
 """The attribute tensor parallelism sets on a head it shards over the vocabulary: True when the head's input is this
 rank's part of the sequence (sequence parallelism), False when it is the whole sequence."""
+ROWS_OVER_BATCH = "vocab_rows_over_batch"
+"""The attribute (True) on a frozen head whose rows are split over the data-parallel ranks, which hold different
+tokens (``ParallelConfig.shard_frozen_head``: :func:`mindformers_py.parallel.frozen_head.shard_frozen_head`)."""
 
 
 def fusable_head(head: nn.Module | None) -> bool:
@@ -45,6 +51,8 @@ def fusable_head(head: nn.Module | None) -> bool:
     skipped."""
     if not isinstance(head, nn.Linear):
         return False
+    if _rows_over_batch(head):
+        return not head.weight.requires_grad
     if isinstance(head, FSDPModule):
         return not head.weight.requires_grad and _gathers_whole(head)
     if isinstance(head.weight, DTensor) and not _vocabulary_parallel(head):
@@ -59,10 +67,18 @@ def _vocabulary_parallel(head: nn.Linear) -> bool:
             and head.bias is None and hasattr(head, SEQUENCE_SHARDED_INPUT))
 
 
+def _rows_over_batch(head: nn.Linear) -> bool:
+    """Whether ``head``'s frozen rows are split over the data-parallel ranks (:data:`ROWS_OVER_BATCH`)."""
+    return bool(getattr(head, ROWS_OVER_BATCH, False)) and isinstance(head.weight, DTensor)
+
+
 def fused_head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor,
                     num_items_in_batch: int | torch.Tensor | None = None, shift: bool = True) -> torch.Tensor:
     """The next-token loss of ``head`` (one :func:`fusable_head` allows) over ``hidden``, without logits:
-    vocabulary-parallel for a head tensor parallelism shards, else on the whole weight (:func:`head_weights`)."""
+    vocabulary-parallel for a head tensor parallelism shards, every data-parallel rank's tokens against each rank's
+    rows for a head split over them, else on the whole weight (:func:`head_weights`)."""
+    if _rows_over_batch(head):
+        return token_gathering_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift)
     if _vocabulary_parallel(head) and not isinstance(head, FSDPModule):
         return vocab_parallel_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift,
                                                    getattr(head, SEQUENCE_SHARDED_INPUT))
@@ -111,5 +127,5 @@ def loss_without_logits(model: nn.Module) -> Iterator[list[nn.Module]]:
             setattr(module, FLAG, False)
 
 
-__all__ = ["FLAG", "SEQUENCE_SHARDED_INPUT", "TAKEN", "fusable_head", "fused_head_loss", "fusing_modules",
-           "head_weights", "loss_without_logits"]
+__all__ = ["FLAG", "ROWS_OVER_BATCH", "SEQUENCE_SHARDED_INPUT", "TAKEN", "fusable_head", "fused_head_loss",
+           "fusing_modules", "head_weights", "loss_without_logits"]

@@ -33,19 +33,33 @@ class LinearCrossEntropy(torch.autograd.Function):
     of the weight and every token): each chunk's softmax is normalised over all ranks' rows (the rows' maxima and
     sums of exponentials are reduced over ``group``), the loss is every rank's, and the hidden states' gradient,
     a partial sum over each rank's rows, is summed over ``group``; the weight's gradient is this rank's rows'.
+    ``vocab`` is the whole vocabulary, so that every rank walks the tokens in chunks of the same size.
+
+    With ``gather_tokens`` as well (a frozen head sharded over data-parallel ranks, which hold different tokens), each
+    rank's tokens, targets and denominator are first gathered from every rank of ``group``, so that each rank scores
+    every token against its rows; the loss is this rank's tokens' alone and the hidden states' gradient, summed over
+    the ranks, is scattered back (each rank receives its own tokens'). No weight gradient is made in this mode.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, denominator: torch.Tensor, group: Any = None,
-                vocab_start: int = 0) -> torch.Tensor:
+                vocab_start: int = 0, whole_vocab: int = 0, gather_tokens: bool = False) -> torch.Tensor:
         device_type = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         # Only the gradients asked for are made: a frozen head (LoRA, a frozen base) needs none for its weight,
         # which would be a (vocabulary x hidden) fp32 buffer.
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        if gather_tokens and (want_weight or want_bias):
+            raise ValueError("a head sharded over data-parallel ranks (gather_tokens) must be frozen")
         need_grad = want_hidden or want_weight or want_bias
+        own_tokens = hidden.shape[0]
+        own = None  # (first, last) row of this rank's tokens among every rank's, when they are gathered
+        if gather_tokens:
+            hidden, targets, denominator, own = _gather_tokens(hidden, targets, denominator, group)
         tokens, vocab = hidden.shape[0], weight.shape[0]
+        # the chunk follows the largest rank's rows: every rank walks the same chunks (their reductions pair up)
+        columns = max(vocab, -(-whole_vocab // torch.distributed.get_world_size(group))) if group is not None else vocab
         with torch.autocast(device_type, enabled=False):
             w = weight.to(compute_dtype)
             b = bias.float() if bias is not None else None
@@ -55,11 +69,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) \
                 if want_bias and bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            chunk = min(tokens, max(1, _chunk_elements(hidden.device) // vocab))
+            chunk = min(tokens, max(1, _chunk_elements(hidden.device) // columns))
             logits_buf = torch.empty(chunk, vocab, dtype=torch.float32, device=hidden.device)
             # CPU's row-wise log-softmax may write over its input; elsewhere it gets its own buffer.
             logp_buf = logits_buf if device_type == "cpu" else torch.empty_like(logits_buf)
             row_weight_all = (targets != IGNORE_INDEX).to(torch.float32) / denominator.float()
+            # the rows whose loss this rank returns: all, or its own tokens among every rank's
+            loss_weight_all = row_weight_all
+            if own is not None:
+                loss_weight_all = torch.zeros_like(row_weight_all)
+                loss_weight_all[own[0]:own[1]] = row_weight_all[own[0]:own[1]]
             # This rank's rows of the vocabulary (all of them without a group): each target's column in them, and
             # whether it is here at all
             local = targets - vocab_start
@@ -86,7 +105,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 else:
                     held = held_all[start:stop].unsqueeze(1)
                     g, row_loss = _softmax_over_ranks(logits, index, held, group)
-                    total += (row_loss.unsqueeze(1) * row_weight).sum()
+                    total += (row_loss * loss_weight_all[start:stop]).sum()
                     if not need_grad:
                         continue
                     g.scatter_add_(1, index, -held.to(g.dtype))  # - one_hot(target), on the rank holding it
@@ -102,7 +121,10 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if grad_bias is not None:
                     grad_bias += (row_weight.t() @ g.float()).squeeze(0)
         if group is not None and grad_hidden is not None:  # every rank's rows' share of each token's gradient
-            torch.distributed.all_reduce(grad_hidden, group=group)
+            if own is None:
+                torch.distributed.all_reduce(grad_hidden, group=group)
+            else:  # ... summed and handed to the rank whose tokens they are
+                grad_hidden = _scatter_tokens(grad_hidden, group)[:own_tokens]
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                                   grad_bias.to(bias.dtype) if grad_bias is not None else None)
@@ -114,8 +136,43 @@ class LinearCrossEntropy(torch.autograd.Function):
         # The usual upstream gradient is exactly 1 (loss.backward()); on CPU checking costs nothing and saves
         # a pass over the weight-sized gradient.
         if grad_output.device.type == "cpu" and float(grad_output) == 1.0:
-            return (*grads, None, None, None, None)
-        return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), None, None, None, None)
+            return (*grads, *_NO_GRADS)
+        return (*(g * grad_output.to(g.dtype) if g is not None else None for g in grads), *_NO_GRADS)
+
+
+_NO_GRADS = (None,) * 6
+"""The gradients of :meth:`LinearCrossEntropy.forward`'s inputs after ``bias`` (targets, denominator and settings)."""
+
+
+def _gather_tokens(hidden: torch.Tensor, targets: torch.Tensor, denominator: torch.Tensor,
+                   group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """Every rank of ``group``'s tokens (hidden states, targets, and each token's denominator: its rank's), each
+    rank's block padded to the longest with ignored targets; and this rank's (first, last) row among them."""
+    import torch.distributed as dist
+
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts = torch.zeros(ranks, 2, dtype=torch.float64, device=hidden.device)
+    counts[rank] = torch.tensor([hidden.shape[0], float(denominator)], dtype=torch.float64)
+    dist.all_reduce(counts, group=group)  # (tokens, denominator) of every rank
+    longest = int(counts[:, 0].max())
+    mine = torch.cat([targets, targets.new_full((longest - targets.shape[0],), IGNORE_INDEX)])
+    every_target = targets.new_empty(ranks * longest)
+    dist.all_gather(list(every_target.chunk(ranks)), mine, group=group)
+    padded = torch.cat([hidden, hidden.new_zeros(longest - hidden.shape[0], hidden.shape[1])])
+    every_hidden = hidden.new_empty(ranks * longest, hidden.shape[1])
+    dist.all_gather(list(every_hidden.chunk(ranks)), padded, group=group)  # (gloo's list form writes in place)
+    denominators = counts[:, 1].to(torch.float32).repeat_interleave(longest)
+    return every_hidden, every_target, denominators, (rank * longest, rank * longest + hidden.shape[0])
+
+
+def _scatter_tokens(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's partial gradients of every rank's (padded) tokens, summed; this rank's block of the sum."""
+    import torch.distributed as dist
+
+    blocks = list(grad.chunk(dist.get_world_size(group)))
+    out = torch.empty_like(blocks[0])
+    dist.reduce_scatter(out, blocks, group=group)
+    return out
 
 
 def _softmax_over_ranks(logits: torch.Tensor, index: torch.Tensor, held: torch.Tensor,
@@ -192,7 +249,24 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: Any, label
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
     hidden, local = _for_grad_mode(hidden, weight.to_local())
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), local, None, targets, denominator,
-                                    mesh.get_group(), int(offset[0]))
+                                    mesh.get_group(), int(offset[0]), weight.shape[0])
 
 
-__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
+def token_gathering_linear_cross_entropy(hidden: torch.Tensor, weight: Any, labels: torch.Tensor,
+                                         num_items_in_batch: int | torch.Tensor | None = None,
+                                         shift: bool = True) -> torch.Tensor:
+    """:func:`linear_cross_entropy` with a frozen head whose rows are sharded over data-parallel ranks (``weight`` a
+    DTensor split by rows over a 1-D mesh of ranks holding different tokens; no bias): every rank's tokens are scored
+    against every rank's rows (``LinearCrossEntropy``'s ``gather_tokens``). The loss is this rank's tokens', as with
+    a whole head; so is the hidden states' gradient."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    targets, denominator = _targets(hidden, labels, num_items_in_batch, shift)
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    hidden, local = _for_grad_mode(hidden, weight.to_local())
+    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), local, None, targets, denominator,
+                                    weight.device_mesh.get_group(), int(offset[0]), weight.shape[0], True)
+
+
+__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "token_gathering_linear_cross_entropy",
+           "vocab_parallel_linear_cross_entropy"]
