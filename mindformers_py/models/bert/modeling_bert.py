@@ -34,7 +34,6 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     ModelOutput,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -50,6 +49,7 @@ from ...layers import (
     causal_lm_loss,
     padding_aware_position_ids,
 )
+from ...layers.heads import kept_positions
 from ...layers.loss import token_cross_entropy
 from ...layers.masks import key_padding_mask
 from ..cache_names import accepts_cache_argument, cache_output, output_cache
@@ -294,7 +294,7 @@ class BertLMHeadModel(_VocabularyHead, BertPreTrainedModel, GenerationMixin):
                          encoder_attention_mask, past_key_values, use_cache, **kwargs)
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
+        hidden = kept_positions(out.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 from transformers import GenerationMixin
@@ -34,7 +33,7 @@ from ...errors import MindFormersError
 from ...generation import FastGenerationMixin
 from ...layers import LearnedPositionEmbedding, RotaryEmbedding, TransformerBlock, build_attention_mask, build_norm, \
     causal_lm_loss
-from ...layers.heads import SequenceSummary
+from ...layers.heads import SequenceSummary, kept_positions
 from ...layers.dropout import Dropout
 from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, choice_cross_entropy, shift_labels as next_token_targets
@@ -327,7 +326,7 @@ class GPTForCausalLM(GPTPreTrainedModel, FastGenerationMixin):
                          token_type_ids=token_type_ids, **kwargs, **({"mtp_inputs": True} if predicts_ahead else {}))
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
+        hidden = kept_positions(out.last_hidden_state, logits_to_keep)
         loss = mtp = mtp_logits = None
         if self._fuses_head_now(labels, predicts_ahead, logits_to_keep):
             # (TrainingArguments.fused_loss: the loss straight from the hidden states, no logits made or returned)

@@ -29,7 +29,6 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -38,6 +37,7 @@ from ...generation import FastGenerationMixin
 from ...layers import Attention, RelativePositionBias, RMSNorm, TransformerBlock, additive_mask, \
     build_attention_mask
 from ...layers.dropout import Dropout
+from ...layers.heads import kept_positions
 from ...layers.masks import key_padding_mask
 from ...layers.loss import IGNORE_INDEX, token_cross_entropy
 from ..cache_names import CACHE_NAMES, accepts_cache_argument, cache_output, output_cache
@@ -376,7 +376,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, FastGenerationMixin):
         )
         if self.lm_head is None:  # a pipeline stage before the last hands its hidden states on
             return out
-        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
+        hidden = kept_positions(out.last_hidden_state, logits_to_keep)
         if self.config.scales_decoder_outputs:  # T5 v1: the tied head sees the output scaled by d_model^-0.5
             hidden = hidden * self.config.hidden_size**-0.5
         logits = self.lm_head(hidden)
