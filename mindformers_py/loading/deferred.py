@@ -307,6 +307,8 @@ def _materialize(model: nn.Module, record: DeferredWeights,
             for module, attr in group[1:]:
                 module._parameters[attr] = first
         pending = [(name, module, attr, module._parameters[attr]) for name, module, attr, _ in pending]
+    # parameters held by several modules (tied weights): each keeps the object it shares
+    shared = {(id(module), attr) for group in holders if len(group) > 1 for module, attr in group} if sharded else set()
     reader, trace = _checkpoint_trace(record, root.config) if record.folder else (None, None)
     tied = root.__dict__.get(TIED_ATTR, {})
     try:
@@ -316,6 +318,8 @@ def _materialize(model: nn.Module, record: DeferredWeights,
                 name = entry[0]
                 if name in record.sources and trace is not None:
                     key = record.sources[name]
+                    if sharded and (id(entry[1]), entry[2]) not in shared and _map_own_rows(entry, trace, key):
+                        continue
                     if sharded and _read_own_rows(entry[3], trace, key):
                         continue
                     if sharded and _read_own_block(entry[3], trace, key):
@@ -367,22 +371,57 @@ def _read_own_rows(param: torch.Tensor, trace: ConversionTrace, key: str) -> boo
     when it is a stored tensor renamed, held in its stored dtype, and this rank's part is a run of whole rows (a
     replica, or a shard along the first dimension: FSDP2's, a column-parallel or vocabulary-parallel weight); returns
     whether it did. No page of the file is mapped and nothing beyond the shard is allocated."""
+    rows = _own_rows(param, trace, key)
+    if rows is None:
+        return False
+    trace.reader.read_rows(trace.sources[key].key, rows[0], param.to_local())
+    return True
+
+
+# Meshes whose DTensor parameters no FSDP2 unit manages (tensor parallelism's; the batch mesh a frozen head is split
+# over, "dp" or "dp_cp"): a parameter there may take a new local tensor. FSDP2 keeps its own references to the shards
+# it manages (its meshes are "dp_shard", "dp_shard_cp", "dp_replicate").
+_UNMANAGED_MESH_DIMS = frozenset({"tp", "dp", "dp_cp"})
+
+
+def _map_own_rows(entry: tuple, trace: ConversionTrace, key: str) -> bool:
+    """Give a frozen DTensor parameter, whose part is a run of whole rows of checkpoint tensor ``key`` (as
+    :func:`_read_own_rows` reads them), a view of those rows in the mapped file as its local tensor; returns whether
+    it did. As a frozen whole table stays a view of the file, nothing is read until touched: the rows of a
+    vocabulary-parallel embedding shard that no step looks up never become resident (a frozen shard read into
+    memory was 0.29 GiB a rank at Qwen3's vocabulary under tp2)."""
+    name, module, attr, param = entry
+    if not isinstance(param, DTensor) or param.requires_grad or \
+            not set(param.device_mesh.mesh_dim_names or ("?",)) <= _UNMANAGED_MESH_DIMS:
+        return False
+    rows = _own_rows(param, trace, key)
+    if rows is None:
+        return False
+    start, count = rows
+    view = trace.value(key).narrow(0, start, count)
+    local = DTensor.from_local(view, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                               stride=param.stride())
+    module._parameters[attr] = nn.Parameter(local, requires_grad=False)
+    return True
+
+
+def _own_rows(param: torch.Tensor, trace: ConversionTrace, key: str) -> tuple[int, int] | None:
+    """(first row, rows) of the DTensor ``param``'s part of checkpoint tensor ``key``, when ``key`` is a stored
+    tensor renamed, held in its stored dtype on the CPU, and the part is a run of whole rows; else None."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor) or not trace.is_renamed(key) or not all(
             type(p) in (Shard, Replicate) for p in param.placements):
-        return False
+        return None
     local = param.to_local()
-    stored = trace.reader
-    name = trace.sources[key].key
-    if local.dtype != stored.dtype(name) or local.device.type != "cpu" or not local.is_contiguous() or local.dim() == 0:
-        return False
+    if local.dtype != trace.reader.dtype(trace.sources[key].key) or local.device.type != "cpu" or \
+            not local.is_contiguous() or local.dim() == 0:
+        return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if any(o != 0 or n != full for o, n, full in zip(offset[1:], shape[1:], param.shape[1:])):
-        return False
-    stored.read_rows(name, offset[0], local)
-    return True
+        return None
+    return offset[0], shape[0]
 
 
 def _read_assembled(entry: tuple, trace: ConversionTrace, key: str, device: torch.device) -> bool:

@@ -31,11 +31,19 @@ def held_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
     return out, local
 
 
+def mapped_shards(model: torch.nn.Module) -> set[str]:
+    """The DTensor parameters whose local part is a view into a larger storage (the checkpoint file's mapping)
+    rather than a tensor of its own."""
+    return {name.replace(WRAPPER, "") for name, param in model.named_parameters() if isinstance(param, DTensor)
+            and param.to_local().untyped_storage().nbytes() > param.to_local().numel() * param.element_size()}
+
+
 def load_under_layouts(rank: int, world_size: int, source: str, task: str, layouts: dict[str, dict],
                        overrides: dict | None = None) -> dict[str, tuple[dict[str, torch.Tensor], int, bool, set]]:
     """For each named layout: load ``source`` (a checkpoint folder or a preset, seed 0) deferred, let the layout's
-    engine fill its shards; returns (whole weights this rank holds, values it holds itself, whether the model was
-    still all on meta before the engine filled it, the checkpoint tensors whose values this rank read)."""
+    engine fill its shards (``frozen: True`` among a layout's fields: the model frozen first); returns (whole weights
+    this rank holds, values it holds itself, whether the model was still all on meta before the engine filled it, the
+    checkpoint tensors whose values this rank read, the sharded parameters left views of the file's mapping)."""
     from mindformers_py.checkpoint.reader import CheckpointReader
 
     read: set[str] = set()
@@ -69,10 +77,14 @@ def _load_each(source: str, task: str, layouts: dict[str, dict], overrides: dict
     results = {}
     for name, fields in layouts.items():
         read.clear()
+        fields = dict(fields)
+        frozen = fields.pop("frozen", False)  # an adapter's base: nothing trains
         parallel = layout(**fields)
         torch.manual_seed(0)
         with deferred_loading():
             model = auto_class_for(task).from_pretrained(source, **(overrides or {}))
+        if frozen:
+            model.requires_grad_(False)
         all_meta = all(p.is_meta for p in model.parameters())
         args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, use_cpu=True,
                                  parallel_config=parallel, report_to=[], bf16=False)
@@ -85,6 +97,6 @@ def _load_each(source: str, task: str, layouts: dict[str, dict], overrides: dict
             held, count = held_weights(part)
             weights.update(held)
             local += count
-        results[name] = (weights, local, all_meta, set(read))
+        results[name] = (weights, local, all_meta, set(read), mapped_shards(prepared))
         engine.teardown()
     return results

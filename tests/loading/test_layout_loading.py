@@ -66,7 +66,7 @@ def _check(results, source: str, task: str, layouts, overrides=None, sharded=SHA
     total = sum(v.numel() for v in reference.values())
     for name in layouts:
         for rank, per_rank in enumerate(results):
-            weights, local, all_meta, _ = per_rank[name]
+            weights, local, all_meta = per_rank[name][:3]
             assert all_meta, f"{name} rank {rank}: the model was not built on meta"
             assert weights, name
             for key, value in weights.items():
@@ -80,6 +80,24 @@ def test_each_rank_reads_its_shards_of_an_hf_checkpoint_and_holds_the_stand_alon
     folder = _checkpoint(tmp_path, kind)
     layouts = TWO_RANKS if kind == "llama" else {k: TWO_RANKS[k] for k in ("tp2", "tp2_sp", "zero3")}
     _check(run_workers(load_under_layouts, 2, folder, "causal_lm", layouts), folder, "causal_lm", layouts)
+
+
+def test_a_frozen_models_row_shards_stay_views_of_the_mapped_file(tmp_path):
+    """A frozen model (an adapter's base) under tp2 with the vocabulary sharded, and under dp2 with its head split
+    over the ranks (``shard_frozen_head``): each rank's row shards stay views of the checkpoint's mapping, as a whole
+    frozen table does, so the embedding rows no step looks up are never read; the values are stand-alone's. A
+    trained model's shards are read into their own memory."""
+    folder = _checkpoint(tmp_path, "llama")
+    layouts = {"tp2_vocab_frozen": dict(model_parallel=2, vocab_emb_dp=False, frozen=True),
+               "dp2_head_rows_frozen": dict(data_parallel=2, shard_frozen_head=True, frozen=True),
+               "tp2_vocab": dict(model_parallel=2, vocab_emb_dp=False)}
+    results = run_workers(load_under_layouts, 2, folder, "causal_lm", layouts)
+    _check(results, folder, "causal_lm", layouts, sharded={"tp2_vocab_frozen": 0.55, "tp2_vocab": 0.55})
+    for per_rank in results:
+        mapped = per_rank["tp2_vocab_frozen"][4]
+        assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight"} <= mapped
+        assert per_rank["dp2_head_rows_frozen"][4] == {"lm_head.weight"}
+        assert per_rank["tp2_vocab"][4] == set()
 
 
 def test_experts_are_read_by_the_ranks_that_hold_them(tmp_path):
