@@ -415,6 +415,7 @@ def _derived(name: str) -> property:
 
 
 for _name in ("dp", "cp", "tp", "pp", "ep", "vpp", "micro_batches", "cp_ulysses", "cp_ring", "zero_stage", "shard_size",
-              "data_parallel_engine", "sequence_parallel", "vocab_parallel", "frozen_head_sharded", "torch_schedule_name"):
+              "data_parallel_engine", "sequence_parallel", "vocab_parallel", "frozen_head_sharded",
+              "torch_schedule_name"):
     setattr(ParallelConfig, _name, _derived(_name))
 del _name

@@ -139,8 +139,8 @@ def frozen_params(module: nn.Module, param_dtype: torch.dtype | None = None) -> 
     buffer for every forward and backward, even over one rank: a frozen model would be held twice through each step.
     A frozen head split over the data-parallel ranks (:mod:`.frozen_head`) is left alone in any dtype: its rows differ
     from rank to rank, and it casts them to the compute dtype itself."""
-    return {p for m in module.modules() for p in m.parameters(recurse=False)
-            if not p.requires_grad and (param_dtype is None or p.dtype == param_dtype or getattr(m, ROWS_OVER_BATCH, False))}
+    return {p for m in module.modules() for p in m.parameters(recurse=False) if not p.requires_grad
+            and (param_dtype is None or p.dtype == param_dtype or getattr(m, ROWS_OVER_BATCH, False))}
 
 
 def apply_data_parallel(

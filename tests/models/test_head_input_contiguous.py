@@ -19,7 +19,8 @@ def gpt() -> torch.nn.Module:
 
 def t5() -> torch.nn.Module:
     return mf.AutoModelForSeq2SeqLM.from_config(mf.AutoConfig.for_model(
-        "mindformers_t5", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0))
+        "mindformers_t5", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+        decoder_start_token_id=0))
 
 
 def head_inputs(model: torch.nn.Module) -> list[torch.Tensor]:

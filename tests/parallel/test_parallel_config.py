@@ -454,4 +454,5 @@ def test_shard_frozen_head_applies_over_several_data_parallel_ranks_only():
     assert split.resolve(2).frozen_head_sharded and "frozen head split over 2 ranks" in split.describe()
     assert not ParallelConfig(data_parallel=2, optimizer_shard=3, shard_frozen_head=True).resolve(1).frozen_head_sharded
     assert not semi(model_parallel=2, shard_frozen_head=True).resolve(2).frozen_head_sharded
-    config_error(lambda: ParallelConfig(shard_frozen_head="sometimes"), "shard_frozen_head='sometimes'", "true or false")
+    config_error(lambda: ParallelConfig(shard_frozen_head="sometimes"), "shard_frozen_head='sometimes'",
+                 "true or false")

@@ -155,19 +155,26 @@ def token_gathering_case(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return hidden, labels, head, (None if rank == 0 else torch.tensor(11))
 
 
-def token_gathering_loss(rank: int, grad_enabled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_gathering_loss(rank: int, grad_enabled: bool = True, chunk_elements: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, hidden states' gradient of 3x the loss) of rank ``rank``'s tokens through the token-gathering loss over
-    the two ranks, each holding half the head's rows."""
+    the two ranks, each holding half the head's rows; ``chunk_elements``: the kernel's logits per chunk instead of
+    its own (64: one row of 33 columns a chunk, where a rank of 32 rows alone would take two)."""
+    import importlib
+    from unittest import mock
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mindformers_py.layers.loss.linear_cross_entropy import token_gathering_linear_cross_entropy
+    # (the module: the package exports a function of the same name)
+    kernel = importlib.import_module("mindformers_py.layers.loss.linear_cross_entropy")
 
     hidden, labels, head, num_items = token_gathering_case(rank)
     rows = distribute_tensor(head, init_device_mesh("cpu", (2,)), [Shard(0)])
     hidden.requires_grad_(grad_enabled)
-    with torch.set_grad_enabled(grad_enabled):
-        loss = token_gathering_linear_cross_entropy(hidden, rows, labels, num_items)
+    chunks = mock.patch.object(kernel, "CPU_CHUNK_ELEMENTS", chunk_elements or kernel.CPU_CHUNK_ELEMENTS)
+    with torch.set_grad_enabled(grad_enabled), chunks:
+        loss = kernel.token_gathering_linear_cross_entropy(hidden, rows, labels, num_items)
     if grad_enabled:
         (3 * loss).backward()
     return loss.detach(), hidden.grad
@@ -198,8 +205,8 @@ def adapter_gradients(parallel: ParallelConfig, build=peft_model, bf16: bool = F
     if engine.layout.data_parallel_engine == "replicate" and engine.layout.ep == 1:
         # the frozen base stays out of FSDP2's replicate, which would copy it whole into every step (a head split
         # over the ranks is a DTensor of its own)
-        managed = [f"{owner}.{name}" for owner, module in model.named_modules() if not getattr(module, ROWS_OVER_BATCH, 0)
-                   for name, p in module.named_parameters(recurse=False)
+        managed = [f"{owner}.{name}" for owner, module in model.named_modules()
+                   if not getattr(module, ROWS_OVER_BATCH, 0) for name, p in module.named_parameters(recurse=False)
                    if not p.requires_grad and hasattr(p, "placements")]
         assert managed == [], f"frozen weights managed by replicate: {managed[:3]}"
     local = {k: v[engine.shard_indices(range(BATCH))] for k, v in batch().items()}
@@ -339,9 +346,10 @@ def _job(rank: int, world_size: int, inputs: str, work: str) -> dict:
     out["bf16_norm"] = gradient_norm(adapter_gradients(GRADIENT_LAYOUTS[BF16_LAYOUT_NAME], bf16=True))
     import torch.distributed as dist
 
-    out["token_gathering"] = [None, None]  # every rank's (loss, gradient), no-grad loss
+    out["token_gathering"] = [None, None]  # every rank's (loss, gradient), no-grad loss, (loss, gradient) in small chunks
     dist.all_gather_object(out["token_gathering"], (token_gathering_loss(rank),
-                                                    token_gathering_loss(rank, grad_enabled=False)[0]))
+                                                    token_gathering_loss(rank, grad_enabled=False)[0],
+                                                    token_gathering_loss(rank, chunk_elements=64)))
     for name, flags in RECIPE_LAYOUTS.items():
         args = recipe_flags(Path(inputs), Path(work) / name, *flags)
         per_rank = ["--per_device_train_batch_size", "4"] if "--data_parallel" in flags else []
@@ -419,17 +427,19 @@ def test_fused_head_loss_gives_stand_alones_gradients(job, name):
 def test_token_gathering_loss_is_each_ranks_own_with_unequal_tokens(job, rank):
     """A head split by rows over two ranks holding different numbers of tokens (10 and 7), different denominators
     and different upstream gradients: each rank's loss and hidden-state gradient are those of its tokens against the
-    whole head, with and without grad mode."""
+    whole head, with and without grad mode, and in chunks smaller than a rank's rows (the ranks hold 33 and 32: both
+    walk chunks of the larger rank's size, or their reductions would not pair up)."""
     from mindformers_py.layers.loss.linear_cross_entropy import linear_cross_entropy
 
     hidden, labels, head, num_items = token_gathering_case(rank)
     hidden.requires_grad_(True)
     expected = linear_cross_entropy(hidden, head, labels, num_items)
     (3 * expected).backward()
-    (loss, grad), no_grad_loss = job[1]["token_gathering"][rank]
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(no_grad_loss, expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, hidden.grad, rtol=1e-5, atol=1e-6)
+    (loss, grad), no_grad_loss, (chunked_loss, chunked_grad) = job[1]["token_gathering"][rank]
+    for got in (loss, no_grad_loss, chunked_loss):
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+    for got in (grad, chunked_grad):
+        torch.testing.assert_close(got, hidden.grad, rtol=1e-5, atol=1e-6)
 
 
 BF16_LAYOUT_NAME = "zero3"  # once more under bf16 (FSDP2's mixed precision over LoRA layers), in the same launch

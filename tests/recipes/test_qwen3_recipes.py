@@ -1,8 +1,8 @@
 """The Qwen3 recipes through the CLI at test size: the tiny Qwen3-MoE pretraining (tasks/gpt_moe/
 pretrain_qwen3_moe_tiny.yaml) with its per-layer expert loads in the logs and its checkpoint exported as transformers'
 qwen3_moe; and LoRA from a Qwen3-MoE checkpoint folder made by transformers (tasks/gpt/finetune_lora_qwen3.yaml),
-adapting the experts' projections by name, under ep2 too (its frozen head split over the two ranks); and the tiny DeepSeek-V3 pretraining
-(tasks/gpt_moe/pretrain_deepseek_v3_tiny.yaml) with its balancing biases saved and exported."""
+adapting the experts' projections by name, under ep2 too (its frozen head split over the two ranks); and the tiny
+DeepSeek-V3 pretraining (tasks/gpt_moe/pretrain_deepseek_v3_tiny.yaml) with its balancing biases saved and exported."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def test_lora_recipe_from_a_qwen3_moe_folder_adapts_the_experts(files, qwen3_moe
     assert lora(files, qwen3_moe_folder, tmp_path / "ep2", "--per_device_train_batch_size", "2", *EP2,
                 "--shard_frozen_head", "true") == 0
     # the recipe's fused_loss: the frozen head folded into the loss on one process and on each expert-parallel rank
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert err.count("causal-LM loss: fused linear cross-entropy (in the model's forward)") == 2
-    assert "frozen head split over 2 ranks" in err
+    assert "frozen head split over 2 ranks" in out + err  # (the layout line)
     saved = json.loads((tmp_path / "sa" / "adapter_config.json").read_text())
     assert saved["target_parameters"] == ["experts.down_proj", "experts.gate_proj", "experts.up_proj"]
     assert saved["base_model_name_or_path"] == str(qwen3_moe_folder)
