@@ -86,7 +86,8 @@ def test_a_two_process_lora_run_prints_one_set_of_data_bars_and_no_warnings(fork
         out, err = capfd.readouterr()
         printed[name] = (out + err).replace("\r", "\n")
     assert "2 processes (semi_auto_parallel)" in printed["two"] and "compile: off" in printed["two"]
-    bars = {name: re.findall(r"^Map[^\n]*100%", text, re.M) for name, text in printed.items()}
+    # each bar counted once, by its first state (0%): its 100% state is printed once or twice, as time allows
+    bars = {name: re.findall(r"^Map:\s+0%", text, re.M) for name, text in printed.items()}
     assert bars["one"] and len(bars["two"]) == len(bars["one"]), bars
     for text in printed.values():
         assert "FutureWarning" not in text and "Token indices sequence length" not in text, text
