@@ -33,7 +33,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     of the weight and every token): each chunk's softmax is normalised over all ranks' rows (the rows' maxima and
     sums of exponentials are reduced over ``group``), the loss is every rank's, and the hidden states' gradient,
     a partial sum over each rank's rows, is summed over ``group``; the weight's gradient is this rank's rows'.
-    ``vocab`` is the whole vocabulary, so that every rank walks the tokens in chunks of the same size.
+    ``whole_vocab`` is the vocabulary's whole size, so that every rank walks the tokens in chunks of the same size.
 
     With ``gather_tokens`` as well (a frozen head sharded over data-parallel ranks, which hold different tokens), each
     rank's tokens, targets and denominator are first gathered from every rank of ``group``, so that each rank scores
