@@ -390,7 +390,7 @@ def _map_own_rows(entry: tuple, trace: ConversionTrace, key: str) -> bool:
     it did. As a frozen whole table stays a view of the file, nothing is read until touched: the rows of a
     vocabulary-parallel embedding shard that no step looks up never become resident (a frozen shard read into
     memory was 0.29 GiB a rank at Qwen3's vocabulary under tp2)."""
-    name, module, attr, param = entry
+    _, module, attr, param = entry
     if not isinstance(param, DTensor) or param.requires_grad or \
             not set(param.device_mesh.mesh_dim_names or ("?",)) <= _UNMANAGED_MESH_DIMS:
         return False

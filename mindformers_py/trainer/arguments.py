@@ -214,9 +214,10 @@ class TrainingArguments:
     vocabulary) logits or their gradient: a memory saver for large vocabularies, in training and in loss-only
     evaluation. Our models do it in their own forward, under every layout but pipeline stages, wherever their output
     head is an ``nn.Linear``: whole, sharded over the vocabulary by tensor parallelism (a vocabulary-parallel loss)
-    or, frozen, sharded by ZeRO-2/3 (gathered for the loss alone); not one trained under ZeRO-2/3, one sharded over
-    the vocabulary under ZeRO-2/3, nor an adapted one (the log says which it was); another model gets it from outside, stand-alone only, after a check on the first batch that the
-    two losses agree. Off by default: on CPU its step is slower than the model's own loss (1.15x on a 2-layer model
+    or, frozen, sharded by ZeRO-2/3 (gathered for the loss alone) or split over the data-parallel ranks
+    (``ParallelConfig.shard_frozen_head``: every rank's tokens against each rank's rows); not one trained under
+    ZeRO-2/3, one sharded over the vocabulary under ZeRO-2/3, nor an adapted one (the log says which it was); another
+    model gets it from outside, stand-alone only, after a check on the first batch that the two losses agree. Off by default: on CPU its step is slower than the model's own loss (1.15x on a 2-layer model
     at a 152k vocabulary, ``benchmarks/bench_fused_loss.py``, where the loss is most of the step)."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""

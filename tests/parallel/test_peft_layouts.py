@@ -174,7 +174,7 @@ def token_gathering_loss(rank: int, grad_enabled: bool = True, chunk_elements: i
     hidden.requires_grad_(grad_enabled)
     chunks = mock.patch.object(kernel, "CPU_CHUNK_ELEMENTS", chunk_elements or kernel.CPU_CHUNK_ELEMENTS)
     with torch.set_grad_enabled(grad_enabled), chunks:
-        loss = kernel.token_gathering_linear_cross_entropy(hidden, rows, labels, num_items)
+        loss = kernel.vocab_parallel_linear_cross_entropy(hidden, rows, labels, num_items, gather_tokens=True)
     if grad_enabled:
         (3 * loss).backward()
     return loss.detach(), hidden.grad

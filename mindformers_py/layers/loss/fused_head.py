@@ -28,8 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from .linear_cross_entropy import (linear_cross_entropy, token_gathering_linear_cross_entropy,
-                                   vocab_parallel_linear_cross_entropy)
+from .linear_cross_entropy import linear_cross_entropy, vocab_parallel_linear_cross_entropy
 
 FLAG = "fuse_loss_with_head"
 """The attribute a model sets (False) to say it can fuse its head with its loss; :func:`loss_without_logits` sets it
@@ -78,7 +77,8 @@ def fused_head_loss(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor,
     vocabulary-parallel for a head tensor parallelism shards, every data-parallel rank's tokens against each rank's
     rows for a head split over them, else on the whole weight (:func:`head_weights`)."""
     if _rows_over_batch(head):
-        return token_gathering_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift)
+        return vocab_parallel_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift,
+                                                   gather_tokens=True)
     if _vocabulary_parallel(head) and not isinstance(head, FSDPModule):
         return vocab_parallel_linear_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift,
                                                    getattr(head, SEQUENCE_SHARDED_INPUT))

@@ -232,12 +232,15 @@ def _for_grad_mode(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: Any, labels: torch.Tensor,
                                         num_items_in_batch: int | torch.Tensor | None = None, shift: bool = True,
-                                        sequence_sharded: bool = False) -> torch.Tensor:
-    """:func:`linear_cross_entropy` with a head sharded over the vocabulary by tensor parallelism: ``weight`` a
-    DTensor split by rows (``Shard(0)``) over a 1-D mesh, no bias. ``hidden`` is the whole sequence on every rank,
-    or with ``sequence_sharded`` this rank's part of it (sequence parallelism: gathered here, and its gradient
-    handed back as that part). The loss is the whole batch's on every rank; the weight's gradient is this rank's
-    rows' (a DTensor like the weight)."""
+                                        sequence_sharded: bool = False, gather_tokens: bool = False) -> torch.Tensor:
+    """:func:`linear_cross_entropy` with a head sharded over the vocabulary: ``weight`` a DTensor split by rows
+    (``Shard(0)``) over a 1-D mesh, no bias; the weight's gradient is this rank's rows' (a DTensor like the weight).
+
+    Tensor parallelism's head: ``hidden`` is the whole sequence on every rank, or with ``sequence_sharded`` this
+    rank's part of it (sequence parallelism: gathered here, and its gradient handed back as that part); the loss is
+    the whole batch's on every rank. With ``gather_tokens``, a frozen head split over data-parallel ranks, which
+    hold different tokens (``LinearCrossEntropy``'s ``gather_tokens``): every rank's tokens are scored against every
+    rank's rows, and the loss and the hidden states' gradient are this rank's tokens', as with a whole head."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -249,24 +252,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: Any, label
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
     hidden, local = _for_grad_mode(hidden, weight.to_local())
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), local, None, targets, denominator,
-                                    mesh.get_group(), int(offset[0]), weight.shape[0])
+                                    mesh.get_group(), int(offset[0]), weight.shape[0], gather_tokens)
 
 
-def token_gathering_linear_cross_entropy(hidden: torch.Tensor, weight: Any, labels: torch.Tensor,
-                                         num_items_in_batch: int | torch.Tensor | None = None,
-                                         shift: bool = True) -> torch.Tensor:
-    """:func:`linear_cross_entropy` with a frozen head whose rows are sharded over data-parallel ranks (``weight`` a
-    DTensor split by rows over a 1-D mesh of ranks holding different tokens; no bias): every rank's tokens are scored
-    against every rank's rows (``LinearCrossEntropy``'s ``gather_tokens``). The loss is this rank's tokens', as with
-    a whole head; so is the hidden states' gradient."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    targets, denominator = _targets(hidden, labels, num_items_in_batch, shift)
-    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    hidden, local = _for_grad_mode(hidden, weight.to_local())
-    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), local, None, targets, denominator,
-                                    weight.device_mesh.get_group(), int(offset[0]), weight.shape[0], True)
-
-
-__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "token_gathering_linear_cross_entropy",
-           "vocab_parallel_linear_cross_entropy"]
+__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy"]
