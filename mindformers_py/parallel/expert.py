@@ -176,7 +176,7 @@ class _ExpertRouting:
             expert = torch.arange(self.local_experts, device=counts.device).repeat(self.ep)
             order = torch.argsort(expert.repeat_interleave(arriving.reshape(-1)), stable=True)
             self.restore = torch.argsort(order)
-            tokens, counts = rows[order], arriving.sum(0)
+            tokens, counts = rows.index_select(0, order), arriving.sum(0)  # (index_select: see MoE._route)
         if self.tp_group is not None:
             tokens = _ReplicatedInput.apply(tokens, self.tp_group)
         return tokens, counts
@@ -186,7 +186,8 @@ class _ExpertRouting:
             output = _SumPartials.apply(output, self.tp_group)
         if self.ep_group is None:
             return output
-        return funcol.all_to_all_single_autograd(output[self.restore], self.sent, self.received, self.ep_group)
+        return funcol.all_to_all_single_autograd(output.index_select(0, self.restore), self.sent, self.received,
+                                                 self.ep_group)
 
 
 class _ScaledGradient(torch.autograd.Function):

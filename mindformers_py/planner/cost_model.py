@@ -67,14 +67,25 @@ class MemoryEstimate:
                 + self.logits_gradient + self.runtime)
 
 
+# Input-sized tensors an RMSNorm keeps for backward, its output included (which its consumer keeps), on plain
+# tensors and on DTensors: layers.norms' hand-written backward keeps the input alone; a DTensor norm (sequence
+# parallelism's, the per-head norms' under tensor parallelism) runs autograd's ops, which keep the normalised value too.
+_RMS_NORM_KEPT = {False: 2, True: 3}
+
+
+def _norm_kept(shape: ModelShape, sharded: bool) -> int:
+    """Input-sized tensors one of the model's norms keeps, its output included; LayerNorm keeps its input and output."""
+    return _RMS_NORM_KEPT[sharded] if shape.rms_norm else 2
+
+
 def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str | bool = False, select: Sequence[str] = (), act_bytes: int = FP32_BYTES,
                            attention_scores: bool = False, seq: int = 0, kind: str = "dense") -> int:
     """Bytes one transformer layer saves for backward for ``tokens`` tokens (micro-batch x sequence).
 
     Counted op by op for :class:`~mindformers_py.layers.TransformerBlock` (and checked against autograd's saved
-    tensors in the tests): each norm keeps its input, its statistics and its output (RMSNorm also the normalised
-    value before the scale); q/k/v projections share the normed input; rotary keeps only its cos/sin tables (the
+    tensors in the tests): each norm keeps its input, its statistics and its output (an RMSNorm on DTensors, under
+    sequence parallelism, also the normalised value before the scale: :data:`_RMS_NORM_KEPT`); q/k/v projections share the normed input; rotary keeps only its cos/sin tables (the
     rotated q, k need no saved input); SDPA keeps q, the head-expanded k and v, its output (which ``o_proj`` keeps
     as its input too) and the log-sum-exp per head; the MLP its normed input and, per intermediate-size tensor,
     what the activation and the gating product keep. Tensors split by heads or FFN across ``tp`` ranks count 1/tp;
@@ -95,18 +106,20 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     if recompute == "full":
         return hidden * act_bytes
     stats = tokens // h_div * (1 if shape.rms_norm else 2)  # rsqrt, or mean and rstd, per token
-    norm = hidden * (3 if shape.rms_norm else 2) + stats
+    norm = hidden * _norm_kept(shape, sharded=sequence_parallel and tp > 1) + stats
     lse = shape.heads * tokens // tp
     v = shape.v_width * tokens // tp
     core = 2 * q + v + lse  # q, k and v expanded to the query heads, log-sum-exp
     output = v  # SDPA's output, also o_proj's input
-    # Latent attention's latents, whole on every rank: the normed query and key/value latents (input, normalised
-    # value, output) and the shared rope key.
-    latent = (3 * shape.q_lora_rank + 3 * shape.kv_lora_rank + shape.qk_rope_head_dim) * tokens \
+    # Latent attention's latents, whole on every rank (their norms on plain tensors): the normed query and key/value
+    # latents (input, output) and the shared rope key.
+    latent = (2 * shape.q_lora_rank + 2 * shape.kv_lora_rank + shape.qk_rope_head_dim) * tokens \
         if shape.latent_attention else 0
     scores = shape.heads * tokens * seq // tp if attention_scores and seq else 0
-    # per-head RMSNorms of q and k: each keeps its input and normalised value (rotary needs neither) and a statistic
-    qk_norms = 2 * (q + kv) + (shape.heads + shape.kv_heads) * tokens // tp if shape.qk_norm else 0
+    # per-head RMSNorms of q and k: each keeps its input (and on DTensors, under tensor parallelism, its normalised
+    # value; rotary keeps neither) and a statistic
+    qk_norms = (_RMS_NORM_KEPT[tp > 1] - 1) * (q + kv) + (shape.heads + shape.kv_heads) * tokens // tp \
+        if shape.qk_norm else 0
     per_ffn = shape.act_saved + (3 if shape.gated_mlp else 1)
     mlp = per_ffn * ffn
     if kind == "moe":
@@ -220,7 +233,8 @@ def estimate_memory(model_config: Any, parallel_config: ParallelConfig, per_devi
         rematerialised = int(layer_full) if share > 0 and recompute.recompute == "full" else 0
         if last:
             flight = _in_flight(pc.pipeline_schedule, pp, micro, vpp, first=pp == 1)
-            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes, head_fused, head_ranks) \
+            acts += flight * _head_activation_bytes(shape, tokens, vocab_tp, act_bytes, head_fused, head_ranks,
+                                                    pc.sequence_parallel and tp > 1) \
                 * (1 + shape.mtp_layers)
             if head_ranks > 1 and not head_fused:  # the split head's own forward gathers its weight for the call
                 acts += shape.vocab * shape.hidden * param_bytes
@@ -273,13 +287,14 @@ def _unread_embedding_bytes(shape: ModelShape, pc: ParallelConfig, tokens: int, 
 
 
 def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_bytes: int, fused: bool = False,
-                           head_ranks: int = 1) -> int:
+                           head_ranks: int = 1, norm_sharded: bool = False) -> int:
     """What the last stage keeps for the head: the final norm (its output is the head's input), BERT's dense +
     norm transform, and the fp32 log-softmax over the vocabulary; with the head ``fused`` into the loss, one chunk
     of fp32 logits and the hidden states' gradient instead (:mod:`~mindformers_py.layers.loss.linear_cross_entropy`).
     A fused head split by rows over ``head_ranks`` data-parallel ranks scores every one of those ranks' tokens: their
-    hidden states and those states' gradient, gathered, and a chunk of its rows' columns."""
-    norm = (3 if shape.rms_norm else 2) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
+    hidden states and those states' gradient, gathered, and a chunk of its rows' columns. ``norm_sharded``: the final
+    norm runs on DTensors (sequence parallelism)."""
+    norm = _norm_kept(shape, norm_sharded) * shape.hidden * tokens * act_bytes if shape.final_norm else 0
     if shape.head == "classifier":
         return norm
     if fused:  # (a vocabulary-parallel rank's chunk spans its own columns)

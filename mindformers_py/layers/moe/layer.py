@@ -268,7 +268,9 @@ class MoE(nn.Module):
             keep = position < capacity  # each expert's queue, cut at its capacity
             dropped = dropped.index_add(0, token[~keep], torch.ones_like(token[~keep], dtype=torch.float32))
             token, choice, counts = token[keep], choice[keep], counts.clamp(max=capacity)
-        done = self.experts(x[token], counts)  # (rows, H), grouped by expert
+        # index_select, not x[token]: the same rows, but its backward is an index_add, where indexing's is an
+        # accumulating index_put that the CPU runs 5x slower (4.0 against 0.8 ms a layer in the Qwen3-MoE benchmark)
+        done = self.experts(x.index_select(0, token), counts)  # (rows, H), grouped by expert
         mixed = (done.float() * weights[token, choice].unsqueeze(-1)).to(x.dtype)
         return x.new_zeros(x.shape).index_add(0, token, mixed), dropped
 
