@@ -85,6 +85,8 @@ def test_trainer_compiles_each_layer_and_trains_as_eager(tmp_path):
     assert all(layer._compiled_call_impl is not None for layer in layer_modules(compiled.model))
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (eager, compiled)]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(eager.model.parameters(), compiled.model.parameters()))
+    # Eager RMSNorms run their hand-written backward, compiled ones autograd's ops: gradients equal to rounding, which
+    # Adam (lr 1e-2) can turn into 1e-5 where a gradient is tiny; 1e-4 is 1% of one step.
+    assert all(torch.allclose(p, q, atol=1e-4) for p, q in zip(eager.model.parameters(), compiled.model.parameters()))
     metrics = compiled.state.log_history[-1]
     assert metrics["train_first_step_runtime"] > 0
