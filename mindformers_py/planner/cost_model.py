@@ -85,11 +85,12 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
 
     Counted op by op for :class:`~mindformers_py.layers.TransformerBlock` (and checked against autograd's saved
     tensors in the tests): each norm keeps its input, its statistics and its output (an RMSNorm on DTensors, under
-    sequence parallelism, also the normalised value before the scale: :data:`_RMS_NORM_KEPT`); q/k/v projections share the normed input; rotary keeps only its cos/sin tables (the
-    rotated q, k need no saved input); SDPA keeps q, the head-expanded k and v, its output (which ``o_proj`` keeps
-    as its input too) and the log-sum-exp per head; the MLP its normed input and, per intermediate-size tensor,
-    what the activation and the gating product keep. Tensors split by heads or FFN across ``tp`` ranks count 1/tp;
-    hidden-size tensors count 1/tp only with sequence parallelism. ``attention_scores`` adds the softmax
+    sequence parallelism, also the normalised value before the scale: ``_RMS_NORM_KEPT``); q/k/v projections share
+    the normed input; rotary keeps only its cos/sin tables (the rotated q, k need no saved input); SDPA keeps q,
+    the head-expanded k and v, its output (which ``o_proj`` keeps as its input too) and the log-sum-exp per head;
+    the MLP its normed input and, per intermediate-size tensor, what the activation and the gating product keep.
+    Tensors split by heads or FFN across ``tp`` ranks count 1/tp; hidden-size tensors count 1/tp only with sequence
+    parallelism. ``attention_scores`` adds the softmax
     probabilities (``b·heads·s²``) that SDPA's math path keeps (e.g. a CPU run with a padding mask);
     flash/efficient kernels keep none.
 

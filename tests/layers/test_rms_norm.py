@@ -78,8 +78,10 @@ def kept_bytes(norm, x):
     residual stream a block keeps anyway)."""
     kept = {}
 
+    own = {x.untyped_storage().data_ptr(), norm.weight.untyped_storage().data_ptr()}
+
     def pack(t):
-        if t.untyped_storage().data_ptr() not in (x.untyped_storage().data_ptr(), norm.weight.untyped_storage().data_ptr()):
+        if t.untyped_storage().data_ptr() not in own:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
