@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..layers.loss.linear_cross_entropy import GPU_CHUNK_ELEMENTS
+from ..layers.loss.linear_cross_entropy import CHUNK_ELEMENTS
 from ..parallel.config import ParallelConfig
 from ..parallel.layout import FSDP
 from .context_cost import context_buffer_bytes
@@ -300,7 +300,7 @@ def _head_activation_bytes(shape: ModelShape, tokens: int, vocab_tp: int, act_by
         return norm
     if fused:  # (a vocabulary-parallel rank's chunk spans its own columns)
         columns, rows = shape.vocab // (vocab_tp * head_ranks), tokens * head_ranks
-        chunk = min(rows, max(1, GPU_CHUNK_ELEMENTS // columns))  # (the larger of the kernel's chunks)
+        chunk = min(rows, max(1, CHUNK_ELEMENTS // columns))
         gathered = (2 * rows if head_ranks > 1 else rows) * shape.hidden * act_bytes
         return norm + chunk * columns * FP32_BYTES + gathered
     transform = 4 * shape.hidden * tokens * act_bytes if shape.head == "mlm" else 0

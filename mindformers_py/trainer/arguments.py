@@ -217,8 +217,10 @@ class TrainingArguments:
     or, frozen, sharded by ZeRO-2/3 (gathered for the loss alone) or split over the data-parallel ranks
     (``ParallelConfig.shard_frozen_head``: every rank's tokens against each rank's rows); not one trained under
     ZeRO-2/3, one sharded over the vocabulary under ZeRO-2/3, nor an adapted one (the log says which it was); another
-    model gets it from outside, stand-alone only, after a check on the first batch that the two losses agree. Off by default: on CPU its step is slower than the model's own loss (1.15x on a 2-layer model
-    at a 152k vocabulary, ``benchmarks/bench_fused_loss.py``, where the loss is most of the step)."""
+    model gets it from outside, stand-alone only, after a check on the first batch that the two losses agree. Also
+    faster on a CPU at a large vocabulary (0.61x the step of the model's own loss on a 2-layer model at a 152k
+    vocabulary, ``benchmarks/bench_fused_loss.py``). Off by default (transformers' Trainer has no such option): the
+    model then returns no logits."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     cpu_keep_freed_memory: bool = True

@@ -172,7 +172,7 @@ def token_gathering_loss(rank: int, grad_enabled: bool = True, chunk_elements: i
     hidden, labels, head, num_items = token_gathering_case(rank)
     rows = distribute_tensor(head, init_device_mesh("cpu", (2,)), [Shard(0)])
     hidden.requires_grad_(grad_enabled)
-    chunks = mock.patch.object(kernel, "CPU_CHUNK_ELEMENTS", chunk_elements or kernel.CPU_CHUNK_ELEMENTS)
+    chunks = mock.patch.object(kernel, "CHUNK_ELEMENTS", chunk_elements or kernel.CHUNK_ELEMENTS)
     with torch.set_grad_enabled(grad_enabled), chunks:
         loss = kernel.vocab_parallel_linear_cross_entropy(hidden, rows, labels, num_items, gather_tokens=True)
     if grad_enabled:
