@@ -45,7 +45,8 @@ def main() -> None:
     keep_freed_cpu_memory()  # as the Trainer runs on CPU
     print(f"{torch.get_num_threads()} threads, vocabulary {VOCAB}; seconds per forward + backward, best of "
           f"{opts.rounds}; each chunk column: its logits chunk in fp32")
-    header = ["tokens x width, dtype, head"] + [f"2**{e} ({2 ** e * 4 >> 20} MiB)" for e in opts.exponents] + ["unfused"]
+    chunks = [f"2**{e} ({2 ** e * 4 >> 20} MiB)" for e in opts.exponents]
+    header = ["tokens x width, dtype, head", *chunks, "unfused"]
     print(" | ".join(header))
     for tokens, width, dtype, trains in CASES:
         torch.manual_seed(0)

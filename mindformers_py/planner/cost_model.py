@@ -69,7 +69,8 @@ class MemoryEstimate:
 
 # Input-sized tensors an RMSNorm keeps for backward, its output included (which its consumer keeps), on plain
 # tensors and on DTensors: layers.norms' hand-written backward keeps the input alone; a DTensor norm (sequence
-# parallelism's, the per-head norms' under tensor parallelism) runs autograd's ops, which keep the normalised value too.
+# parallelism's, the per-head norms' under tensor parallelism) runs autograd's ops, which keep the normalised
+# value too.
 _RMS_NORM_KEPT = {False: 2, True: 3}
 
 
@@ -90,9 +91,8 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int = 1, sequence
     the head-expanded k and v, its output (which ``o_proj`` keeps as its input too) and the log-sum-exp per head;
     the MLP its normed input and, per intermediate-size tensor, what the activation and the gating product keep.
     Tensors split by heads or FFN across ``tp`` ranks count 1/tp; hidden-size tensors count 1/tp only with sequence
-    parallelism. ``attention_scores`` adds the softmax
-    probabilities (``b·heads·s²``) that SDPA's math path keeps (e.g. a CPU run with a padding mask);
-    flash/efficient kernels keep none.
+    parallelism. ``attention_scores`` adds the softmax probabilities (``b·heads·s²``) that SDPA's math path keeps
+    (e.g. a CPU run with a padding mask); flash/efficient kernels keep none.
 
     ``kind`` (see :meth:`ModelShape.layer_kinds`) is ``"dense"`` or ``"encoder"``, ``"moe"`` (the MLP replaced by a router and ``top_k`` experts per token, which keep
     the routed copies of their inputs and outputs and the router's logits and probabilities) or ``"cross"`` (a
