@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -197,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         if not os.environ.get("LOCAL_RANK"):
             print("error: interrupted (Ctrl-C); every process of the run was stopped (checkpoints already in "
                   "output_dir are complete: resume_from_checkpoint continues from the latest)", file=sys.stderr)
+        else:
+            # A rank gets the interrupt twice: from the terminal, and again from the launcher stopping its workers.
+            # The second one, landing in the process's exit (multiprocessing's finalizers), printed a traceback;
+            # the rank is leaving already, and the launcher can still kill it.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return EXIT_INTERRUPTED
     except Exception as e:
         if not _lost_a_peer(e):
