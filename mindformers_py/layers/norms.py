@@ -10,12 +10,16 @@ from ..errors import check_choice
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row's ``1 / sqrt(mean(x²) + eps)`` of the float32 ``x``, (..., 1)."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, scale_dtype: torch.dtype) -> torch.Tensor:
     """The reference computation (Llama's): statistics in float32, the normalised value cast to ``scale_dtype``
     before the scale."""
     x = hidden.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(scale_dtype)
+    return weight * (x * _inverse_rms(x, eps)).to(scale_dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -28,7 +32,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, eps: float, scale_dtype: torch.dtype) -> torch.Tensor:
         x = hidden.float()
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        inv_rms = _inverse_rms(x, eps)
         ctx.save_for_backward(hidden, weight, inv_rms)
         ctx.eps, ctx.scale_dtype = eps, scale_dtype
         normed = (x * inv_rms).to(scale_dtype)

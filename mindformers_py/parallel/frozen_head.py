@@ -7,9 +7,9 @@ context parallel), each rank reading only its rows from the checkpoint; the head
 (``Shard(0)``) and the head is marked (:data:`~mindformers_py.layers.loss.fused_head.ROWS_OVER_BATCH`).
 
 The fused loss (``TrainingArguments.fused_loss``; :func:`~mindformers_py.layers.loss.linear_cross_entropy.
-vocab_parallel_linear_cross_entropy` with ``gather_tokens``) then scores every rank's tokens against each rank's rows: the hidden states
-are all-gathered over the ranks (ranks x tokens x hidden), each chunk's softmax statistics all-reduced, and the hidden
-states' gradient reduce-scattered back to the rank whose tokens they are. The products are those of a whole head,
+vocab_parallel_linear_cross_entropy` with ``gather_tokens``) then scores every rank's tokens against each rank's
+rows: the hidden states are all-gathered over the ranks (ranks x tokens x hidden), each chunk's softmax statistics
+all-reduced, and the hidden states' gradient reduce-scattered back to the rank whose tokens they are. The products are those of a whole head,
 spread over the ranks; what crosses between them is the tokens' hidden states, not the weight (ZeRO-3 would gather
 the whole head every step). Called any other way (logits for metrics, multi-token prediction's modules), the head
 gathers its weight whole for that call (:class:`RowShardedHead`).
